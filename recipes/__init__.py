@@ -1,0 +1,22 @@
+"""Ordinary Lightning recipes (data modules, models, a classifier) that the DP strategy wraps.
+
+Nothing here knows about differential privacy; the models only respect its constraints
+(no BatchNorm, layers in ``self.net``, mean training loss, map-style train data with ``batch_size``).
+"""
+
+from recipes.classifier import ImageClassifier, build_model
+from recipes.data import DigitsDataModule, MNISTDataModule, TabularDataModule, resolve_mnist_root
+from recipes.models import logistic_regression, mlp, small_cnn_digits, tramer_boneh_cnn
+
+__all__ = [
+    "DigitsDataModule",
+    "ImageClassifier",
+    "MNISTDataModule",
+    "TabularDataModule",
+    "build_model",
+    "logistic_regression",
+    "mlp",
+    "resolve_mnist_root",
+    "small_cnn_digits",
+    "tramer_boneh_cnn",
+]
