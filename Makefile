@@ -1,0 +1,37 @@
+# The two quick-start commands: `make demo` (train DP-SGD on the bundled digits) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export OMP_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+
+.PHONY: install demo test test-fast lint format clean
+
+$(BIN)/lightning-dp: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+install: $(BIN)/lightning-dp
+
+demo: install
+	$(BIN)/lightning-dp fit --config configs/digits_dpsgd.yaml
+
+test: install lint
+	$(BIN)/python -m pytest tests
+
+test-fast: install
+	$(BIN)/python -m pytest tests -m "not slow"
+
+lint: install
+	$(BIN)/ruff check lightning_dp recipes tests bench
+	$(BIN)/ruff format --check lightning_dp recipes tests bench
+	$(BIN)/mypy
+
+format: install
+	$(BIN)/ruff format lightning_dp recipes tests bench
+	$(BIN)/ruff check --fix lightning_dp recipes tests bench
+
+clean:
+	rm -rf $(VENV) lightning_logs runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,34 @@
+"""lightning-dp: differentially private training for any PyTorch Lightning module.
+
+``Trainer(strategy=DPStrategy(target_epsilon=3.0), callbacks=[PrivacyCallback()])`` trains an ordinary
+LightningModule with DP-SGD: Poisson sampling, per-example clipping, calibrated Gaussian noise and a
+privacy ledger that never lets ε pass its target.
+"""
+
+from lightning_dp.callbacks import PrivacyCallback
+from lightning_dp.clipping import FlatClipping
+from lightning_dp.errors import DPConfigurationError
+from lightning_dp.noise import ConstantNoise
+from lightning_dp.sampling import Poisson
+from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
+from lightning_dp.strategy import DPStrategy, EmptyBatch, register
+
+__version__ = "0.1.0"
+
+register()
+
+__all__ = [
+    "Clipping",
+    "ConstantNoise",
+    "DPConfigurationError",
+    "DPStrategy",
+    "EmptyBatch",
+    "FlatClipping",
+    "Noise",
+    "Poisson",
+    "PrivacyCallback",
+    "Sampler",
+    "Step",
+    "StepContext",
+    "__version__",
+]

@@ -1,0 +1,95 @@
+"""PrivacyCallback: ε in every logger and the progress bar, a budget stop, and the privacy report."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only
+
+from lightning_dp.report import privacy_report, write_report
+
+log = logging.getLogger(__name__)
+
+
+def dp_strategy_of(trainer: Trainer) -> Any:
+    """The trainer's DP strategy, or a clear error when the Trainer does not train privately."""
+    from lightning_dp.strategy import DPStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, DPStrategy):
+        raise TypeError(
+            f"PrivacyCallback needs a DP strategy (Trainer(strategy=DPStrategy(...)) or strategy='dp'), "
+            f"got {type(strategy).__name__}."
+        )
+    return strategy
+
+
+class PrivacyCallback(Callback):
+    """Logs ``dp/*`` metrics, stops before the step that would exceed the budget, writes the report.
+
+    Args:
+        log_every_n_steps: how often to log (ε is cheap to read; the progress bar always shows it).
+        report: write ``privacy_report.json`` and ``privacy_curve.png`` into the trainer's log directory.
+    """
+
+    def __init__(self, log_every_n_steps: int = 1, report: bool = True) -> None:
+        self.log_every_n_steps = max(1, log_every_n_steps)
+        self.report = report
+        self.report_path: str | None = None
+        self.test_metrics: dict[str, float] = {}
+        self.stopped_on_budget = False
+
+    def metrics(self, trainer: Trainer) -> dict[str, float]:
+        engine = dp_strategy_of(trainer).engine
+        sigma = engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else float("nan")
+        return {
+            "dp/epsilon": float(engine.ledger.epsilon()),
+            "dp/delta": float(engine.delta),
+            "dp/noise_multiplier": float(sigma),
+            "dp/sample_rate": float(engine.sampler.sample_rate),
+            "dp/steps": float(engine.steps),
+        }
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        engine = dp_strategy_of(trainer).engine
+        if engine.steps % self.log_every_n_steps == 0 or engine.steps == 1:
+            for name, value in self.metrics(trainer).items():
+                pl_module.log(name, value, prog_bar=name == "dp/epsilon", on_step=True, on_epoch=False)
+        affordable = engine.affordable_steps()
+        if affordable is not None and affordable < 1:
+            if not trainer.should_stop:
+                log.info(
+                    "lightning-dp: privacy budget reached (ε=%.4f of %g) after %d steps; stopping.",
+                    engine.ledger.epsilon(),
+                    engine.target_epsilon,
+                    engine.steps,
+                )
+            trainer.should_stop = True
+            self.stopped_on_budget = True
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._write(trainer)
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.test_metrics = {
+            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test") and v.numel() == 1
+        }
+        if self.report_path is not None:
+            self._write(trainer)
+
+    @rank_zero_only
+    def _write(self, trainer: Trainer) -> None:
+        if not self.report:
+            return
+        strategy = dp_strategy_of(trainer)
+        if strategy.engine.grads is None and strategy.engine.steps == 0:
+            return
+        data = privacy_report(strategy, stopped_on_budget=self.stopped_on_budget, test_metrics=self.test_metrics)
+        directory = trainer.log_dir or trainer.default_root_dir
+        self.report_path = write_report(data, strategy.engine.ledger, os.fspath(directory))
+        log.info("lightning-dp: ε = %.4f (δ = %g); report in %s", data["epsilon"], data["delta"], self.report_path)

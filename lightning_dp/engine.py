@@ -1,0 +1,197 @@
+"""One private step, independent of Lightning: per-example gradients → clip → price → noise → step.
+
+The strategy owns the Lightning wiring; this object owns the privacy-relevant arithmetic and state,
+so the single-device and distributed strategies (and tests) share exactly one implementation.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.accounting import BudgetExceededError, PrivacyLedger
+from lightning_dp.grad_sample import PerSampleGradients
+from lightning_dp.rng import make_generator
+from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
+
+AllReduce = Callable[[list[Tensor]], list[Tensor]]
+
+
+class PrivateStepEngine:
+    """Holds the four slots, the ledger and the noise generator, and runs the private step."""
+
+    def __init__(
+        self,
+        *,
+        sampler: Sampler,
+        clipping: Clipping,
+        noise: Noise,
+        step: Step,
+        max_grad_norm: float,
+        delta: float,
+        target_epsilon: float | None,
+        accountant: str,
+        loss_reduction: str,
+        seed: int | None,
+    ) -> None:
+        self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
+        self.max_grad_norm = max_grad_norm
+        self.delta = delta
+        self.target_epsilon = target_epsilon
+        self.accountant = accountant
+        self.loss_reduction = loss_reduction
+        self.seed = seed
+        self.ledger = PrivacyLedger(delta=delta, accountant=accountant)  # type: ignore[arg-type]
+        self.steps = 0
+        self.grads: PerSampleGradients | None = None
+        self.generator: torch.Generator | None = None
+        self._pending_generator_state: Tensor | None = None
+        self.pending_ctx: StepContext | None = None
+        self.all_reduce: AllReduce | None = None
+        self._checked_consistency = False
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def attach(self, module: nn.Module) -> None:
+        """Install the per-example gradient hooks on ``module`` (idempotent)."""
+        if self.grads is None:
+            self.grads = PerSampleGradients(module, loss_reduction=self.loss_reduction)
+            self.clipping.setup(self.grads.params)
+
+    def detach(self) -> None:
+        if self.grads is not None:
+            self.grads.remove()
+            self.grads = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        assert self.grads is not None, "attach() first"
+        return self.grads.params
+
+    def _noise_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is None or self.generator.device != device:
+            self.generator = make_generator(self.seed, stream="noise", device=device)
+            if self._pending_generator_state is not None:
+                self.generator.set_state(self._pending_generator_state)
+                self._pending_generator_state = None
+        return self.generator
+
+    # -- pricing --------------------------------------------------------------------------------
+    def next_event(self) -> Any:
+        """The ledger event the next step would release."""
+        return self.sampler.event(self.noise.noise_multiplier(self.steps))
+
+    def affordable_steps(self) -> int | None:
+        """How many more steps fit under ``target_epsilon`` (None when there is no target)."""
+        if self.target_epsilon is None:
+            return None
+        return int(self.ledger.affordable_count(self.next_event(), self.target_epsilon))
+
+    # -- the private step ---------------------------------------------------------------------------
+    def privatize(self) -> StepContext:
+        """Replace every ``p.grad`` with the private gradient of the batch just backpropagated."""
+        assert self.grads is not None, "attach() first"
+        if self.pending_ctx is not None:
+            raise RuntimeError(
+                "Two backward passes before one optimizer step: every private step must be one backward "
+                "followed by optimizer.step(). For larger logical batches use max_physical_batch_size, "
+                "not gradient accumulation."
+            )
+        grad_samples, batch = self.grads.collect()
+        params = self.grads.params
+        if batch and not self._checked_consistency:
+            self._check_consistency(params, grad_samples, batch)
+        sigma = self.noise.noise_multiplier(self.steps)
+        event = self.sampler.event(sigma)
+        if self.target_epsilon is not None:
+            try:
+                self.ledger.spend(event, self.target_epsilon)
+            except BudgetExceededError:
+                self.grads.clear()
+                raise
+        else:
+            self.ledger.record(event)
+        device = params[0].device
+        ctx = StepContext(
+            step=self.steps,
+            batch_size=batch,
+            expected_batch_size=self.sampler.expected_batch_size,
+            max_grad_norm=self.max_grad_norm,
+            noise_multiplier=sigma,
+            generator=self._noise_generator(device),
+        )
+        sums = self.clipping.clip_and_sum(grad_samples, ctx)
+        if self.all_reduce is not None:
+            sums = self.all_reduce(sums)
+        std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
+        noisy = self.noise.add_noise(sums, std, ctx.generator)
+        for p, g in zip(params, self.clipping.finalize(noisy, ctx), strict=True):
+            p.grad = g.to(p.dtype)
+        self.grads.clear()
+        self.steps += 1
+        self.pending_ctx = ctx
+        return ctx
+
+    def _check_consistency(self, params: list[nn.Parameter], grad_samples: list[Tensor], batch: int) -> None:
+        """Once: the mean of the per-example gradients must equal the ordinary gradient."""
+        self._checked_consistency = True
+        scale = batch if self.loss_reduction == "mean" else 1
+        worst = 0.0
+        for p, g in zip(params, grad_samples, strict=True):
+            if p.grad is None:
+                continue
+            reference = p.grad.detach().float()
+            mean = g.float().sum(0) / scale
+            scale_norm = max(float(reference.norm()), float(mean.norm()))
+            err = float((mean - reference).norm()) / (scale_norm + 1e-6)
+            if math.isfinite(err):
+                worst = max(worst, err)
+        if worst > 1e-2:
+            warnings.warn(
+                "The per-example gradients do not add up to the ordinary gradient (relative gap "
+                f"{worst:.2g}). Something in the loss does not flow through per-example layer computations "
+                "(a parameter penalty added to the loss, an operation mixing examples, or a loss that is a "
+                "sum while loss_reduction='mean'); that part is dropped from the private step.",
+                stacklevel=2,
+            )
+
+    def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let the step slot move the weights with the private gradient of the pending step."""
+        ctx = self.pending_ctx
+        assert ctx is not None
+        self.pending_ctx = None
+        self.step_slot.step(optimizer, ctx)
+
+    # -- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        slots = {name: {"name": slot.name, "state": slot.state_dict()} for name, slot in self._slots()}
+        return {
+            "version": 1,
+            "steps": self.steps,
+            "ledger": self.ledger.state_dict(),
+            "noise_generator": self.generator.get_state() if self.generator is not None else None,
+            "slots": slots,
+            "max_grad_norm": self.max_grad_norm,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, slot in self._slots():
+            saved = state["slots"][name]
+            if saved["name"] != slot.name:
+                raise ValueError(
+                    f"The checkpoint was trained with {name}={saved['name']}, this run uses {slot.name}: "
+                    "resuming with a different mechanism cannot be priced by the ledger."
+                )
+            slot.load_state_dict(saved["state"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.steps = int(state["steps"])
+        if state.get("noise_generator") is not None:
+            self.generator = None
+            self._pending_generator_state = state["noise_generator"]
+
+    def _slots(self) -> list[tuple[str, Any]]:
+        return list(iter_slots(self.sampler, self.clipping, self.noise, self.step_slot))

@@ -1,0 +1,41 @@
+"""Constant noise multiplier: given directly, or calibrated from a target ε over the planned steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_dp.accounting import calibrate_noise
+from lightning_dp.slots import Noise, Sampler
+
+
+class ConstantNoise(Noise):
+    """The same σ at every step (DP-SGD). ``calibrate`` picks the smallest σ that stays under target."""
+
+    def __init__(self, noise_multiplier: float | None = None) -> None:
+        if noise_multiplier is not None and noise_multiplier < 0:
+            raise ValueError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
+        self.sigma = noise_multiplier
+
+    @property
+    def is_set(self) -> bool:
+        return self.sigma is not None
+
+    def noise_multiplier(self, step: int) -> float:
+        if self.sigma is None:
+            raise RuntimeError("The noise multiplier is not set: give noise_multiplier or target_epsilon.")
+        return self.sigma
+
+    def calibrate(self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str) -> None:
+        self.sigma = calibrate_noise(
+            target_epsilon=target_epsilon,
+            delta=delta,
+            sample_rate=sampler.sample_rate,
+            steps=steps,
+            accountant=accountant,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sigma": self.sigma}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sigma = state.get("sigma", self.sigma)

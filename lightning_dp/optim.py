@@ -1,0 +1,77 @@
+"""A thin optimizer proxy: Lightning steps it like the user's optimizer, the step slot decides the move.
+
+The private gradient is already in ``p.grad`` when the closure returns (the strategy privatises in
+``post_backward``), so every Lightning hook after backward sees only private gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_dp.engine import PrivateStepEngine
+
+
+class DPOptimizer(Optimizer):
+    """Wraps the user's optimizer; ``param_groups``/``state`` are shared, so LR schedulers keep working."""
+
+    def __init__(self, optimizer: Optimizer, engine: PrivateStepEngine) -> None:  # no super().__init__: a proxy
+        self.original_optimizer = optimizer
+        self.engine = engine
+
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.original_optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.original_optimizer.defaults = value
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.original_optimizer.zero_grad(set_to_none)
+        if self.engine.grads is not None:
+            self.engine.grads.clear()
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.engine.pending_ctx is None:
+            # No backward ran (training_step returned None, or the batch was empty): a skipped step
+            # would reveal a data-dependent decision, so release a noise-only step instead.
+            self.zero_grad()
+            self.engine.privatize()
+        self.engine.apply_step(self.original_optimizer)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.original_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.original_optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.original_optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer({self.original_optimizer!r})"

@@ -1,0 +1,71 @@
+"""In-place checks and fixes that make a LightningModule trainable with per-example clipping.
+
+They run before ``configure_optimizers`` so the optimizer sees the final parameters, and in place
+(Opacus's ``ModuleValidator.fix`` clones the module, which a Trainer cannot use).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Literal
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_dp.errors import DPConfigurationError
+
+OnBatchNorm = Literal["raise", "replace"]
+
+
+def batchnorm_layers(module: nn.Module) -> list[str]:
+    """Names of every BatchNorm layer, including ``affine=False`` ones that Opacus's validator misses."""
+    return [name for name, m in module.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def _group_norm_for(bn: _BatchNorm) -> nn.GroupNorm:
+    channels = bn.num_features
+    return nn.GroupNorm(math.gcd(32, channels), channels, eps=bn.eps, affine=bn.affine)
+
+
+def replace_batchnorm(module: nn.Module) -> list[str]:
+    """Swap every BatchNorm for GroupNorm(gcd(32, C), C) in place; returns the names replaced."""
+    replaced = []
+    for name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, _BatchNorm):
+                reference = next(itertools.chain(child.parameters(), child.buffers()), None)
+                group_norm = _group_norm_for(child)
+                if reference is not None:
+                    group_norm = group_norm.to(reference.device)
+                setattr(parent, child_name, group_norm)
+                replaced.append(f"{name}.{child_name}" if name else child_name)
+    return replaced
+
+
+def check_no_direct_parameters(module: nn.Module) -> None:
+    """Refuse trainable parameters registered on the LightningModule itself (no layer formula covers them)."""
+    direct = [name for name, p in module.named_parameters(recurse=False) if p.requires_grad]
+    if direct:
+        raise DPConfigurationError(
+            f"Parameters registered directly on the LightningModule ({', '.join(direct)}) cannot get "
+            "per-example gradients. Move them into a submodule (e.g. an nn.Module held as self.net)."
+        )
+
+
+def prepare_module(module: nn.Module, on_batchnorm: OnBatchNorm = "raise") -> list[str]:
+    """Run every check and fix; returns a list of human-readable notes about what was changed."""
+    check_no_direct_parameters(module)
+    notes = []
+    bns = batchnorm_layers(module)
+    if bns:
+        if on_batchnorm != "replace":
+            raise DPConfigurationError(
+                "DP training cannot use BatchNorm: it mixes the examples of a batch, so one example's "
+                f"gradient depends on the others. Layers: {bns}. Replace them with GroupNorm yourself, or "
+                "pass DPStrategy(on_batchnorm='replace') to swap them for GroupNorm automatically."
+            )
+        notes.append(f"replaced BatchNorm with GroupNorm: {replace_batchnorm(module)}")
+    if not any(p.requires_grad for p in module.parameters()):
+        raise DPConfigurationError("The model has no trainable parameters.")
+    return notes

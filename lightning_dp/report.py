@@ -1,0 +1,79 @@
+"""The privacy report: what was spent, how, and by which mechanisms (JSON plus an ε-vs-step plot)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+REPORT_NAME = "privacy_report.json"
+CURVE_NAME = "privacy_curve.png"
+
+
+def privacy_report(strategy: Any, stopped_on_budget: bool = False, test_metrics: dict[str, float] | None = None) -> dict[str, Any]:
+    """Everything a reader needs to check the claim, as plain JSON-able values."""
+    from lightning_dp import __version__
+
+    engine = strategy.engine
+    epsilon, order = engine.ledger.epsilon_and_order()
+    sigma = engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else None
+    data: dict[str, Any] = {
+        "epsilon": float(epsilon),
+        "delta": engine.delta,
+        "target_epsilon": engine.target_epsilon,
+        "accountant": engine.accountant,
+        "rdp_order": order,
+        "steps": engine.steps,
+        "noise_multiplier": sigma,
+        "sample_rate": engine.sampler.sample_rate,
+        "expected_batch_size": engine.sampler.expected_batch_size,
+        "dataset_size": engine.sampler.num_samples,
+        "max_grad_norm": engine.max_grad_norm,
+        "sampler": engine.sampler.name,
+        "clipping": engine.clipping.name,
+        "noise": engine.noise.name,
+        "step": engine.step_slot.name,
+        "stopped_on_budget": stopped_on_budget,
+        "lightning_dp_version": __version__,
+    }
+    if test_metrics:
+        data["test_metrics"] = dict(test_metrics)
+        for key in ("test_acc", "test_accuracy"):
+            if key in test_metrics:
+                data["test_accuracy"] = test_metrics[key]
+    return data
+
+
+def write_report(data: dict[str, Any], ledger: Any, directory: str) -> str:
+    """Write ``privacy_report.json`` and ``privacy_curve.png`` into ``directory``; returns the JSON path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, REPORT_NAME)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=float)
+    os.replace(tmp, path)
+    plot_curve(ledger, os.path.join(directory, CURVE_NAME), data)
+    return path
+
+
+def plot_curve(ledger: Any, path: str, data: dict[str, Any]) -> None:
+    """ε against step, with the target as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    curve = ledger.epsilon_curve()
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    if curve:
+        steps, eps = zip(*curve, strict=True)
+        ax.plot(steps, eps, label=f"ε spent ({data['accountant']})")
+    if data.get("target_epsilon") is not None:
+        ax.axhline(data["target_epsilon"], linestyle="--", color="grey", label="target ε")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"ε at δ={data['delta']:g}")
+    ax.set_title(f"{data['sampler']} · {data['clipping']} · σ={data['noise_multiplier'] or 0:.3g}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,5 @@
+"""Sampler slot: which examples form each batch."""
+
+from lightning_dp.sampling.poisson import Poisson, PoissonBatchSampler
+
+__all__ = ["Poisson", "PoissonBatchSampler"]

@@ -1,0 +1,93 @@
+"""Poisson sampling for DP-SGD: every example joins each batch independently with probability q.
+
+The batch sampler always yields, including empty batches (skipping one would reveal it was empty,
+and under DDP would put ranks out of step). It owns its generator, so ``seed_everything`` does not
+make the batches predictable and every rank draws its own stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
+from lightning_dp.rng import make_generator
+from lightning_dp.slots import Sampler
+
+
+class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields ``num_batches`` index lists per epoch, each a Bernoulli(q) draw over this rank's share."""
+
+    def __init__(self, indices: torch.Tensor, sample_rate: float, num_batches: int, generator: torch.Generator):
+        self.indices = indices
+        self.sample_rate = sample_rate
+        self.num_batches = num_batches
+        self.generator = generator
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_batches):
+            mask = torch.rand(len(self.indices), generator=self.generator) < self.sample_rate
+            yield self.indices[mask].tolist()
+
+
+class Poisson(Sampler):
+    """DP-SGD's default sampler: q = batch_size / N, one subsampled Gaussian per step in the ledger.
+
+    ``seed`` makes the batches reproducible (tests, debugging); by default the stream is seeded from
+    ``os.urandom``. Under DDP, rank r samples the examples with index ≡ r (mod world size), so the
+    union over ranks is one Poisson sample of the whole data set.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        self._pending_state: torch.Tensor | None = None
+        self.rank = 0
+        self.world_size = 1
+        self.restored_shape: tuple[int | None, float | None] = (None, None)
+
+    def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        if num_samples <= 0:
+            raise ValueError("The training set is empty: DP training needs at least one example.")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+        if batch_size > num_samples:
+            raise ValueError(
+                f"The expected batch size ({batch_size}) is larger than the training set ({num_samples}): "
+                "the sample rate q = batch_size / N would exceed 1. Use a smaller batch_size."
+            )
+        self.num_samples = num_samples
+        self.sample_rate = batch_size / num_samples
+        self.rank, self.world_size = rank, world_size
+        if self.generator is None:
+            self.generator = make_generator(self.seed, stream=f"poisson/{rank}")
+        if self._pending_state is not None:
+            self.generator.set_state(self._pending_state)
+            self._pending_state = None
+
+    def batch_sampler(self, num_batches: int) -> PoissonBatchSampler:
+        assert self.generator is not None, "bind() first"
+        indices = torch.arange(self.rank, self.num_samples, self.world_size)
+        return PoissonBatchSampler(indices, self.sample_rate, num_batches, self.generator)
+
+    def event(self, noise_multiplier: float) -> PrivacyEvent:
+        return PoissonGaussian(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            if self.generator is not None:
+                self.generator.set_state(state["generator"])
+            else:
+                self._pending_state = state["generator"]
+        self.restored_shape = (state.get("num_samples"), state.get("sample_rate"))

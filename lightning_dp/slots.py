@@ -1,0 +1,131 @@
+"""The four slots of a private step (see CONTRIBUTING.md): sampler, clipping, noise, step.
+
+Every mechanism is one small object in one slot. The strategy only wires them together and asks
+the ledger to price what they release; a slot never touches Lightning itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dp.accounting import PrivacyEvent
+
+
+@dataclass
+class StepContext:
+    """What one private step knows about itself; passed to every slot hook."""
+
+    step: int
+    """Index of this private step (0-based, counts every logical step, empty batches included)."""
+    batch_size: int
+    """Realised number of examples in this logical batch (never used for normalisation)."""
+    expected_batch_size: float
+    """Public expected batch size q·N: the divisor of the noisy sum."""
+    max_grad_norm: float
+    noise_multiplier: float
+    generator: torch.Generator
+    """The noise generator (cryptographically seeded unless the user asked for a seed)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class _Stateful:
+    """Slots that carry state across steps return it here so checkpoints resume exactly."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+
+class Sampler(_Stateful, ABC):
+    """Which examples form each batch, and with what probability (drives the sample rate q)."""
+
+    sample_rate: float = 0.0
+
+    @abstractmethod
+    def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        """Fix the dataset size and the public expected batch size; sets ``sample_rate``."""
+
+    @abstractmethod
+    def batch_sampler(self, num_batches: int) -> torch.utils.data.Sampler[list[int]]:
+        """The index batches for one epoch of ``num_batches`` steps; every step yields, even empty."""
+
+    @abstractmethod
+    def event(self, noise_multiplier: float) -> PrivacyEvent:
+        """The ledger event one step releases with this noise multiplier."""
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.num_samples
+
+    num_samples: int = 0
+
+
+class Clipping(_Stateful, ABC):
+    """How each per-example gradient is bounded before the noisy sum is released."""
+
+    def setup(self, params: Sequence[Tensor]) -> None:
+        """Called once the trainable parameters are known (allocate per-coordinate state here)."""
+        del params
+
+    @abstractmethod
+    def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
+        """Sum over examples of the bounded per-example gradients, in fp32, one tensor per parameter.
+
+        ``grad_samples[j]`` has shape ``[B, *param_j.shape]`` (B may be 0).
+        """
+
+    def sensitivity(self, ctx: StepContext) -> float:
+        """L2 sensitivity of the released sum; the noise std is noise_multiplier × this."""
+        return ctx.max_grad_norm
+
+    def finalize(self, noisy_sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        """Turn the released noisy sums into the gradient the step uses (post-processing only)."""
+        return [s / ctx.expected_batch_size for s in noisy_sums]
+
+
+class Noise(_Stateful, ABC):
+    """How much noise each step adds: a noise multiplier per step, and the draw itself."""
+
+    @abstractmethod
+    def noise_multiplier(self, step: int) -> float:
+        """σ of step ``step`` (std of the noise = σ × clipping sensitivity)."""
+
+    @abstractmethod
+    def calibrate(self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str) -> None:
+        """Choose the schedule so that ``steps`` steps spend at most ``target_epsilon``."""
+
+    @property
+    def is_set(self) -> bool:
+        """False until σ is known (given or calibrated)."""
+        return True
+
+    def add_noise(self, sums: list[Tensor], std: float, generator: torch.Generator) -> list[Tensor]:
+        """Gaussian noise of standard deviation ``std`` on every coordinate, drawn in fp32."""
+        if std == 0.0:
+            return sums
+        return [s + std * torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype) for s in sums]
+
+
+class Step(_Stateful):
+    """How the private gradient (already in ``p.grad``) moves the weights; default: the user's optimizer."""
+
+    def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
+        del ctx
+        optimizer.step()
+
+
+def iter_slots(*slots: _Stateful) -> Iterator[tuple[str, _Stateful]]:
+    """(slot name, object) pairs in the fixed order the checkpoint uses."""
+    yield from zip(("sampler", "clipping", "noise", "step"), slots, strict=True)

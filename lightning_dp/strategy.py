@@ -1,0 +1,441 @@
+"""DPStrategy: trains any LightningModule with differential privacy on one device.
+
+The strategy only wires things together, in the order Lightning calls it:
+
+1. ``setup``           refuse settings that break privacy; fix the module in place; attach hooks
+2. ``setup_optimizers``  wrap the user's optimizer so the step slot moves the weights
+3. ``load_checkpoint``   restore the ledger, the slots and the RNG streams (after set-up)
+4. ``process_dataloader`` swap the train loader for the sampler slot's batches; calibrate σ
+5. ``training_step``     an empty batch never reaches user code: it becomes a noise-only step
+6. ``post_backward``     clip, price in the ledger, add noise: every later hook sees private grads
+7. ``save_checkpoint``   store the privacy state next to the weights
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_dp.accounting import BudgetExceededError
+from lightning_dp.clipping import FlatClipping
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.errors import DPConfigurationError
+from lightning_dp.grad_sample import layer_method
+from lightning_dp.noise import ConstantNoise
+from lightning_dp.optim import DPOptimizer
+from lightning_dp.prepare import OnBatchNorm, prepare_module
+from lightning_dp.sampling import Poisson
+from lightning_dp.slots import Clipping, Noise, Sampler, Step
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET_EPSILON = 3.0
+CHECKPOINT_KEY = "lightning_dp"
+
+
+class EmptyBatch:
+    """What the train loader yields for an empty Poisson batch; the strategy turns it into noise."""
+
+    def __repr__(self) -> str:
+        return "EmptyBatch()"
+
+
+class _CollateWithEmpty:
+    """The user's collate function, except that an empty index list becomes an ``EmptyBatch``."""
+
+    def __init__(self, collate_fn: Any) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return EmptyBatch() if len(samples) == 0 else self.collate_fn(samples)
+
+
+class DPStrategy(SingleDeviceStrategy):
+    """Differentially private training (DP-SGD by default) for an unmodified LightningModule.
+
+    Args:
+        target_epsilon: privacy budget ε. σ is calibrated so the planned steps spend at most this, and
+            training stops before a step that would exceed it. Defaults to 3 when neither it nor
+            ``noise_multiplier`` is given.
+        delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
+        max_grad_norm: per-example clipping bound C.
+        noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
+        accountant: ``"rdp"`` or ``"prv"``.
+        sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
+            user's optimizer).
+        on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
+        loss_reduction: whether ``training_step`` returns the batch ``"mean"`` (default) or ``"sum"``.
+        seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``.
+        device: force a device; by default it comes from the Trainer's accelerator and devices.
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        target_epsilon: float | None = None,
+        delta: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float | None = None,
+        accountant: Literal["rdp", "prv"] = "rdp",
+        sampler: Sampler | None = None,
+        clipping: Clipping | None = None,
+        noise: Noise | None = None,
+        step: Step | None = None,
+        on_batchnorm: OnBatchNorm = "raise",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        seed: int | None = None,
+        device: str | torch.device | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._device_given = device is not None
+        self.parallel_devices: list[torch.device] | None = None  # filled in by the Trainer's connector
+        _validate_privacy_arguments(target_epsilon, delta, max_grad_norm, noise_multiplier, accountant)
+        if noise is not None and noise_multiplier is not None:
+            raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")
+        if target_epsilon is None and noise_multiplier is None and (noise is None or not noise.is_set):
+            target_epsilon = DEFAULT_TARGET_EPSILON
+        if noise_multiplier == 0:
+            warnings.warn("noise_multiplier=0 adds no noise: this run has no privacy (ε = ∞).", stacklevel=2)
+        self.on_batchnorm: OnBatchNorm = on_batchnorm
+        self.engine = PrivateStepEngine(
+            sampler=sampler if sampler is not None else Poisson(seed=seed),
+            clipping=clipping if clipping is not None else FlatClipping(),
+            noise=noise if noise is not None else ConstantNoise(noise_multiplier),
+            step=step if step is not None else Step(),
+            max_grad_norm=max_grad_norm,
+            delta=delta,
+            target_epsilon=target_epsilon,
+            accountant=accountant,
+            loss_reduction=loss_reduction,
+            seed=seed,
+        )
+        self.setup_notes: list[str] = []
+        self._resumed = False
+
+    # -- conveniences for users and callbacks ---------------------------------------------------------
+    @property
+    def ledger(self) -> Any:
+        return self.engine.ledger
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent so far (at the configured δ)."""
+        return float(self.engine.ledger.epsilon())
+
+    @property
+    def target_epsilon(self) -> float | None:
+        return self.engine.target_epsilon
+
+    @property
+    def delta(self) -> float:
+        return self.engine.delta
+
+    # -- device ----------------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        if not self._device_given and self.parallel_devices:
+            if len(self.parallel_devices) > 1:
+                raise DPConfigurationError(
+                    f"DPStrategy trains on one device, but the Trainer asked for {len(self.parallel_devices)}. "
+                    "Use devices=1, or the distributed strategy (strategy='dp_ddp')."
+                )
+            return self.parallel_devices[0]
+        return self._root_device
+
+    # -- 1. set-up ---------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._refuse_unsafe_trainer(trainer)
+            module = self.lightning_module
+            assert module is not None
+            self.setup_notes = prepare_module(module, self.on_batchnorm)
+            self.engine.attach(module)
+            self._check_hooks()
+            self._ensure_privacy_callback(trainer)
+        super().setup(trainer)
+
+    @staticmethod
+    def _ensure_privacy_callback(trainer: Trainer) -> None:
+        from lightning_dp.callbacks import PrivacyCallback
+
+        if not any(isinstance(c, PrivacyCallback) for c in trainer.callbacks):  # type: ignore[attr-defined]
+            trainer.callbacks.append(PrivacyCallback())  # type: ignore[attr-defined]
+
+    def _refuse_unsafe_trainer(self, trainer: Trainer) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise DPConfigurationError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) breaks DP-SGD: an example "
+                "can land in several micro-batches and be clipped once in each, and Lightning rescales the "
+                "loss before clipping. Use a larger batch_size for a larger logical batch."
+            )
+        if trainer.gradient_clip_val:
+            raise DPConfigurationError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips the aggregated gradient, which "
+                "is not per-example clipping and gives no privacy. Remove it and set "
+                "DPStrategy(max_grad_norm=...) instead."
+            )
+        plugin = self.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            raise DPConfigurationError(
+                "precision='16-mixed' uses a GradScaler, which scales per-example gradients before clipping "
+                "and skips steps based on the non-private gradient. Use precision='bf16-mixed' or '32-true'."
+            )
+        if "true" in str(trainer.precision) and "32" not in str(trainer.precision):
+            warnings.warn(
+                f"precision={trainer.precision!r} keeps no fp32 master weights; clipping norms and noise are "
+                "still computed in fp32, but the update itself is rounded to low precision.",
+                stacklevel=2,
+            )
+
+    def _check_hooks(self) -> None:
+        grads = self.engine.grads
+        assert grads is not None
+        functorch = [name for name, m in grads.layers if layer_method(m) == "functorch"]
+        summary = f"lightning-dp: per-example gradients for {len(grads.layers)} layers"
+        if functorch:
+            summary += f" ({len(functorch)} through functorch: {functorch})"
+        log.info(summary)
+
+    # -- 2. optimizers --------------------------------------------------------------------------------------
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        assert module is not None
+        if module.automatic_optimization and len(self.optimizers) != 1:
+            raise DPConfigurationError(
+                f"configure_optimizers returned {len(self.optimizers)} optimizers; DP training with automatic "
+                "optimization supports exactly one (every private step is one noisy release)."
+            )
+        hooked = {id(p) for p in self.engine.params}
+        for optimizer in self.optimizers:
+            missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in hooked and p.requires_grad]
+            if missing:
+                raise DPConfigurationError(
+                    f"The optimizer holds {len(missing)} trainable parameters that are not part of the "
+                    "LightningModule's layers, so they would get no per-example gradients."
+                )
+        self.optimizers = [DPOptimizer(o, self.engine) for o in self.optimizers]
+
+    # -- 3. checkpoints --------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint[CHECKPOINT_KEY] = self.engine.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            state = checkpoint.get(CHECKPOINT_KEY)
+            if state is None:
+                raise DPConfigurationError(
+                    f"The checkpoint {checkpoint_path} has no privacy state (ledger, sampler and noise streams), "
+                    "so resuming would restart ε at zero. Resume only from checkpoints written by DPStrategy; "
+                    "to start DP training from non-private weights, load them into the module and call fit "
+                    "without ckpt_path."
+                )
+            try:
+                self.engine.load_state_dict(state)
+            except ValueError as err:
+                raise DPConfigurationError(str(err)) from err
+            self._resumed = True
+        return checkpoint
+
+    # -- 4. data ---------------------------------------------------------------------------------------------------
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        if not isinstance(dataloader, DataLoader):
+            raise DPConfigurationError(
+                f"The train dataloader must be a torch DataLoader over a map-style Dataset, got {type(dataloader).__name__}."
+            )
+        return self._private_loader(trainer, dataloader)
+
+    def _private_loader(self, trainer: Trainer, loader: DataLoader) -> DataLoader:
+        dataset = loader.dataset
+        if isinstance(dataset, IterableDataset):
+            raise DPConfigurationError(
+                "The train dataset is an IterableDataset: Poisson sampling needs random access to every "
+                "example (len() and indexing). Use a map-style Dataset."
+            )
+        if loader.batch_size is None:
+            raise DPConfigurationError(
+                "The train DataLoader has no batch_size (it uses a custom batch_sampler). DP training replaces "
+                "the sampler and reads batch_size as the expected batch size: pass batch_size=... instead."
+            )
+        num_samples = len(dataset)  # type: ignore[arg-type]
+        sampler = self.engine.sampler
+        sampler.bind(num_samples, loader.batch_size)
+        self._check_resumed_data(sampler)
+        num_batches = max(1, math.ceil(num_samples / loader.batch_size))
+        if self.engine.delta >= 1.0 / num_samples:
+            warnings.warn(
+                f"delta={self.engine.delta:g} is not below 1/N = {1.0 / num_samples:.3g}: a mechanism that "
+                "publishes one random example outright would meet this δ. Use delta well below 1/N.",
+                stacklevel=2,
+            )
+        if not self.engine.noise.is_set:
+            self._calibrate(trainer, num_batches)
+        self._check_first_step_affordable()
+        return DataLoader(
+            dataset,
+            batch_sampler=sampler.batch_sampler(num_batches),
+            collate_fn=_CollateWithEmpty(loader.collate_fn),
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context,
+            persistent_workers=loader.persistent_workers,
+            prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
+        )
+
+    def _check_resumed_data(self, sampler: Sampler) -> None:
+        saved = getattr(sampler, "restored_shape", (None, None))
+        if self._resumed and saved[0] is not None and (saved[0], saved[1]) != (sampler.num_samples, sampler.sample_rate):
+            raise DPConfigurationError(
+                f"The checkpoint was trained on N={saved[0]} with sample rate {saved[1]:.6g}; this run has "
+                f"N={sampler.num_samples}, rate {sampler.sample_rate:.6g}. The ledger cannot continue across a "
+                "different data set or batch size."
+            )
+
+    def planned_steps(self, trainer: Trainer, steps_per_epoch: int) -> int:
+        """Optimizer steps the Trainer will run, from max_epochs, max_steps and limit_train_batches."""
+        limit = trainer.limit_train_batches
+        if isinstance(limit, int):
+            steps_per_epoch = min(steps_per_epoch, limit)
+        elif limit is not None:
+            steps_per_epoch = int(steps_per_epoch * float(limit))
+        max_epochs = trainer.fit_loop.max_epochs
+        max_steps = trainer.max_steps
+        by_epochs = steps_per_epoch * max_epochs if max_epochs is not None and max_epochs >= 0 else None
+        by_steps = max_steps if max_steps is not None and max_steps >= 0 else None
+        candidates = [n for n in (by_epochs, by_steps) if n is not None]
+        if not candidates:
+            raise DPConfigurationError(
+                "Calibrating σ from target_epsilon needs a finite training length: set max_epochs or max_steps "
+                "(or give noise_multiplier directly)."
+            )
+        return max(1, min(candidates))
+
+    def _calibrate(self, trainer: Trainer, steps_per_epoch: int) -> None:
+        target = self.engine.target_epsilon
+        assert target is not None
+        steps = self.planned_steps(trainer, steps_per_epoch)
+        try:
+            self.engine.noise.calibrate(target, self.engine.delta, self.engine.sampler, steps, self.engine.accountant)
+        except ValueError as err:
+            raise DPConfigurationError(f"target_epsilon={target} cannot be met: {err}") from err
+        log.info(
+            "lightning-dp: noise multiplier %.4f for ε=%g over %d steps (q=%.5f)",
+            self.engine.noise.noise_multiplier(0),
+            target,
+            steps,
+            self.engine.sampler.sample_rate,
+        )
+
+    def _check_first_step_affordable(self) -> None:
+        affordable = self.engine.affordable_steps()
+        if affordable is not None and affordable < 1 and not self._resumed:
+            raise DPConfigurationError(
+                f"Not even one step fits in target_epsilon={self.engine.target_epsilon} at this noise "
+                "multiplier and sample rate. Raise the noise multiplier or the budget."
+            )
+
+    # -- 5. training step --------------------------------------------------------------------------------------------------
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if isinstance(batch, EmptyBatch):
+            return batch
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        if isinstance(batch, EmptyBatch):
+            return self._noise_only_step()
+        return super().training_step(*args, **kwargs)
+
+    def _noise_only_step(self) -> Tensor | None:
+        module = self.lightning_module
+        assert module is not None
+        if module.automatic_optimization:
+            # A graph leaf so Lightning's backward runs and post_backward releases pure noise.
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+            optimizer.step()
+        return None
+
+    # -- 6. the private step ----------------------------------------------------------------------------------------------------
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.engine.grads is None:
+            return
+        try:
+            self.engine.privatize()
+        except BudgetExceededError as err:
+            raise DPConfigurationError(
+                f"{err} Training should have stopped before this step; add PrivacyCallback (the strategy adds "
+                "it unless you removed it) and do not force more steps with min_epochs/min_steps."
+            ) from err
+
+    # -- teardown --------------------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        self.engine.detach()
+        self.optimizers = [o.original_optimizer if isinstance(o, DPOptimizer) else o for o in self.optimizers]
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DP-SGD on one device (lightning-dp)", override=True
+        )
+
+
+def _validate_privacy_arguments(
+    target_epsilon: float | None,
+    delta: float,
+    max_grad_norm: float,
+    noise_multiplier: float | None,
+    accountant: str,
+) -> None:
+    if target_epsilon is not None and not target_epsilon > 0:
+        raise DPConfigurationError(f"target_epsilon must be > 0, got {target_epsilon}.")
+    if not 0 < delta < 1:
+        raise DPConfigurationError(f"delta must be in (0, 1), got {delta}; typical values are 1e-5 or below 1/N.")
+    if not max_grad_norm > 0:
+        raise DPConfigurationError(f"max_grad_norm (the clipping bound C) must be > 0, got {max_grad_norm}.")
+    if noise_multiplier is not None and (math.isnan(noise_multiplier) or noise_multiplier < 0):
+        raise DPConfigurationError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
+    if accountant not in ("rdp", "prv"):
+        raise DPConfigurationError(f"accountant must be 'rdp' or 'prv', got {accountant!r}.")
+
+
+def register() -> None:
+    """Make ``strategy="dp"`` work in ``Trainer`` and LightningCLI YAML."""
+    if DPStrategy.strategy_name not in StrategyRegistry:
+        DPStrategy.register_strategies(StrategyRegistry)

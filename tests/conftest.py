@@ -1,0 +1,87 @@
+"""Shared fixtures: tiny models and data so each Lightning run takes well under a second."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import logging
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+torch.set_num_threads(1)
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LightningModule.*has parameters that were not used.*")
+
+
+class TinyModule(LightningModule):
+    """A 2-layer MLP classifier; ``self.net`` holds every parameter, the loss is a batch mean."""
+
+    def __init__(self, n: int = 256, d: int = 10, classes: int = 3, batch_size: int = 32, lr: float = 0.1,
+                 hidden: int = 16, data_seed: int = 0, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, classes))
+        g = torch.Generator().manual_seed(data_seed)
+        self.x = torch.randn(n, d, generator=g)
+        w = torch.randn(d, classes, generator=g)
+        self.y = (self.x @ w).argmax(1)
+        self.batch_size, self.lr, self.optimizer_name = batch_size, lr, optimizer
+        self.seen_batch_sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen_batch_sizes.append(len(x))
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_acc", (self(x).argmax(1) == y).float().mean())
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size, shuffle=True)
+
+    def test_dataloader(self):
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=256)
+
+
+def make_trainer(strategy, tmp_path=None, **kwargs) -> Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path) if tmp_path is not None else None,
+    )
+    defaults.update(kwargs)
+    return Trainer(strategy=strategy, **defaults)
+
+
+@pytest.fixture
+def tiny() -> TinyModule:
+    return TinyModule()
+
+
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    """Every test runs in its own folder, so reports and logs never land in the repository."""
+    monkeypatch.chdir(tmp_path)

@@ -1,0 +1,393 @@
+"""DPStrategy end to end on tiny models: exactness, clipping bound, noise level, sampling, refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from conftest import TinyModule, make_trainer
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from lightning_dp import DPConfigurationError, DPStrategy, EmptyBatch, FlatClipping, PrivacyCallback
+from lightning_dp.accounting import compute_epsilon
+from lightning_dp.clipping import per_sample_norms
+
+
+def _params(module: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_zero_noise_infinite_clip_equals_plain_training(optimizer):
+    """σ=0, C=∞ and q=1 (every example in every batch): DP-SGD must be plain full-batch training."""
+    plain = TinyModule(n=64, batch_size=64, optimizer=optimizer)
+    private = copy.deepcopy(plain)
+    make_trainer(SingleDeviceStrategy("cpu"), max_epochs=5).fit(plain)
+    make_trainer(DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0), max_epochs=5).fit(private)
+    assert private.seen_batch_sizes == [64] * 5
+    for a, b in zip(_params(plain), _params(private), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_is_noisy_sum_over_expected_batch_size():
+    """With q<1 the divisor is the public expected batch size q·N, never the realised batch size."""
+    seen = {}
+
+    class Capture(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen["grad"] = [p.grad.clone() for p in pl_module.parameters()]
+
+    module = TinyModule(n=128, batch_size=32)
+    reference = copy.deepcopy(module)
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=1), max_steps=1, callbacks=[Capture()]
+    )
+    batches = []
+    original = module.training_step
+
+    def record(batch, batch_idx):
+        batches.append(batch)
+        return original(batch, batch_idx)
+
+    module.training_step = record  # type: ignore[method-assign]
+    trainer.fit(module)
+    x, y = batches[0]
+    loss = nn.functional.cross_entropy(reference(x), y, reduction="sum") / 32.0
+    expected = torch.autograd.grad(loss, list(reference.parameters()))
+    for got, want in zip(seen["grad"], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class RecordingClipping(FlatClipping):
+    """Flat clipping that also measures every example's clipped contribution (for the bound tests)."""
+
+    def __init__(self) -> None:
+        self.max_contribution = 0.0
+        self.max_raw_norm = 0.0
+        self.grad_dtypes: set[torch.dtype] = set()
+
+    def clip_and_sum(self, grad_samples, ctx):
+        self.grad_dtypes |= {g.dtype for g in grad_samples}
+        out = super().clip_and_sum(grad_samples, ctx)
+        for i in range(grad_samples[0].shape[0]):
+            single = [g[i : i + 1] for g in grad_samples]
+            contribution = super().clip_and_sum(single, ctx)
+            self.max_contribution = max(self.max_contribution, float(per_sample_norms([c[None] for c in contribution])[0]))
+        if grad_samples[0].shape[0]:
+            self.max_raw_norm = max(self.max_raw_norm, float(per_sample_norms(grad_samples).max()))
+        return out
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_every_contribution_is_at_most_C(precision):
+    module = TinyModule(n=64, batch_size=16)
+    module.x = module.x * 1e3  # extreme inputs: raw per-example norms far above C
+    clipping = RecordingClipping()
+    C = 0.05
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=1.0, max_grad_norm=C, clipping=clipping, seed=0), precision=precision, max_epochs=1
+    )
+    trainer.fit(module)
+    assert clipping.max_raw_norm > 10 * C
+    assert 0 < clipping.max_contribution <= C
+    if precision == "bf16-mixed":
+        assert torch.bfloat16 in clipping.grad_dtypes
+
+
+def test_noise_std_matches_sigma_C_over_B():
+    """Zero-signal loss: the private gradient is pure noise with std σC/(qN) on every coordinate."""
+    grads = []
+
+    class ZeroSignal(TinyModule):
+        def __init__(self):
+            super().__init__(n=400, d=50, hidden=100, classes=50, batch_size=40)
+
+        def training_step(self, batch, batch_idx):
+            return (self(batch[0]) * 0.0).mean()
+
+    class Capture(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]))
+
+    sigma, C = 2.0, 3.0
+    trainer = make_trainer(DPStrategy(noise_multiplier=sigma, max_grad_norm=C), max_steps=3, callbacks=[Capture()])
+    trainer.fit(ZeroSignal())
+    noise = torch.cat(grads)
+    expected = sigma * C / 40.0
+    assert noise.numel() > 30_000
+    assert abs(float(noise.std()) / expected - 1) < 0.03
+    assert abs(float(noise.mean())) < 0.03 * expected
+
+
+def test_huge_noise_destroys_accuracy():
+    """Guard against Opacus #313: σ=1000 must not train (the noise really reaches the weights)."""
+
+    def accuracy(sigma: float) -> float:
+        torch.manual_seed(0)
+        module = TinyModule(n=512, batch_size=64, lr=0.5)
+        trainer = make_trainer(DPStrategy(noise_multiplier=sigma, max_grad_norm=1.0, seed=3), max_epochs=4)
+        trainer.fit(module)
+        return float(trainer.test(module, verbose=False)[0]["test_acc"])
+
+    assert accuracy(0.3) > 0.8
+    assert accuracy(1000.0) < 0.6
+
+
+def test_empty_batches_are_noise_only_steps_user_code_never_sees():
+    module = TinyModule(n=200, batch_size=1)  # q = 1/200: about 37% of batches are empty
+    before = _params(module)
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_epochs=1)
+    trainer.fit(module)
+    strategy = trainer.strategy
+    assert isinstance(strategy, DPStrategy)
+    assert strategy.engine.steps == 200
+    assert len(module.seen_batch_sizes) < 170  # many steps never reached training_step
+    assert min(module.seen_batch_sizes) >= 1
+    assert all(not torch.equal(a, b) for a, b in zip(before, _params(module), strict=True))
+    assert strategy.epsilon == pytest.approx(compute_epsilon(noise_multiplier=1.0, sample_rate=1 / 200, steps=200, delta=1e-5))
+
+
+def test_collate_turns_empty_index_list_into_sentinel():
+    from lightning_dp.strategy import _CollateWithEmpty
+
+    collate = _CollateWithEmpty(torch.utils.data.default_collate)
+    assert isinstance(collate([]), EmptyBatch)
+    assert collate([torch.ones(2)]).shape == (1, 2)
+
+
+def test_poisson_batches_have_the_expected_size_and_own_rng():
+    sizes = []
+    module = TinyModule(n=1000, batch_size=50)
+    module.training_step = lambda batch, batch_idx: sizes.append(len(batch[0])) or nn.functional.cross_entropy(  # type: ignore[method-assign]
+        module(batch[0]), batch[1]
+    )
+    torch.manual_seed(0)
+    make_trainer(DPStrategy(noise_multiplier=1.0), max_epochs=5).fit(module)
+    assert len(sizes) == 100
+    assert abs(sum(sizes) / len(sizes) - 50) < 3  # std of the mean ≈ 0.7
+    assert len(set(sizes)) > 5  # Poisson, not fixed-size
+
+
+def test_target_epsilon_calibrates_and_never_overshoots(tmp_path):
+    module = TinyModule(n=256, batch_size=32)
+    trainer = make_trainer(DPStrategy(target_epsilon=2.0, seed=0), tmp_path, max_epochs=3)
+    trainer.fit(module)
+    strategy = trainer.strategy
+    assert strategy.engine.steps == 24
+    assert strategy.epsilon <= 2.0
+    assert strategy.epsilon > 1.9  # calibrated, not wastefully conservative
+    report = json.loads((tmp_path / "privacy_report.json").read_text())
+    assert report["epsilon"] == pytest.approx(strategy.epsilon)
+    assert report["steps"] == 24 and report["sampler"] == "Poisson" and report["clipping"] == "FlatClipping"
+    assert report["sample_rate"] == pytest.approx(32 / 256)
+    assert (tmp_path / "privacy_curve.png").stat().st_size > 1000
+
+
+def test_budget_stop_happens_before_the_step_that_would_exceed(tmp_path):
+    sigma, q = 1.0, 32 / 256
+    target = compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=10, delta=1e-5) + 1e-6
+    module = TinyModule(n=256, batch_size=32)
+    trainer = make_trainer(DPStrategy(noise_multiplier=sigma, target_epsilon=target, seed=0), tmp_path, max_epochs=5)
+    trainer.fit(module)
+    assert trainer.strategy.engine.steps == 10
+    assert trainer.strategy.epsilon <= target
+    callback = next(c for c in trainer.callbacks if isinstance(c, PrivacyCallback))
+    assert callback.stopped_on_budget
+
+
+def test_epsilon_is_logged_to_loggers_and_progress_bar(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = TinyModule(n=128, batch_size=32)
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=1.0, seed=0), tmp_path, logger=CSVLogger(tmp_path), log_every_n_steps=1, max_epochs=2
+    )
+    trainer.fit(module)
+    assert "dp/epsilon" in trainer.progress_bar_metrics
+    for key in ("dp/epsilon", "dp/delta", "dp/noise_multiplier", "dp/sample_rate", "dp/steps"):
+        assert key in trainer.logged_metrics
+    header = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "dp/epsilon" in header
+
+
+def test_registry_string_and_device_from_accelerator():
+    trainer = make_trainer("dp", max_steps=2)
+    assert isinstance(trainer.strategy, DPStrategy)
+    trainer.fit(TinyModule())
+    assert trainer.strategy.root_device == torch.device("cpu")
+    assert trainer.strategy.target_epsilon == 3.0
+
+
+def test_checkpoint_resume_continues_epsilon_exactly(tmp_path):
+    sigma, q = 1.1, 32 / 256
+    module = TinyModule(n=256, batch_size=32)
+    straight = copy.deepcopy(module)
+    trainer = make_trainer(DPStrategy(noise_multiplier=sigma, seed=5), tmp_path, max_epochs=2)
+    trainer.fit(module)
+    ckpt = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    first = trainer.strategy.engine.state_dict()
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["lightning_dp"]["steps"] == 16
+
+    resumed_module = TinyModule(n=256, batch_size=32)
+    resumed = make_trainer(DPStrategy(noise_multiplier=sigma, seed=5), tmp_path, max_epochs=4)
+    resumed.fit(resumed_module, ckpt_path=ckpt)
+    assert resumed.strategy.engine.steps == 32
+    assert resumed.strategy.epsilon == pytest.approx(
+        compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=32, delta=1e-5), rel=1e-9
+    )
+    assert first["noise_generator"] is not None
+
+    # The same run without interruption gives the same weights (same sampler and noise streams).
+    make_trainer(DPStrategy(noise_multiplier=sigma, seed=5), tmp_path, max_epochs=4).fit(straight)
+    for a, b in zip(_params(straight), _params(resumed_module), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_resume_without_privacy_state_is_refused(tmp_path):
+    module = TinyModule()
+    plain = make_trainer(SingleDeviceStrategy("cpu"), tmp_path, max_steps=1)
+    plain.fit(module)
+    ckpt = tmp_path / "plain.ckpt"
+    plain.save_checkpoint(ckpt)
+    with pytest.raises(DPConfigurationError, match="no privacy state"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=2).fit(TinyModule(), ckpt_path=ckpt)
+
+
+def test_resume_with_a_different_dataset_is_refused(tmp_path):
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=2)
+    trainer.fit(TinyModule(n=256))
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    with pytest.raises(DPConfigurationError, match="different data set"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=4).fit(TinyModule(n=300), ckpt_path=ckpt)
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def test_refuses_gradient_accumulation():
+    with pytest.raises(DPConfigurationError, match="accumulate_grad_batches=2"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), accumulate_grad_batches=2).fit(TinyModule())
+
+
+def test_refuses_gradient_clip_val():
+    with pytest.raises(DPConfigurationError, match="max_grad_norm"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), gradient_clip_val=1.0).fit(TinyModule())
+
+
+def test_refuses_fp16_with_grad_scaler():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(DPConfigurationError, match="GradScaler"):
+        make_trainer(DPStrategy(noise_multiplier=1.0, precision_plugin=plugin)).fit(TinyModule())
+
+
+class WithBatchNorm(TinyModule):
+    def __init__(self, affine: bool = True):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16, affine=affine), nn.Tanh(), nn.Linear(16, 3))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_refuses_batchnorm_and_names_the_layer(affine):
+    with pytest.raises(DPConfigurationError, match=r"BatchNorm.*\['net.1'\]"):
+        make_trainer(DPStrategy(noise_multiplier=1.0)).fit(WithBatchNorm(affine))
+
+
+def test_replaces_batchnorm_with_groupnorm_in_place():
+    module = WithBatchNorm()
+    make_trainer(DPStrategy(noise_multiplier=1.0, on_batchnorm="replace"), max_steps=2).fit(module)
+    assert isinstance(module.net[1], nn.GroupNorm)
+    assert module.net[1].num_groups == 16
+
+
+def test_refuses_parameters_on_the_lightning_module():
+    class Direct(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return self.net(x) * self.scale
+
+    with pytest.raises(DPConfigurationError, match="scale"):
+        make_trainer(DPStrategy(noise_multiplier=1.0)).fit(Direct())
+
+
+def test_refuses_iterable_dataset():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from zip(torch.randn(8, 10), torch.zeros(8, dtype=torch.long))
+
+    class Streaming(TinyModule):
+        def train_dataloader(self):
+            return DataLoader(Stream(), batch_size=4)
+
+    with pytest.raises(DPConfigurationError, match="IterableDataset"):
+        make_trainer(DPStrategy(noise_multiplier=1.0)).fit(Streaming())
+
+
+def test_refuses_unreachable_target():
+    with pytest.raises(DPConfigurationError, match="cannot be met"):
+        make_trainer(DPStrategy(target_epsilon=1e-4, delta=1e-10), max_epochs=1000).fit(TinyModule())
+
+
+def test_warns_when_delta_is_not_below_one_over_n():
+    with pytest.warns(UserWarning, match="1/N"):
+        make_trainer(DPStrategy(noise_multiplier=1.0, delta=0.01), max_steps=1).fit(TinyModule(n=256))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"target_epsilon": 0.0}, "target_epsilon must be > 0"),
+        ({"target_epsilon": -1.0}, "target_epsilon must be > 0"),
+        ({"delta": 0.0}, "delta must be in"),
+        ({"delta": 1.0}, "delta must be in"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"noise_multiplier": -0.5}, "noise_multiplier must be"),
+        ({"accountant": "gdp"}, "accountant must be"),
+    ],
+)
+def test_refuses_invalid_arguments(kwargs, match):
+    with pytest.raises(DPConfigurationError, match=match):
+        DPStrategy(**kwargs)
+
+
+def test_batch_larger_than_dataset_is_refused():
+    with pytest.raises(ValueError, match="larger than the training set"):
+        make_trainer(DPStrategy(noise_multiplier=1.0)).fit(TinyModule(n=16, batch_size=32))
+
+
+def test_state_dict_keys_unchanged():
+    module = TinyModule()
+    keys = list(module.state_dict())
+    make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(module)
+    assert list(module.state_dict()) == keys
+
+
+def test_torchvision_resnet_with_inplace_relu_trains():
+    torchvision = pytest.importorskip("torchvision")
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    class Res(TinyModule):
+        def __init__(self):
+            super().__init__(n=8, batch_size=4)
+            self.net = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=3)
+            self.x = torch.randn(8, 3, 16, 16)
+
+    module = Res()
+    assert any(getattr(m, "inplace", False) for m in module.modules())
+    before = _params(module)
+    make_trainer(DPStrategy(noise_multiplier=0.5, on_batchnorm="replace"), max_steps=2).fit(module)
+    assert not torch.equal(before[0], next(module.parameters()))
+    del torchvision
