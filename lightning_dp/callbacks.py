@@ -44,7 +44,9 @@ class PrivacyCallback(Callback):
 
     def metrics(self, trainer: Trainer) -> dict[str, float]:
         engine = dp_strategy_of(trainer).engine
-        sigma = engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else float("nan")
+        sigma = (
+            engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else float("nan")
+        )
         return {
             "dp/epsilon": float(engine.ledger.epsilon()),
             "dp/delta": float(engine.delta),
@@ -77,7 +79,9 @@ class PrivacyCallback(Callback):
 
     def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.test_metrics = {
-            k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test") and v.numel() == 1
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if k.startswith("test") and v.numel() == 1
         }
         if self.report_path is not None:
             self._write(trainer)
@@ -89,7 +93,11 @@ class PrivacyCallback(Callback):
         strategy = dp_strategy_of(trainer)
         if strategy.engine.grads is None and strategy.engine.steps == 0:
             return
-        data = privacy_report(strategy, stopped_on_budget=self.stopped_on_budget, test_metrics=self.test_metrics)
+        data = privacy_report(
+            strategy, stopped_on_budget=self.stopped_on_budget, test_metrics=self.test_metrics
+        )
         directory = trainer.log_dir or trainer.default_root_dir
         self.report_path = write_report(data, strategy.engine.ledger, os.fspath(directory))
-        log.info("lightning-dp: ε = %.4f (δ = %g); report in %s", data["epsilon"], data["delta"], self.report_path)
+        log.info(
+            "lightning-dp: ε = %.4f (δ = %g); report in %s", data["epsilon"], data["delta"], self.report_path
+        )

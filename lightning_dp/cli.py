@@ -15,7 +15,6 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_dp
 from lightning_dp.callbacks import PrivacyCallback
-from lightning_dp.report import REPORT_NAME
 
 
 class DPLightningCLI(LightningCLI):

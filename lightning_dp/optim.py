@@ -18,11 +18,13 @@ from lightning_dp.engine import PrivateStepEngine
 class DPOptimizer(Optimizer):
     """Wraps the user's optimizer; ``param_groups``/``state`` are shared, so LR schedulers keep working."""
 
-    def __init__(self, optimizer: Optimizer, engine: PrivateStepEngine) -> None:  # no super().__init__: a proxy
+    def __init__(
+        self, optimizer: Optimizer, engine: PrivateStepEngine
+    ) -> None:  # no super().__init__: a proxy
         self.original_optimizer = optimizer
         self.engine = engine
 
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.original_optimizer.param_groups
 
@@ -30,7 +32,7 @@ class DPOptimizer(Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.original_optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.original_optimizer.state
 
@@ -38,7 +40,7 @@ class DPOptimizer(Optimizer):
     def state(self, value: Any) -> None:
         self.original_optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.original_optimizer.defaults
 
@@ -51,7 +53,7 @@ class DPOptimizer(Optimizer):
         if self.engine.grads is not None:
             self.engine.grads.clear()
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -10,7 +10,9 @@ REPORT_NAME = "privacy_report.json"
 CURVE_NAME = "privacy_curve.png"
 
 
-def privacy_report(strategy: Any, stopped_on_budget: bool = False, test_metrics: dict[str, float] | None = None) -> dict[str, Any]:
+def privacy_report(
+    strategy: Any, stopped_on_budget: bool = False, test_metrics: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Everything a reader needs to check the claim, as plain JSON-able values."""
     from lightning_dp import __version__
 

@@ -103,7 +103,9 @@ class Noise(_Stateful, ABC):
         """σ of step ``step`` (std of the noise = σ × clipping sensitivity)."""
 
     @abstractmethod
-    def calibrate(self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str) -> None:
+    def calibrate(
+        self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str
+    ) -> None:
         """Choose the schedule so that ``steps`` steps spend at most ``target_epsilon``."""
 
     @property
@@ -115,7 +117,9 @@ class Noise(_Stateful, ABC):
         """Gaussian noise of standard deviation ``std`` on every coordinate, drawn in fp32."""
         if std == 0.0:
             return sums
-        return [s + std * torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype) for s in sums]
+        return [
+            s + std * torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype) for s in sums
+        ]
 
 
 class Step(_Stateful):

@@ -229,7 +229,12 @@ class DPStrategy(SingleDeviceStrategy):
             )
         hooked = {id(p) for p in self.engine.params}
         for optimizer in self.optimizers:
-            missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in hooked and p.requires_grad]
+            missing = [
+                p
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if id(p) not in hooked and p.requires_grad
+            ]
             if missing:
                 raise DPConfigurationError(
                     f"The optimizer holds {len(missing)} trainable parameters that are not part of the "
@@ -242,7 +247,9 @@ class DPStrategy(SingleDeviceStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         checkpoint[CHECKPOINT_KEY] = self.engine.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -317,7 +324,11 @@ class DPStrategy(SingleDeviceStrategy):
 
     def _check_resumed_data(self, sampler: Sampler) -> None:
         saved = getattr(sampler, "restored_shape", (None, None))
-        if self._resumed and saved[0] is not None and (saved[0], saved[1]) != (sampler.num_samples, sampler.sample_rate):
+        if (
+            self._resumed
+            and saved[0] is not None
+            and (saved[0], saved[1]) != (sampler.num_samples, sampler.sample_rate)
+        ):
             raise DPConfigurationError(
                 f"The checkpoint was trained on N={saved[0]} with sample rate {saved[1]:.6g}; this run has "
                 f"N={sampler.num_samples}, rate {sampler.sample_rate:.6g}. The ledger cannot continue across a "
@@ -348,7 +359,9 @@ class DPStrategy(SingleDeviceStrategy):
         assert target is not None
         steps = self.planned_steps(trainer, steps_per_epoch)
         try:
-            self.engine.noise.calibrate(target, self.engine.delta, self.engine.sampler, steps, self.engine.accountant)
+            self.engine.noise.calibrate(
+                target, self.engine.delta, self.engine.sampler, steps, self.engine.accountant
+            )
         except ValueError as err:
             raise DPConfigurationError(f"target_epsilon={target} cannot be met: {err}") from err
         log.info(
@@ -426,7 +439,9 @@ def _validate_privacy_arguments(
     if target_epsilon is not None and not target_epsilon > 0:
         raise DPConfigurationError(f"target_epsilon must be > 0, got {target_epsilon}.")
     if not 0 < delta < 1:
-        raise DPConfigurationError(f"delta must be in (0, 1), got {delta}; typical values are 1e-5 or below 1/N.")
+        raise DPConfigurationError(
+            f"delta must be in (0, 1), got {delta}; typical values are 1e-5 or below 1/N."
+        )
     if not max_grad_norm > 0:
         raise DPConfigurationError(f"max_grad_norm (the clipping bound C) must be > 0, got {max_grad_norm}.")
     if noise_multiplier is not None and (math.isnan(noise_multiplier) or noise_multiplier < 0):

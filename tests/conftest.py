@@ -24,8 +24,17 @@ warnings.filterwarnings("ignore", ".*LightningModule.*has parameters that were n
 class TinyModule(LightningModule):
     """A 2-layer MLP classifier; ``self.net`` holds every parameter, the loss is a batch mean."""
 
-    def __init__(self, n: int = 256, d: int = 10, classes: int = 3, batch_size: int = 32, lr: float = 0.1,
-                 hidden: int = 16, data_seed: int = 0, optimizer: str = "sgd") -> None:
+    def __init__(
+        self,
+        n: int = 256,
+        d: int = 10,
+        classes: int = 3,
+        batch_size: int = 32,
+        lr: float = 0.1,
+        hidden: int = 16,
+        data_seed: int = 0,
+        optimizer: str = "sgd",
+    ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Linear(hidden, classes))
         g = torch.Generator().manual_seed(data_seed)

@@ -12,7 +12,7 @@ from conftest import TinyModule, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp import DPConfigurationError, DPStrategy, EmptyBatch, FlatClipping, PrivacyCallback
 from lightning_dp.accounting import compute_epsilon
@@ -78,20 +78,24 @@ class RecordingClipping(FlatClipping):
         for i in range(grad_samples[0].shape[0]):
             single = [g[i : i + 1] for g in grad_samples]
             contribution = super().clip_and_sum(single, ctx)
-            self.max_contribution = max(self.max_contribution, float(per_sample_norms([c[None] for c in contribution])[0]))
+            self.max_contribution = max(
+                self.max_contribution, float(per_sample_norms([c[None] for c in contribution])[0])
+            )
         if grad_samples[0].shape[0]:
             self.max_raw_norm = max(self.max_raw_norm, float(per_sample_norms(grad_samples).max()))
         return out
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_every_contribution_is_at_most_C(precision):
+def test_every_contribution_is_at_most_c(precision):
     module = TinyModule(n=64, batch_size=16)
     module.x = module.x * 1e3  # extreme inputs: raw per-example norms far above C
     clipping = RecordingClipping()
     C = 0.05
     trainer = make_trainer(
-        DPStrategy(noise_multiplier=1.0, max_grad_norm=C, clipping=clipping, seed=0), precision=precision, max_epochs=1
+        DPStrategy(noise_multiplier=1.0, max_grad_norm=C, clipping=clipping, seed=0),
+        precision=precision,
+        max_epochs=1,
     )
     trainer.fit(module)
     assert clipping.max_raw_norm > 10 * C
@@ -100,7 +104,7 @@ def test_every_contribution_is_at_most_C(precision):
         assert torch.bfloat16 in clipping.grad_dtypes
 
 
-def test_noise_std_matches_sigma_C_over_B():
+def test_noise_std_matches_sigma_c_over_b():
     """Zero-signal loss: the private gradient is pure noise with std σC/(qN) on every coordinate."""
     grads = []
 
@@ -116,7 +120,9 @@ def test_noise_std_matches_sigma_C_over_B():
             grads.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]))
 
     sigma, C = 2.0, 3.0
-    trainer = make_trainer(DPStrategy(noise_multiplier=sigma, max_grad_norm=C), max_steps=3, callbacks=[Capture()])
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=sigma, max_grad_norm=C), max_steps=3, callbacks=[Capture()]
+    )
     trainer.fit(ZeroSignal())
     noise = torch.cat(grads)
     expected = sigma * C / 40.0
@@ -150,7 +156,9 @@ def test_empty_batches_are_noise_only_steps_user_code_never_sees():
     assert len(module.seen_batch_sizes) < 170  # many steps never reached training_step
     assert min(module.seen_batch_sizes) >= 1
     assert all(not torch.equal(a, b) for a, b in zip(before, _params(module), strict=True))
-    assert strategy.epsilon == pytest.approx(compute_epsilon(noise_multiplier=1.0, sample_rate=1 / 200, steps=200, delta=1e-5))
+    assert strategy.epsilon == pytest.approx(
+        compute_epsilon(noise_multiplier=1.0, sample_rate=1 / 200, steps=200, delta=1e-5)
+    )
 
 
 def test_collate_turns_empty_index_list_into_sentinel():
@@ -164,8 +172,11 @@ def test_collate_turns_empty_index_list_into_sentinel():
 def test_poisson_batches_have_the_expected_size_and_own_rng():
     sizes = []
     module = TinyModule(n=1000, batch_size=50)
-    module.training_step = lambda batch, batch_idx: sizes.append(len(batch[0])) or nn.functional.cross_entropy(  # type: ignore[method-assign]
-        module(batch[0]), batch[1]
+    module.training_step = lambda batch, batch_idx: (
+        sizes.append(len(batch[0]))
+        or nn.functional.cross_entropy(  # type: ignore[method-assign]
+            module(batch[0]), batch[1]
+        )
     )
     torch.manual_seed(0)
     make_trainer(DPStrategy(noise_multiplier=1.0), max_epochs=5).fit(module)
@@ -184,7 +195,9 @@ def test_target_epsilon_calibrates_and_never_overshoots(tmp_path):
     assert strategy.epsilon > 1.9  # calibrated, not wastefully conservative
     report = json.loads((tmp_path / "privacy_report.json").read_text())
     assert report["epsilon"] == pytest.approx(strategy.epsilon)
-    assert report["steps"] == 24 and report["sampler"] == "Poisson" and report["clipping"] == "FlatClipping"
+    assert report["steps"] == 24
+    assert report["sampler"] == "Poisson"
+    assert report["clipping"] == "FlatClipping"
     assert report["sample_rate"] == pytest.approx(32 / 256)
     assert (tmp_path / "privacy_curve.png").stat().st_size > 1000
 
@@ -193,7 +206,9 @@ def test_budget_stop_happens_before_the_step_that_would_exceed(tmp_path):
     sigma, q = 1.0, 32 / 256
     target = compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=10, delta=1e-5) + 1e-6
     module = TinyModule(n=256, batch_size=32)
-    trainer = make_trainer(DPStrategy(noise_multiplier=sigma, target_epsilon=target, seed=0), tmp_path, max_epochs=5)
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=sigma, target_epsilon=target, seed=0), tmp_path, max_epochs=5
+    )
     trainer.fit(module)
     assert trainer.strategy.engine.steps == 10
     assert trainer.strategy.epsilon <= target
@@ -206,7 +221,11 @@ def test_epsilon_is_logged_to_loggers_and_progress_bar(tmp_path):
 
     module = TinyModule(n=128, batch_size=32)
     trainer = make_trainer(
-        DPStrategy(noise_multiplier=1.0, seed=0), tmp_path, logger=CSVLogger(tmp_path), log_every_n_steps=1, max_epochs=2
+        DPStrategy(noise_multiplier=1.0, seed=0),
+        tmp_path,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        max_epochs=2,
     )
     trainer.fit(module)
     assert "dp/epsilon" in trainer.progress_bar_metrics
@@ -258,7 +277,9 @@ def test_resume_without_privacy_state_is_refused(tmp_path):
     ckpt = tmp_path / "plain.ckpt"
     plain.save_checkpoint(ckpt)
     with pytest.raises(DPConfigurationError, match="no privacy state"):
-        make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=2).fit(TinyModule(), ckpt_path=ckpt)
+        make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=2).fit(
+            TinyModule(), ckpt_path=ckpt
+        )
 
 
 def test_resume_with_a_different_dataset_is_refused(tmp_path):
@@ -267,7 +288,9 @@ def test_resume_with_a_different_dataset_is_refused(tmp_path):
     ckpt = tmp_path / "a.ckpt"
     trainer.save_checkpoint(ckpt)
     with pytest.raises(DPConfigurationError, match="different data set"):
-        make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=4).fit(TinyModule(n=300), ckpt_path=ckpt)
+        make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=4).fit(
+            TinyModule(n=300), ckpt_path=ckpt
+        )
 
 
 # -- refusals ------------------------------------------------------------------------------------
@@ -294,7 +317,9 @@ def test_refuses_fp16_with_grad_scaler():
 class WithBatchNorm(TinyModule):
     def __init__(self, affine: bool = True):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16, affine=affine), nn.Tanh(), nn.Linear(16, 3))
+        self.net = nn.Sequential(
+            nn.Linear(10, 16), nn.BatchNorm1d(16, affine=affine), nn.Tanh(), nn.Linear(16, 3)
+        )
 
 
 @pytest.mark.parametrize("affine", [True, False])

@@ -25,7 +25,9 @@ class ConstantNoise(Noise):
             raise RuntimeError("The noise multiplier is not set: give noise_multiplier or target_epsilon.")
         return self.sigma
 
-    def calibrate(self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str) -> None:
+    def calibrate(
+        self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str
+    ) -> None:
         self.sigma = calibrate_noise(
             target_epsilon=target_epsilon,
             delta=delta,

@@ -20,7 +20,9 @@ from lightning_dp.slots import Sampler
 class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
     """Yields ``num_batches`` index lists per epoch, each a Bernoulli(q) draw over this rank's share."""
 
-    def __init__(self, indices: torch.Tensor, sample_rate: float, num_batches: int, generator: torch.Generator):
+    def __init__(
+        self, indices: torch.Tensor, sample_rate: float, num_batches: int, generator: torch.Generator
+    ):
         self.indices = indices
         self.sample_rate = sample_rate
         self.num_batches = num_batches
