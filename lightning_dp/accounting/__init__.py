@@ -1,0 +1,29 @@
+"""Privacy accounting for lightning-dp: events, a ledger with check-before-spend, and noise calibration.
+
+Typical use::
+
+    from lightning_dp.accounting import PoissonGaussian, PrivacyLedger, calibrate_noise, compute_epsilon
+
+    sigma = calibrate_noise(target_epsilon=8, delta=1e-5, sample_rate=0.04, steps=2250)
+    ledger = PrivacyLedger(delta=1e-5)            # RDP by default; accountant="prv" is tighter but slower
+    ledger.spend(PoissonGaussian(sigma, 0.04), target_epsilon=8)   # raises BudgetExceededError if over
+"""
+
+from .calibrate import calibrate_noise, compute_epsilon
+from .events import Gaussian, PoissonGaussian, PrivacyEvent
+from .ledger import BudgetExceededError, PrivacyLedger
+from .prv import PRVNumericalError
+from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
+
+__all__ = [
+    "DEFAULT_ORDERS",
+    "BudgetExceededError",
+    "Gaussian",
+    "PRVNumericalError",
+    "PoissonGaussian",
+    "PrivacyEvent",
+    "PrivacyLedger",
+    "calibrate_noise",
+    "compute_epsilon",
+    "epsilon_from_rdp",
+]
