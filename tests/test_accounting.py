@@ -240,6 +240,8 @@ def test_ledger_equals_compute_epsilon_for_constant_events(accountant):
         "accountant": accountant,
     }
     assert ledger.epsilon() == compute_epsilon(**kw)
+    spent = PrivacyLedger(DELTA, accountant)
+    assert spent.spend(event, target_epsilon=100.0, count=400) == spent.epsilon() == ledger.epsilon()
 
 
 def test_epsilon_read_is_cheap():
@@ -418,6 +420,17 @@ def test_epsilon_curve_and_summary():
         "best_order": ledger.epsilon_and_order()[1],
     }
     assert "best_order" not in PrivacyLedger(DELTA, "prv").summary()
+    assert PrivacyLedger(DELTA).epsilon_curve() == [(0, 0.0)]
+
+
+def test_prv_epsilon_curve():
+    ledger = _ledger([((1.0, 0.1), 40), ((2.0, 0.1), 20)], accountant="prv")
+    curve = ledger.epsilon_curve(num_points=6)  # default is 25 for PRV: each point is a PRV evaluation
+    assert [step for step, _ in curve] == [0, 12, 24, 36, 48, 60]
+    assert curve[0] == (0, 0.0)
+    assert curve[-1] == (60, ledger.epsilon())
+    eps = [e for _, e in curve]
+    assert all(e2 >= e1 - 1e-9 for e1, e2 in itertools.pairwise(eps))
 
 
 def test_events_are_hashable_values():

@@ -238,9 +238,15 @@ class PrivacyLedger:
         return self.epsilon_if(event, count) <= target
 
     def spend(self, event: PrivacyEvent, target_epsilon: float, count: int = 1) -> float:
-        """Record ``count`` × ``event`` if ε stays ≤ target and return the new ε; else raise, recording nothing."""
+        """Record ``count`` × ``event`` if ε stays ≤ target and return the new ε; else raise, recording nothing.
+
+        Costs one ε evaluation: the priced value becomes the cached ε of the new history.
+        """
         target = _check_target(target_epsilon)
-        would_be = self.epsilon_if(event, count)
+        event = _check_event(event)
+        count = _check_count(count)
+        self._check_priceable(event)
+        would_be, order = self._epsilon_with(event, count, self._delta)
         if not would_be <= target:
             spent = self.epsilon()
             raise BudgetExceededError(
@@ -253,7 +259,8 @@ class PrivacyLedger:
                 count=count,
             )
         self.record(event, count)
-        return self.epsilon()
+        self._eps_cache[self._delta] = (would_be, order)  # same function of the same history
+        return would_be
 
     def affordable_count(self, event: PrivacyEvent, target_epsilon: float) -> int:
         """How many more ``event`` s fit under ``target_epsilon``: n with ε(n) ≤ target < ε(n + 1).
@@ -339,11 +346,14 @@ class PrivacyLedger:
         return min(shadow.affordable_count(event, target), sys.maxsize)
 
     # ------------------------------------------------------------------ curve
-    def epsilon_curve(self, num_points: int = 200) -> list[tuple[int, float]]:
+    def epsilon_curve(self, num_points: int | None = None) -> list[tuple[int, float]]:
         """``[(step, ε after that many steps), ...]`` at up to ``num_points`` evenly spaced steps, for plots.
 
-        Always includes step 0 (ε = 0) and the last step. With PRV each point is a PRV evaluation.
+        Always includes step 0 (ε = 0) and the last step. Default: 200 points with RDP (microseconds
+        each), 25 with PRV, where each point is a full PRV evaluation (~0.1-1 s).
         """
+        if num_points is None:
+            num_points = 25 if self._accountant == "prv" else 200
         if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 2:
             raise ValueError(f"num_points must be an integer >= 2, got {num_points!r}")
         if self._steps == 0:
