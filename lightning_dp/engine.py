@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.accounting import BudgetExceededError, PrivacyLedger
+from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
 from lightning_dp.grad_sample import PerSampleGradients
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
@@ -35,7 +35,7 @@ class PrivateStepEngine:
         max_grad_norm: float,
         delta: float,
         target_epsilon: float | None,
-        accountant: str,
+        accountant: Literal["rdp", "prv"],
         loss_reduction: str,
         seed: int | None,
     ) -> None:
@@ -46,7 +46,7 @@ class PrivateStepEngine:
         self.accountant = accountant
         self.loss_reduction = loss_reduction
         self.seed = seed
-        self.ledger = PrivacyLedger(delta=delta, accountant=accountant)  # type: ignore[arg-type]
+        self.ledger = PrivacyLedger(delta=delta, accountant=accountant)
         self.steps = 0
         self.grads: PerSampleGradients | None = None
         self.generator: torch.Generator | None = None
@@ -107,14 +107,8 @@ class PrivateStepEngine:
             self._check_consistency(params, grad_samples, batch)
         sigma = self.noise.noise_multiplier(self.steps)
         event = self.sampler.event(sigma)
-        if self.target_epsilon is not None:
-            try:
-                self.ledger.spend(event, self.target_epsilon)
-            except BudgetExceededError:
-                self.grads.clear()
-                raise
-        else:
-            self.ledger.record(event)
+        self._check_affordable(event)
+        self.ledger.record(event)
         device = params[0].device
         ctx = StepContext(
             step=self.steps,
@@ -135,6 +129,23 @@ class PrivateStepEngine:
         self.steps += 1
         self.pending_ctx = ctx
         return ctx
+
+    def _check_affordable(self, event: PrivacyEvent) -> None:
+        """Check before spend: refuse a release the target cannot pay for (O(1) per step, even with PRV)."""
+        target = self.target_epsilon
+        if target is None or self.ledger.affordable_count(event, target) >= 1:
+            return
+        assert self.grads is not None
+        self.grads.clear()
+        spent = self.ledger.epsilon()
+        raise BudgetExceededError(
+            f"Privacy budget exhausted: ε={spent:.4g} spent of target {target:g}; one more step would exceed it.",
+            spent=spent,
+            target=target,
+            would_be=self.ledger.epsilon_if(event),
+            event=event,
+            count=1,
+        )
 
     def _check_consistency(self, params: list[nn.Parameter], grad_samples: list[Tensor], batch: int) -> None:
         """Once: the mean of the per-example gradients must equal the ordinary gradient."""

@@ -416,3 +416,19 @@ def test_torchvision_resnet_with_inplace_relu_trains():
     make_trainer(DPStrategy(noise_multiplier=0.5, on_batchnorm="replace"), max_steps=2).fit(module)
     assert not torch.equal(before[0], next(module.parameters()))
     del torchvision
+
+
+def test_prv_accountant_end_to_end(tmp_path):
+    """PRV: calibrated below target, priced per step without re-running PRV each step, reported."""
+    module = TinyModule(n=256, batch_size=32)
+    trainer = make_trainer(DPStrategy(target_epsilon=2.0, accountant="prv", seed=0), tmp_path, max_epochs=2)
+    trainer.fit(module)
+    strategy = trainer.strategy
+    assert strategy.engine.steps == 16
+    sigma = strategy.engine.noise.noise_multiplier(0)
+    expected = compute_epsilon(
+        noise_multiplier=sigma, sample_rate=32 / 256, steps=16, delta=1e-5, accountant="prv"
+    )
+    assert strategy.epsilon == pytest.approx(expected, rel=1e-6)
+    assert strategy.epsilon <= 2.0
+    assert json.loads((tmp_path / "privacy_report.json").read_text())["accountant"] == "prv"
