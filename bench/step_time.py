@@ -1,0 +1,760 @@
+"""Time one training step: plain vs lightning-dp's DP-SGD step vs Opacus (hooks, ghost clipping).
+
+Every variant trains its own copy of the same initial model on the same fixed batch, in one process,
+on one thread. Variants run in interleaved rounds (round-robin, the order rotating every round) and
+the table reports medians, so slow drifts of the machine hit every variant alike. Data loading is
+excluded: the batch is already on the device. Each step is timed the way its library runs it:
+
+* plain         forward, mean cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``
+* lightning-dp  the library's :class:`~lightning_dp.engine.PrivateStepEngine` without a Trainer:
+                forward, loss, backward (per-example gradients in tensor hooks), ``engine.privatize()``
+                (flat clipping in fp32, Gaussian noise, ledger), ``engine.apply_step(optimizer)``, zero_grad
+* opacus hooks  ``PrivacyEngine().make_private(...)``: forward, loss, backward, ``optimizer.step()``
+* opacus ghost  ``make_private(..., grad_sample_mode="ghost")``: the wrapped criterion's ``.backward()``
+                runs Opacus's two backward passes, then ``optimizer.step()``
+
+A second, small table runs a real ``lightning.Trainer`` (plain, and ``DPStrategy(noise_multiplier=1.0)``
+with and without ε logged every step) for a fixed number of steps on an in-memory data set.
+
+Run from the repository root::
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/step_time.py [--json results.json]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# One thread everywhere, set before torch is imported (the intra-op pool reads it at start-up).
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import gc
+import json
+import logging
+import math
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning as L
+import opacus
+import torch
+import torch.nn.functional as F
+from opacus import PrivacyEngine
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import lightning_dp
+from lightning_dp import PrivacyCallback
+from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
+from lightning_dp.clipping import FlatClipping
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.noise import ConstantNoise
+from lightning_dp.sampling import Poisson
+from lightning_dp.slots import Step
+from lightning_dp.strategy import DPStrategy
+from recipes.models import mlp, tramer_boneh_cnn
+
+SIGMA = 1.0
+MAX_GRAD_NORM = 1.0
+LR = 0.05
+DATASET_SIZE = 60_000  # what the sample rate q = B / N refers to (MNIST); only the accountants see it
+VARIANTS = ("plain", "lightning-dp", "opacus hooks", "opacus ghost")
+
+
+# -- models ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    key: str
+    title: str
+    build: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]  # without the batch dimension
+
+
+MODELS = {
+    "cnn": ModelSpec("cnn", "Tramèr & Boneh MNIST CNN", tramer_boneh_cnn, (1, 28, 28)),
+    "mlp": ModelSpec("mlp", "MLP 784-1000-10", lambda: mlp(784, [1000], 10), (784,)),
+}
+
+
+def fixed_batch(
+    spec: ModelSpec, batch_size: int, device: torch.device, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((batch_size, *spec.input_shape), generator=g)
+    y = torch.randint(0, 10, (batch_size,), generator=g)
+    return x.to(device), y.to(device)
+
+
+class _RepeatDataset(Dataset):
+    """A data set of ``n`` examples that cycles the fixed batch: it only tells Opacus N (and q)."""
+
+    def __init__(self, x: Tensor, y: Tensor, n: int) -> None:
+        self.x, self.y, self.n = x.cpu(), y.cpu(), n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        j = i % len(self.y)
+        return self.x[j], self.y[j]
+
+
+# -- variants -------------------------------------------------------------------------------------------
+Phase = tuple[str, Callable[[], None]]
+
+
+@dataclass
+class Variant:
+    """One way of running the step: named phases (timed separately), then ``zero`` (also timed)."""
+
+    name: str
+    phases: list[Phase] = field(default_factory=list)
+    zero: Callable[[], None] = lambda: None
+    params: list[nn.Parameter] = field(default_factory=list)
+    error: str | None = None
+    times: list[float] = field(default_factory=list)
+    phase_times: dict[str, list[float]] = field(default_factory=dict)
+    rounds: int = 0
+    peak_bytes: int | None = None
+    note: str = ""
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def build_plain(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
+    model = copy.deepcopy(base)
+    opt = _sgd(model)
+
+    def fwd_bwd() -> None:
+        F.cross_entropy(model(x), y).backward()
+
+    return Variant(
+        "plain",
+        [("fwd+bwd", fwd_bwd), ("update", opt.step)],
+        zero=lambda: opt.zero_grad(set_to_none=True),
+        params=list(model.parameters()),
+    )
+
+
+def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
+    model = copy.deepcopy(base)
+    opt = _sgd(model)
+    engine = PrivateStepEngine(
+        sampler=Poisson(seed=0),
+        clipping=FlatClipping(),
+        noise=ConstantNoise(SIGMA),
+        step=Step(),
+        max_grad_norm=MAX_GRAD_NORM,
+        delta=1e-5,
+        target_epsilon=None,
+        accountant="rdp",
+        loss_reduction="mean",
+        seed=0,
+    )
+    engine.attach(model)
+    engine.sampler.bind(DATASET_SIZE, len(y))
+
+    def fwd_bwd() -> None:
+        F.cross_entropy(model(x), y).backward()
+
+    def zero() -> None:
+        opt.zero_grad(set_to_none=True)
+        assert engine.grads is not None
+        engine.grads.clear()
+
+    variant = Variant(
+        "lightning-dp",
+        [("fwd+bwd", fwd_bwd), ("privatize", engine.privatize), ("update", lambda: engine.apply_step(opt))],
+        zero=zero,
+        params=list(model.parameters()),
+    )
+    variant.engine = engine  # type: ignore[attr-defined]  # for the correctness check
+    return variant
+
+
+def _opacus_loader(x: Tensor, y: Tensor) -> DataLoader:
+    return DataLoader(_RepeatDataset(x, y, DATASET_SIZE), batch_size=len(y))
+
+
+def build_opacus_hooks(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
+    model = copy.deepcopy(base)
+    gsm, dp_opt, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=_sgd(model),
+        data_loader=_opacus_loader(x, y),
+        noise_multiplier=SIGMA,
+        max_grad_norm=MAX_GRAD_NORM,
+        poisson_sampling=False,
+    )
+
+    def fwd_bwd() -> None:
+        F.cross_entropy(gsm(x), y).backward()
+
+    return Variant(
+        "opacus hooks",
+        [("fwd+bwd", fwd_bwd), ("step", dp_opt.step)],
+        zero=lambda: dp_opt.zero_grad(set_to_none=True),
+        params=list(model.parameters()),
+    )
+
+
+def build_opacus_ghost(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
+    model = copy.deepcopy(base)
+    gsm, dp_opt, criterion, _ = PrivacyEngine().make_private(
+        module=model,
+        optimizer=_sgd(model),
+        data_loader=_opacus_loader(x, y),
+        noise_multiplier=SIGMA,
+        max_grad_norm=MAX_GRAD_NORM,
+        poisson_sampling=False,
+        grad_sample_mode="ghost",
+        criterion=nn.CrossEntropyLoss(),
+    )
+
+    def fwd_bwd() -> None:
+        criterion(gsm(x), y).backward()
+
+    return Variant(
+        "opacus ghost",
+        [("fwd+bwd", fwd_bwd), ("step", dp_opt.step)],
+        zero=lambda: dp_opt.zero_grad(set_to_none=True),
+        params=list(model.parameters()),
+    )
+
+
+BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Variant]] = {
+    "plain": build_plain,
+    "lightning-dp": build_lightning_dp,
+    "opacus hooks": build_opacus_hooks,
+    "opacus ghost": build_opacus_ghost,
+}
+
+
+def _reason(err: BaseException) -> str:
+    text = f"{type(err).__name__}: {err}".replace("\n", " ")
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+# -- timing ---------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_step(v: Variant, device: torch.device, record: bool) -> float:
+    """One step (all phases, then zero_grad); returns its wall time in seconds."""
+    _sync(device)
+    start = last = time.perf_counter()
+    for name, fn in v.phases:
+        fn()
+        _sync(device)
+        now = time.perf_counter()
+        if record:
+            v.phase_times.setdefault(name, []).append(now - last)
+        last = now
+    v.zero()
+    _sync(device)
+    end = time.perf_counter()
+    if record:
+        v.phase_times.setdefault("zero_grad", []).append(end - last)
+        v.times.append(end - start)
+    return end - start
+
+
+def check_variant(v: Variant, device: torch.device) -> None:
+    """Run one step and assert the gradient it applied and the weights it produced are finite."""
+    before = [p.detach().clone() for p in v.params]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _, fn in v.phases:
+            fn()
+    inconsistent = [w for w in caught if "do not add up" in str(w.message)]
+    if inconsistent:
+        raise AssertionError(str(inconsistent[0].message))
+    grads = [p.grad for p in v.params]
+    if any(g is None for g in grads):
+        raise AssertionError("a parameter has no gradient after the step")
+    if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+        raise AssertionError("non-finite gradient")
+    if not all(bool(torch.isfinite(p).all()) for p in v.params):
+        raise AssertionError("non-finite weights after the step")
+    if all(torch.equal(b, p.detach()) for b, p in zip(before, v.params)):
+        raise AssertionError("the step did not change the weights")
+    engine = getattr(v, "engine", None)
+    if engine is not None and (engine.steps != 1 or engine.pending_ctx is not None):
+        raise AssertionError("the engine did not complete exactly one private step")
+    v.zero()
+    _sync(device)
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+_LIBC: Any = None
+
+
+def _malloc_trim() -> None:
+    global _LIBC
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6")
+        _LIBC.malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def rss_peak_available() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _status_kb("VmHWM")
+        return True
+    except OSError:
+        return False
+
+
+def measure_peak(v: Variant, device: torch.device) -> int:
+    """Extra memory one step needs at its peak, over what is live before it (bytes).
+
+    CUDA: ``max_memory_allocated`` over ``memory_allocated``. CPU: the process's peak RSS (VmHWM,
+    reset through /proc/self/clear_refs) over its RSS just before the step, after ``malloc_trim``
+    so freed heap pages do not hide new allocations. tracemalloc would not see these: it traces
+    Python's allocators only, and torch allocates tensor storage with its own (posix_memalign).
+    """
+    gc.collect()
+    if device.type == "cuda":
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step(v, device, record=False)
+        return torch.cuda.max_memory_allocated(device) - base
+    _malloc_trim()
+    base = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    run_step(v, device, record=False)
+    return max(0, _status_kb("VmHWM") - base)
+
+
+# -- the step benchmark -----------------------------------------------------------------------------------
+def schedule(num_rounds: int, count: int) -> set[int]:
+    """``count`` rounds out of ``num_rounds``, spread evenly (so a slow variant stays interleaved)."""
+    if count >= num_rounds:
+        return set(range(num_rounds))
+    return {min(num_rounds - 1, int(k * num_rounds / count)) for k in range(count)}
+
+
+def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device) -> list[Variant]:
+    torch.manual_seed(0)
+    base = spec.build().to(device)
+    x, y = fixed_batch(spec, args.batch_size, device)
+    variants: list[Variant] = []
+    for name in args.variants:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                v = BUILDERS[name](base, x, y)
+            check_variant(v, device)
+        except Exception as err:  # a mode that does not support this model: report, don't crash
+            v = Variant(name, error=_reason(err))
+        variants.append(v)
+    live = [v for v in variants if v.error is None]
+
+    # Warm-up, which also estimates each variant's step time to size its share of the rounds.
+    estimate: dict[str, float] = {}
+    for v in live:
+        try:
+            ts = [run_step(v, device, record=False) for _ in range(max(1, args.warmup))]
+            estimate[v.name] = statistics.median(ts)
+        except Exception as err:
+            v.error = _reason(err)
+    live = [v for v in live if v.error is None]
+    plan: dict[str, set[int]] = {}
+    for v in live:
+        count = min(args.rounds, max(args.min_rounds, int(args.budget / max(estimate[v.name], 1e-9))))
+        plan[v.name] = schedule(args.rounds, count)
+        if count < args.rounds:
+            v.note = f"{count} of {args.rounds} rounds (slow: ~{estimate[v.name]:.2f} s/step, {args.budget:g} s budget)"
+
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(args.rounds):
+            order = live[r % len(live) :] + live[: r % len(live)] if live else []
+            for v in order:
+                if v.error is None and r in plan[v.name]:
+                    try:
+                        run_step(v, device, record=True)
+                    except Exception as err:
+                        v.error = _reason(err)
+            gc.collect()
+    finally:
+        gc.enable()
+    for v in live:
+        v.rounds = len(v.times)
+
+    if args.memory:
+        can_rss = device.type == "cuda" or rss_peak_available()
+        for v in live:
+            if v.error is None and can_rss:
+                v.peak_bytes = min(measure_peak(v, device) for _ in range(2))
+    return variants
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f}"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def print_model_table(
+    spec: ModelSpec, variants: list[Variant], args: argparse.Namespace, params: int
+) -> None:
+    shape = ", ".join(str(d) for d in (args.batch_size, *spec.input_shape))
+    print(f"\n{spec.title} ({params:,} parameters), batch ({shape}), {args.device}")
+    header = f"{'variant':<14}{'n':>4}{'median ms':>12}{'IQR ms':>16}{'× plain':>9}{'peak MB':>10}"
+    print(header)
+    print("-" * len(header))
+    plain = next((v for v in variants if v.name == "plain" and v.error is None and v.times), None)
+    plain_median = statistics.median(plain.times) if plain else None
+    for v in variants:
+        if v.error is not None or not v.times:
+            print(f"{v.name:<14}  n/a ({v.error or 'no timed rounds'})")
+            continue
+        med = statistics.median(v.times)
+        iqr = f"{_ms(_quantile(v.times, 0.25))}-{_ms(_quantile(v.times, 0.75))}"
+        ratio = f"{med / plain_median:.2f}" if plain_median else "n/a"
+        peak = f"{v.peak_bytes / 2**20:,.0f}" if v.peak_bytes is not None else "n/a"
+        print(f"{v.name:<14}{v.rounds:>4}{_ms(med):>12}{iqr:>16}{ratio:>9}{peak:>10}")
+    print("  phases (median ms):")
+    for v in variants:
+        if v.error is None and v.times:
+            parts = ", ".join(f"{k} {_ms(statistics.median(t))}" for k, t in v.phase_times.items())
+            print(f"    {v.name:<14}{parts}")
+    for v in variants:
+        if v.note:
+            print(f"  note: {v.name}: {v.note}")
+
+
+def variant_record(spec: ModelSpec, v: Variant, plain_median: float | None) -> dict[str, Any]:
+    rec: dict[str, Any] = {"model": spec.key, "variant": v.name}
+    if v.error is not None or not v.times:
+        rec["error"] = v.error or "no timed rounds"
+        return rec
+    med = statistics.median(v.times)
+    rec.update(
+        rounds=v.rounds,
+        median_ms=med * 1e3,
+        p25_ms=_quantile(v.times, 0.25) * 1e3,
+        p75_ms=_quantile(v.times, 0.75) * 1e3,
+        ratio_to_plain=med / plain_median if plain_median else None,
+        peak_mb=v.peak_bytes / 2**20 if v.peak_bytes is not None else None,
+        phases_median_ms={k: statistics.median(t) * 1e3 for k, t in v.phase_times.items()},
+        note=v.note or None,
+    )
+    return rec
+
+
+# -- the Trainer benchmark -----------------------------------------------------------------------------------
+class _Classifier(L.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _sgd(self)
+
+
+class _StepTimer(L.Callback):
+    """Timestamps each training batch: start (batch already fetched) and end (after every callback)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        _sync(self.device)
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        _sync(self.device)
+        self.ends.append(time.perf_counter())
+
+
+def bench_trainer(spec: ModelSpec, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    n = args.batch_size * (args.trainer_steps + 1)  # one epoch covers every step: no epoch boundary inside
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(
+        torch.randn((n, *spec.input_shape), generator=g), torch.randint(0, 10, (n,), generator=g)
+    )
+    configs: list[tuple[str, Callable[[], tuple[Any, list[L.Callback]]]]] = [
+        ("plain Trainer", lambda: ("auto", [])),
+        (
+            "DPStrategy, ε logged every step",
+            lambda: (DPStrategy(noise_multiplier=SIGMA, seed=0), [PrivacyCallback(report=False)]),
+        ),
+        (
+            "DPStrategy, ε logged once",
+            lambda: (
+                DPStrategy(noise_multiplier=SIGMA, seed=0),
+                [PrivacyCallback(log_every_n_steps=10**9, report=False)],
+            ),
+        ),
+    ]
+    pooled: dict[str, dict[str, list[float]]] = {
+        label: {"step": [], "loop": [], "fit": []} for label, _ in configs
+    }
+    for repeat in range(args.trainer_repeats):
+        for label, make in configs if repeat % 2 == 0 else configs[::-1]:
+            in_step, loop, total = _fit_once(spec, args, device, data, make)
+            pooled[label]["step"] += in_step
+            pooled[label]["loop"] += loop
+            pooled[label]["fit"].append(total)
+    rows = []
+    for label, _ in configs:
+        r = pooled[label]
+        rows.append(
+            {
+                "config": label,
+                "timed": len(r["step"]),
+                "step_ms": statistics.median(r["step"]) * 1e3,
+                "loop_ms": statistics.median(r["loop"]) * 1e3,
+                "fit_s": statistics.median(r["fit"]),
+            }
+        )
+    return rows
+
+
+def _fit_once(
+    spec: ModelSpec,
+    args: argparse.Namespace,
+    device: torch.device,
+    data: TensorDataset,
+    make: Callable[[], tuple[Any, list[L.Callback]]],
+) -> tuple[list[float], list[float], float]:
+    """One ``trainer.fit``; returns the in-step and start-to-start times (s) after warm-up, and the fit time."""
+    skip = min(args.warmup, args.trainer_steps // 2)
+    torch.manual_seed(0)
+    module = _Classifier(spec.build())
+    strategy, callbacks = make()
+    timer = _StepTimer(device)
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = L.Trainer(
+            accelerator=device.type,
+            devices=1,
+            strategy=strategy,
+            max_steps=args.trainer_steps,
+            max_epochs=1,
+            callbacks=[*callbacks, timer],  # the privacy callback first: its logging is inside the step
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            default_root_dir=root,
+        )
+        t0 = time.perf_counter()
+        trainer.fit(module, train_dataloaders=loader)
+        total = time.perf_counter() - t0
+    in_step = [e - s for s, e in zip(timer.starts, timer.ends)][skip:]
+    loop = [b - a for a, b in zip(timer.starts, timer.starts[1:])][skip:]
+    return in_step, loop, total
+
+
+def epsilon_readout_ms(batch_size: int, dataset_size: int, repeats: int = 200) -> float:
+    """Median cost of what the privacy callback adds to the ledger's work per step: record + ε readout."""
+    ledger = PrivacyLedger(delta=1e-5, accountant="rdp")
+    event = PoissonGaussian(noise_multiplier=SIGMA, sample_rate=batch_size / dataset_size)
+    times = []
+    for _ in range(repeats):
+        ledger.record(event)
+        t0 = time.perf_counter()
+        ledger.epsilon()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def print_trainer_table(spec: ModelSpec, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"\nlightning.Trainer, {spec.title}, batch {args.batch_size} (Poisson for DP), {args.device}, logger=False"
+    )
+    header = f"{'configuration':<34}{'steps':>6}{'step ms':>10}{'loop ms':>10}{'× plain':>9}{'fit s':>7}"
+    print(header)
+    print("-" * len(header))
+    base = rows[0]["loop_ms"] if rows else None
+    for r in rows:
+        ratio = f"{r['loop_ms'] / base:.2f}" if base else "n/a"
+        print(
+            f"{r['config']:<34}{r['timed']:>6}{r['step_ms']:>10.1f}{r['loop_ms']:>10.1f}{ratio:>9}{r['fit_s']:>7.1f}"
+        )
+    print(
+        "  step ms: on_train_batch_start → end of on_train_batch_end (training_step, backward, privatize,\n"
+        "  optimizer step, the privacy callback); loop ms: start to start of consecutive batches (adds\n"
+        "  fetching and collating the next batch); medians over every fit's steps after its first warm-up\n"
+        f"  steps, {args.trainer_repeats} fits per configuration in alternating order; × plain on loop ms.\n"
+        f"  For scale: the ledger's ε readout after a new step (PrivacyLedger.epsilon, RDP) takes "
+        f"{epsilon_readout_ms(args.batch_size, args.batch_size * (args.trainer_steps + 1)):.3f} ms."
+    )
+
+
+# -- main -----------------------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=60, help="interleaved rounds (each variant once per round)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before the rounds")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=30.0,
+        help="seconds of timed steps per variant and model; a slower variant runs in fewer (evenly spread) rounds",
+    )
+    p.add_argument("--min-rounds", type=int, default=7, help="rounds a slow variant still gets")
+    p.add_argument("--models", default="cnn,mlp", help=f"comma-separated, from {sorted(MODELS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--trainer-steps", type=int, default=60, help="steps per fit in the Trainer table (0: skip it)"
+    )
+    p.add_argument("--trainer-repeats", type=int, default=2, help="fits per Trainer configuration")
+    p.add_argument("--trainer-model", default="cnn", choices=sorted(MODELS))
+    p.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory pass")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {sorted(MODELS)}")
+    for v in args.variants:
+        if v not in BUILDERS:
+            p.error(f"unknown variant {v!r}; choose from {list(VARIANTS)}")
+    if args.rounds < 1 or args.batch_size < 1:
+        p.error("--rounds and --batch-size must be positive")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    with contextlib.suppress(RuntimeError):  # already set if torch started its inter-op pool
+        torch.set_num_interop_threads(1)
+    for name in ("lightning", "lightning.pytorch", "lightning_dp", "opacus"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+    warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=".*treespec.*")
+    device = torch.device(args.device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    print(
+        f"step_time: torch {torch.__version__}, opacus {opacus.__version__}, lightning {L.__version__}, "
+        f"lightning-dp {lightning_dp.__version__}"
+    )
+    print(
+        f"device {args.device}{f' ({gpu})' if gpu else ''}, CPU {cpu}, torch threads {torch.get_num_threads()}, "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
+    )
+    print(
+        f"σ={SIGMA}, C={MAX_GRAD_NORM}, SGD lr={LR}, q={args.batch_size}/{DATASET_SIZE}; {args.rounds} interleaved "
+        f"rounds after {args.warmup} warm-up steps; medians; peak MB = extra memory at the step's peak "
+        f"({'max_memory_allocated' if device.type == 'cuda' else 'process RSS high-water mark'})"
+    )
+    results: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "env": {
+            "torch": torch.__version__,
+            "opacus": opacus.__version__,
+            "lightning": L.__version__,
+            "lightning_dp": lightning_dp.__version__,
+            "cpu": cpu,
+            "gpu": gpu,
+            "threads": torch.get_num_threads(),
+        },
+        "models": {},
+        "steps": [],
+        "trainer": [],
+    }
+    for key in args.models:
+        spec = MODELS[key]
+        t0 = time.perf_counter()
+        variants = bench_model(spec, args, device)
+        params = sum(p.numel() for p in spec.build().parameters())
+        print_model_table(spec, variants, args, params)
+        print(f"  ({time.perf_counter() - t0:.0f} s)")
+        plain = next((v for v in variants if v.name == "plain" and v.times), None)
+        plain_median = statistics.median(plain.times) if plain else None
+        results["models"][key] = {
+            "title": spec.title,
+            "parameters": params,
+            "input_shape": [args.batch_size, *spec.input_shape],
+        }
+        results["steps"] += [variant_record(spec, v, plain_median) for v in variants]
+        del variants
+        gc.collect()
+    if args.trainer_steps > 0:
+        spec = MODELS[args.trainer_model]
+        try:
+            rows = bench_trainer(spec, args, device)
+            print_trainer_table(spec, rows, args)
+            for r in rows:
+                r["loop_ratio_to_plain"] = r["loop_ms"] / rows[0]["loop_ms"]
+            results["trainer"] = rows
+        except Exception as err:
+            print(f"\nlightning.Trainer table: n/a ({_reason(err)})")
+            results["trainer"] = [{"error": _reason(err)}]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
