@@ -7,13 +7,24 @@ privacy ledger that never lets ε pass its target.
 
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.clipping import FlatClipping
+from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
-from lightning_dp.strategy import DPStrategy, EmptyBatch, register
+from lightning_dp.strategy import DPStrategy, EmptyBatch
 
 __version__ = "0.1.0"
+
+
+def register() -> None:
+    """Make ``strategy="dp"`` and ``strategy="dp_ddp"`` work in ``Trainer`` and LightningCLI YAML."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for cls in (DPStrategy, DPDDPStrategy):
+        if cls.strategy_name not in StrategyRegistry:
+            cls.register_strategies(StrategyRegistry)
+
 
 register()
 
@@ -21,6 +32,7 @@ __all__ = [
     "Clipping",
     "ConstantNoise",
     "DPConfigurationError",
+    "DPDDPStrategy",
     "DPStrategy",
     "EmptyBatch",
     "FlatClipping",
@@ -31,4 +43,5 @@ __all__ = [
     "Step",
     "StepContext",
     "__version__",
+    "register",
 ]

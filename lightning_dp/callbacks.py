@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_dp.report import privacy_report, write_report
 
@@ -16,10 +15,10 @@ log = logging.getLogger(__name__)
 
 def dp_strategy_of(trainer: Trainer) -> Any:
     """The trainer's DP strategy, or a clear error when the Trainer does not train privately."""
-    from lightning_dp.strategy import DPStrategy
+    from lightning_dp.strategy import DPStrategyMixin
 
     strategy = trainer.strategy
-    if not isinstance(strategy, DPStrategy):
+    if not isinstance(strategy, DPStrategyMixin):
         raise TypeError(
             f"PrivacyCallback needs a DP strategy (Trainer(strategy=DPStrategy(...)) or strategy='dp'), "
             f"got {type(strategy).__name__}."
@@ -56,6 +55,25 @@ class PrivacyCallback(Callback):
             "dp/steps": float(engine.steps),
         }
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._stop_if_spent(trainer)
+
+    def _stop_if_spent(self, trainer: Trainer) -> None:
+        """Stop before the next step when the target cannot pay for it (also right after a resume)."""
+        engine = dp_strategy_of(trainer).engine
+        affordable = engine.affordable_steps()
+        if affordable is None or affordable >= 1:
+            return
+        if not trainer.should_stop:
+            log.info(
+                "lightning-dp: privacy budget reached (ε=%.4f of %g) after %d steps; stopping.",
+                engine.ledger.epsilon(),
+                engine.target_epsilon,
+                engine.steps,
+            )
+        trainer.should_stop = True
+        self.stopped_on_budget = True
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -64,17 +82,7 @@ class PrivacyCallback(Callback):
         if engine.steps % max(1, every) == 0 or engine.steps == 1:
             for name, value in self.metrics(trainer).items():
                 pl_module.log(name, value, prog_bar=name == "dp/epsilon", on_step=True, on_epoch=False)
-        affordable = engine.affordable_steps()
-        if affordable is not None and affordable < 1:
-            if not trainer.should_stop:
-                log.info(
-                    "lightning-dp: privacy budget reached (ε=%.4f of %g) after %d steps; stopping.",
-                    engine.ledger.epsilon(),
-                    engine.target_epsilon,
-                    engine.steps,
-                )
-            trainer.should_stop = True
-            self.stopped_on_budget = True
+        self._stop_if_spent(trainer)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._write(trainer)
@@ -88,18 +96,23 @@ class PrivacyCallback(Callback):
         if self.report_path is not None:
             self._write(trainer)
 
-    @rank_zero_only
     def _write(self, trainer: Trainer) -> None:
         if not self.report:
             return
         strategy = dp_strategy_of(trainer)
         if strategy.engine.grads is None and strategy.engine.steps == 0:
             return
-        data = privacy_report(
-            strategy, stopped_on_budget=self.stopped_on_budget, test_metrics=self.test_metrics
-        )
-        directory = trainer.log_dir or trainer.default_root_dir
-        self.report_path = write_report(data, strategy.engine.ledger, os.fspath(directory))
-        log.info(
-            "lightning-dp: ε = %.4f (δ = %g); report in %s", data["epsilon"], data["delta"], self.report_path
-        )
+        directory = trainer.log_dir or trainer.default_root_dir  # a collective under DDP: every rank asks
+        if trainer.is_global_zero:
+            data = privacy_report(
+                strategy, stopped_on_budget=self.stopped_on_budget, test_metrics=self.test_metrics
+            )
+            self.report_path = write_report(data, strategy.engine.ledger, os.fspath(directory))
+            log.info(
+                "lightning-dp: ε = %.4f (δ = %g); report in %s",
+                data["epsilon"],
+                data["delta"],
+                self.report_path,
+            )
+        else:
+            self.report_path = os.path.join(os.fspath(directory), "privacy_report.json")

@@ -53,6 +53,8 @@ class PrivateStepEngine:
         self._pending_generator_state: Tensor | None = None
         self.pending_ctx: StepContext | None = None
         self.all_reduce: AllReduce | None = None
+        self.rank = 0
+        self.world_size = 1
         self._checked_consistency = False
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -74,7 +76,7 @@ class PrivateStepEngine:
 
     def _noise_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
-            self.generator = make_generator(self.seed, stream="noise", device=device)
+            self.generator = make_generator(self.seed, stream=f"noise/{self.rank}", device=device)
             if self._pending_generator_state is not None:
                 self.generator.set_state(self._pending_generator_state)
                 self._pending_generator_state = None
@@ -119,10 +121,12 @@ class PrivateStepEngine:
             generator=self._noise_generator(device),
         )
         sums = self.clipping.clip_and_sum(grad_samples, ctx)
-        if self.all_reduce is not None:
-            sums = self.all_reduce(sums)
         std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
-        noisy = self.noise.add_noise(sums, std, ctx.generator)
+        # Under DDP each rank adds an independent share σC/√W, so the all-reduced sum carries
+        # noise of std σC exactly once; one collective, identical result on every rank.
+        noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
+        if self.all_reduce is not None:
+            noisy = self.all_reduce(noisy)
         for p, g in zip(params, self.clipping.finalize(noisy, ctx), strict=True):
             p.grad = g.to(p.dtype)
         self.grads.clear()

@@ -24,12 +24,15 @@ def batchnorm_layers(module: nn.Module) -> list[str]:
 
 
 def _group_norm_for(bn: _BatchNorm) -> nn.GroupNorm:
+    """GroupNorm(gcd(32, C), C) for image BatchNorm; one group for BatchNorm1d, whose (B, C) input
+    has no spatial extent, so one channel per group would normalise every value to zero."""
     channels = bn.num_features
-    return nn.GroupNorm(math.gcd(32, channels), channels, eps=bn.eps, affine=bn.affine)
+    groups = 1 if isinstance(bn, nn.BatchNorm1d) else math.gcd(32, channels)
+    return nn.GroupNorm(groups, channels, eps=bn.eps, affine=bn.affine)
 
 
 def replace_batchnorm(module: nn.Module) -> list[str]:
-    """Swap every BatchNorm for GroupNorm(gcd(32, C), C) in place; returns the names replaced."""
+    """Swap every BatchNorm for GroupNorm in place (see ``_group_norm_for``); returns the names replaced."""
     replaced = []
     for name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):

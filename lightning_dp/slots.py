@@ -30,7 +30,7 @@ class StepContext:
     max_grad_norm: float
     noise_multiplier: float
     generator: torch.Generator
-    """The noise generator (cryptographically seeded unless the user asked for a seed)."""
+    """The noise generator: seeded from ``os.urandom`` unless the user asked for a seed."""
     extras: dict[str, Any] = field(default_factory=dict)
 
 

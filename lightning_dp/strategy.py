@@ -19,9 +19,10 @@ import warnings
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
+from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
@@ -60,61 +61,43 @@ class _CollateWithEmpty:
         return EmptyBatch() if len(samples) == 0 else self.collate_fn(samples)
 
 
-class DPStrategy(SingleDeviceStrategy):
-    """Differentially private training (DP-SGD by default) for an unmodified LightningModule.
+class DPStrategyMixin(Strategy):
+    """The DP wiring shared by :class:`DPStrategy` and the distributed ``DPDDPStrategy``."""
 
-    Args:
-        target_epsilon: privacy budget ε. σ is calibrated so the planned steps spend at most this, and
-            training stops before a step that would exceed it. Defaults to 3 when neither it nor
-            ``noise_multiplier`` is given.
-        delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
-        max_grad_norm: per-example clipping bound C.
-        noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
-        accountant: ``"rdp"`` or ``"prv"``.
-        sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
-            user's optimizer).
-        on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
-        loss_reduction: whether ``training_step`` returns the batch ``"mean"`` (default) or ``"sum"``.
-        seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``.
-        device: force a device; by default it comes from the Trainer's accelerator and devices.
-    """
+    engine: PrivateStepEngine
+    on_batchnorm: OnBatchNorm
+    per_device_batch_size: bool = False
+    """False: the DataLoader's batch_size is the expected *logical* batch over all devices, so q and
+    ε do not depend on the device count. True: Lightning's per-device meaning (logical = × world size)."""
+    world_size: int
+    global_rank: int
 
-    strategy_name = "dp"
-
-    def __init__(
+    def _init_dp(
         self,
-        target_epsilon: float | None = None,
-        delta: float = 1e-5,
-        max_grad_norm: float = 1.0,
-        noise_multiplier: float | None = None,
-        accountant: Literal["rdp", "prv"] = "rdp",
-        sampler: Sampler | None = None,
-        clipping: Clipping | None = None,
-        noise: Noise | None = None,
-        step: Step | None = None,
-        on_batchnorm: OnBatchNorm = "raise",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        seed: int | None = None,
-        device: str | torch.device | None = None,
-        accelerator: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Precision | None = None,
+        *,
+        target_epsilon: float | None,
+        delta: float,
+        max_grad_norm: float,
+        noise_multiplier: float | None,
+        accountant: Literal["rdp", "prv"],
+        sampler: Sampler | None,
+        clipping: Clipping | None,
+        noise: Noise | None,
+        step: Step | None,
+        on_batchnorm: OnBatchNorm,
+        loss_reduction: Literal["mean", "sum"],
+        seed: int | None,
     ) -> None:
-        super().__init__(
-            device=device if device is not None else "cpu",
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+        """Validate the privacy arguments and build the engine (called by each concrete __init__)."""
+        _validate_privacy_arguments(
+            target_epsilon, delta, max_grad_norm, noise_multiplier, accountant, loss_reduction
         )
-        self._device_given = device is not None
-        self.parallel_devices: list[torch.device] | None = None  # filled in by the Trainer's connector
-        _validate_privacy_arguments(target_epsilon, delta, max_grad_norm, noise_multiplier, accountant)
         if noise is not None and noise_multiplier is not None:
             raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")
         if target_epsilon is None and noise_multiplier is None and (noise is None or not noise.is_set):
             target_epsilon = DEFAULT_TARGET_EPSILON
         if noise_multiplier == 0:
-            warnings.warn("noise_multiplier=0 adds no noise: this run has no privacy (ε = ∞).", stacklevel=2)
+            warnings.warn("noise_multiplier=0 adds no noise: this run has no privacy (ε = ∞).", stacklevel=3)
         self.on_batchnorm: OnBatchNorm = on_batchnorm
         self.engine = PrivateStepEngine(
             sampler=sampler if sampler is not None else Poisson(seed=seed),
@@ -149,18 +132,6 @@ class DPStrategy(SingleDeviceStrategy):
     def delta(self) -> float:
         return self.engine.delta
 
-    # -- device ----------------------------------------------------------------------------------------
-    @property
-    def root_device(self) -> torch.device:
-        if not self._device_given and self.parallel_devices:
-            if len(self.parallel_devices) > 1:
-                raise DPConfigurationError(
-                    f"DPStrategy trains on one device, but the Trainer asked for {len(self.parallel_devices)}. "
-                    "Use devices=1, or the distributed strategy (strategy='dp_ddp')."
-                )
-            return self.parallel_devices[0]
-        return self._root_device
-
     # -- 1. set-up ---------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
@@ -170,6 +141,7 @@ class DPStrategy(SingleDeviceStrategy):
             self.setup_notes = prepare_module(module, self.on_batchnorm)
             self.engine.attach(module)
             self._check_hooks()
+            _warn_on_non_private_gradient_hooks(trainer)
             self._ensure_privacy_callback(trainer)
         super().setup(trainer)
 
@@ -220,13 +192,6 @@ class DPStrategy(SingleDeviceStrategy):
         super().setup_optimizers(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        module = self.lightning_module
-        assert module is not None
-        if module.automatic_optimization and len(self.optimizers) != 1:
-            raise DPConfigurationError(
-                f"configure_optimizers returned {len(self.optimizers)} optimizers; DP training with automatic "
-                "optimization supports exactly one (every private step is one noisy release)."
-            )
         hooked = {id(p) for p in self.engine.params}
         for optimizer in self.optimizers:
             missing = [
@@ -250,8 +215,28 @@ class DPStrategy(SingleDeviceStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpoint[CHECKPOINT_KEY] = self.engine.state_dict()
+        checkpoint[CHECKPOINT_KEY] = self._gather_dp_state()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _gather_dp_state(self) -> dict[str, Any]:
+        """Rank 0's privacy state plus every rank's own (its sampling and noise streams differ)."""
+        state = self.engine.state_dict()
+        states: list[Any] = [state]
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            states = [None] * self.world_size
+            dist.all_gather_object(states, state)
+        return dict(states[0], ranks=states, world_size=self.world_size)
+
+    def _rank_dp_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.world_size:
+            raise DPConfigurationError(
+                f"The checkpoint was written by {saved_world} processes, this run has {self.world_size}. Each "
+                "rank's sampling and noise streams are in the checkpoint and cannot be re-split; resume with "
+                f"the same number of devices × nodes ({saved_world})."
+            )
+        ranks = state.get("ranks")
+        return ranks[self.global_rank] if ranks else state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -266,7 +251,7 @@ class DPStrategy(SingleDeviceStrategy):
                     "without ckpt_path."
                 )
             try:
-                self.engine.load_state_dict(state)
+                self.engine.load_state_dict(self._rank_dp_state(state))
             except ValueError as err:
                 raise DPConfigurationError(str(err)) from err
             self._resumed = True
@@ -297,9 +282,14 @@ class DPStrategy(SingleDeviceStrategy):
             )
         num_samples = len(dataset)  # type: ignore[arg-type]
         sampler = self.engine.sampler
-        sampler.bind(num_samples, loader.batch_size)
+        world = self.world_size
+        logical_batch = loader.batch_size * (world if self.per_device_batch_size else 1)
+        try:
+            sampler.bind(num_samples, logical_batch, rank=self.global_rank, world_size=world)
+        except ValueError as err:
+            raise DPConfigurationError(str(err)) from err
         self._check_resumed_data(sampler)
-        num_batches = max(1, math.ceil(num_samples / loader.batch_size))
+        num_batches = max(1, math.ceil(num_samples / logical_batch))
         if self.engine.delta >= 1.0 / num_samples:
             warnings.warn(
                 f"delta={self.engine.delta:g} is not below 1/N = {1.0 / num_samples:.3g}: a mechanism that "
@@ -422,6 +412,83 @@ class DPStrategy(SingleDeviceStrategy):
         self.optimizers = [o.original_optimizer if isinstance(o, DPOptimizer) else o for o in self.optimizers]
         super().teardown()
 
+
+class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
+    """Differentially private training (DP-SGD by default) for an unmodified LightningModule.
+
+    Args:
+        target_epsilon: privacy budget ε. σ is calibrated so the planned steps spend at most this, and
+            training stops before a step that would exceed it. Defaults to 3 when neither it nor
+            ``noise_multiplier`` is given.
+        delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
+        max_grad_norm: per-example clipping bound C.
+        noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
+        accountant: ``"rdp"`` or ``"prv"``.
+        sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
+            user's optimizer).
+        on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
+        loss_reduction: whether ``training_step`` returns the batch ``"mean"`` (default) or ``"sum"``.
+        seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``.
+        device: force a device; by default it comes from the Trainer's accelerator and devices.
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        target_epsilon: float | None = None,
+        delta: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float | None = None,
+        accountant: Literal["rdp", "prv"] = "rdp",
+        sampler: Sampler | None = None,
+        clipping: Clipping | None = None,
+        noise: Noise | None = None,
+        step: Step | None = None,
+        on_batchnorm: OnBatchNorm = "raise",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        seed: int | None = None,
+        device: str | torch.device | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        SingleDeviceStrategy.__init__(
+            self,
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._device_given = device is not None
+        self.parallel_devices: list[torch.device] | None = None  # filled in by the Trainer's connector
+        self._init_dp(
+            target_epsilon=target_epsilon,
+            delta=delta,
+            max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier,
+            accountant=accountant,
+            sampler=sampler,
+            clipping=clipping,
+            noise=noise,
+            step=step,
+            on_batchnorm=on_batchnorm,
+            loss_reduction=loss_reduction,
+            seed=seed,
+        )
+
+    # -- device ----------------------------------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        if not self._device_given and self.parallel_devices:
+            if len(self.parallel_devices) > 1:
+                raise DPConfigurationError(
+                    f"DPStrategy trains on one device, but the Trainer asked for {len(self.parallel_devices)}. "
+                    "Use devices=1, or the distributed strategy (strategy='dp_ddp')."
+                )
+            return self.parallel_devices[0]
+        return self._root_device
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
@@ -435,6 +502,7 @@ def _validate_privacy_arguments(
     max_grad_norm: float,
     noise_multiplier: float | None,
     accountant: str,
+    loss_reduction: str,
 ) -> None:
     if target_epsilon is not None and not target_epsilon > 0:
         raise DPConfigurationError(f"target_epsilon must be > 0, got {target_epsilon}.")
@@ -448,9 +516,25 @@ def _validate_privacy_arguments(
         raise DPConfigurationError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
     if accountant not in ("rdp", "prv"):
         raise DPConfigurationError(f"accountant must be 'rdp' or 'prv', got {accountant!r}.")
+    if loss_reduction not in ("mean", "sum"):
+        raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
 
 
-def register() -> None:
-    """Make ``strategy="dp"`` work in ``Trainer`` and LightningCLI YAML."""
-    if DPStrategy.strategy_name not in StrategyRegistry:
-        DPStrategy.register_strategies(StrategyRegistry)
+def _warn_on_non_private_gradient_hooks(trainer: Trainer) -> None:
+    """``on_after_backward`` runs before the private step: whatever it logs about gradients leaks."""
+    from lightning.pytorch import Callback, LightningModule
+
+    users = []
+    module = trainer.lightning_module
+    if type(module).on_after_backward is not LightningModule.on_after_backward:
+        users.append(type(module).__name__)
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if type(callback).on_after_backward is not Callback.on_after_backward:
+            users.append(type(callback).__name__)
+    if users:
+        warnings.warn(
+            f"on_after_backward in {users} sees the NON-private gradient (it runs before clipping and noise): "
+            "logging or acting on it is not covered by the privacy guarantee. Use on_before_optimizer_step, "
+            "which sees the private gradient.",
+            stacklevel=2,
+        )

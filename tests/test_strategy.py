@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -330,9 +331,22 @@ def test_refuses_batchnorm_and_names_the_layer(affine):
 
 def test_replaces_batchnorm_with_groupnorm_in_place():
     module = WithBatchNorm()
-    make_trainer(DPStrategy(noise_multiplier=1.0, on_batchnorm="replace"), max_steps=2).fit(module)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "error", message=".*do not add up.*"
+        )  # the replacement must not kill the layer
+        make_trainer(DPStrategy(noise_multiplier=1.0, on_batchnorm="replace"), max_steps=2).fit(module)
     assert isinstance(module.net[1], nn.GroupNorm)
-    assert module.net[1].num_groups == 16
+    assert module.net[1].num_groups == 1  # BatchNorm1d on (B, C): one group, not one channel per group
+
+
+def test_replace_batchnorm2d_uses_gcd_groups():
+    from lightning_dp.prepare import replace_batchnorm
+
+    net = nn.Sequential(nn.Conv2d(3, 48, 3), nn.BatchNorm2d(48, affine=False))
+    assert replace_batchnorm(net) == ["1"]
+    assert isinstance(net[1], nn.GroupNorm)
+    assert (net[1].num_groups, net[1].affine) == (16, False)
 
 
 def test_refuses_parameters_on_the_lightning_module():
@@ -389,7 +403,7 @@ def test_refuses_invalid_arguments(kwargs, match):
 
 
 def test_batch_larger_than_dataset_is_refused():
-    with pytest.raises(ValueError, match="larger than the training set"):
+    with pytest.raises(DPConfigurationError, match="larger than the training set"):
         make_trainer(DPStrategy(noise_multiplier=1.0)).fit(TinyModule(n=16, batch_size=32))
 
 
@@ -432,3 +446,50 @@ def test_prv_accountant_end_to_end(tmp_path):
     assert strategy.epsilon == pytest.approx(expected, rel=1e-6)
     assert strategy.epsilon <= 2.0
     assert json.loads((tmp_path / "privacy_report.json").read_text())["accountant"] == "prv"
+
+
+def test_resuming_a_spent_budget_stops_cleanly_before_any_step(tmp_path):
+    sigma, q = 1.0, 32 / 256
+    target = compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=8, delta=1e-5) + 1e-6
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=sigma, target_epsilon=target, seed=0), tmp_path, max_epochs=3
+    )
+    trainer.fit(TinyModule(n=256, batch_size=32))
+    assert trainer.strategy.engine.steps == 8
+    ckpt = tmp_path / "spent.ckpt"
+    trainer.save_checkpoint(ckpt)
+    module = TinyModule(n=256, batch_size=32)
+    resumed = make_trainer(
+        DPStrategy(noise_multiplier=sigma, target_epsilon=target, seed=0), tmp_path, max_epochs=6
+    )
+    resumed.fit(module, ckpt_path=ckpt)
+    assert resumed.strategy.engine.steps == 8
+    assert module.seen_batch_sizes == []
+
+
+def test_resuming_with_a_new_noise_multiplier_warns_and_prices_it(tmp_path):
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), tmp_path, max_epochs=1)
+    trainer.fit(TinyModule(n=256, batch_size=32))
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    resumed = make_trainer(DPStrategy(noise_multiplier=3.0, seed=0), tmp_path, max_epochs=2)
+    with pytest.warns(UserWarning, match="checkpoint used 1.0"):
+        resumed.fit(TinyModule(n=256, batch_size=32), ckpt_path=ckpt)
+    expected = compute_epsilon(noise_multiplier=1.0, sample_rate=1 / 8, steps=8, delta=1e-5)
+    assert resumed.strategy.epsilon > expected  # eight more steps at σ=3 were added, not re-priced at σ=1
+    history = resumed.strategy.ledger.history
+    assert [(e.noise_multiplier, n) for e, n in history] == [(1.0, 8), (3.0, 8)]
+
+
+def test_on_after_backward_hooks_are_flagged():
+    class Peeks(TinyModule):
+        def on_after_backward(self):
+            pass
+
+    with pytest.warns(UserWarning, match="NON-private gradient"):
+        make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=1).fit(Peeks())
+
+
+def test_invalid_loss_reduction_is_refused_at_construction():
+    with pytest.raises(DPConfigurationError, match="loss_reduction"):
+        DPStrategy(loss_reduction="none")  # type: ignore[arg-type]

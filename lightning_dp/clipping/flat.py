@@ -11,11 +11,11 @@ from lightning_dp.slots import Clipping, StepContext
 
 
 def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
-    """L2 norm of each example's whole gradient (all parameters), computed in fp32."""
+    """L2 norm of each example's whole gradient (all parameters), accumulated in fp32."""
     batch = grad_samples[0].shape[0]
     squares = torch.zeros(batch, dtype=torch.float32, device=grad_samples[0].device)
     for g in grad_samples:
-        squares += g.flatten(1).float().pow(2).sum(dim=1)
+        squares += torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32).square()
     return squares.sqrt()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from lightning_dp.accounting import calibrate_noise
@@ -40,4 +41,12 @@ class ConstantNoise(Noise):
         return {"sigma": self.sigma}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sigma = state.get("sigma", self.sigma)
+        saved = state.get("sigma")
+        if self.sigma is None:
+            self.sigma = saved
+        elif saved is not None and saved != self.sigma:
+            warnings.warn(
+                f"Resuming with noise_multiplier={self.sigma} while the checkpoint used {saved}: the new value "
+                "is used from now on, and the ledger prices every step with the σ it actually had.",
+                stacklevel=2,
+            )

@@ -1,0 +1,95 @@
+"""Runs DP scenarios under 2-process CPU DDP (gloo); launched by tests/test_ddp.py as a script.
+
+Lightning's DDP launcher re-runs this script for rank 1, so every rank executes the same scenarios
+in the same order. Each rank writes its results to ``OUT/<scenario>.rank<r>.json`` (and weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+from conftest import TinyModule  # noqa: E402
+from lightning.pytorch import Callback, Trainer  # noqa: E402
+
+from lightning_dp import DPDDPStrategy  # noqa: E402
+
+torch.set_num_threads(1)
+OUT = Path(sys.argv[1])
+
+
+def trainer(strategy: DPDDPStrategy, **kwargs) -> Trainer:
+    options = dict(
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(OUT),
+    )
+    options.update(kwargs)
+    return Trainer(strategy=strategy, **options)
+
+
+def dump(name: str, strategy: DPDDPStrategy, **extra) -> None:
+    record = {
+        "rank": strategy.global_rank,
+        "steps": strategy.engine.steps,
+        "epsilon": strategy.epsilon,
+        "sample_rate": strategy.engine.sampler.sample_rate,
+        **extra,
+    }
+    (OUT / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
+
+
+# 1. σ = 0, C = ∞, q = 1: two processes must give exactly single-process full-batch training.
+torch.manual_seed(0)
+module = TinyModule(n=64, batch_size=64)  # logical batch = the whole data set, q = 1
+t = trainer(DPDDPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0), max_epochs=5)
+t.fit(module)
+if t.global_rank == 0:
+    torch.save(module.state_dict(), OUT / "exact.pt")
+dump("exact", t.strategy, batches=module.seen_batch_sizes)
+
+
+# 2. Zero-signal loss: the private gradient is noise of std σC/B_global, added once in total.
+class ZeroSignal(TinyModule):
+    def training_step(self, batch, batch_idx):
+        return (self(batch[0]) * 0.0).mean()
+
+
+grads: list[torch.Tensor] = []
+
+
+class Capture(Callback):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]))
+
+
+t = trainer(DPDDPStrategy(noise_multiplier=2.0, max_grad_norm=3.0), max_steps=3, callbacks=[Capture()])
+t.fit(ZeroSignal(n=400, d=50, hidden=100, classes=50, batch_size=40))
+noise = torch.cat(grads)
+dump("noise", t.strategy, std=float(noise.std()), numel=noise.numel(), checksum=float(noise.sum()))
+
+# 3. Tiny q: most local batches are empty; every rank must take every step, with the same ε.
+module = TinyModule(n=200, batch_size=1)  # per device (Lightning's meaning): q = 2/200 over both ranks
+t = trainer(DPDDPStrategy(noise_multiplier=1.0, per_device_batch_size=True), max_epochs=1)
+t.fit(module)
+dump(
+    "tiny_q",
+    t.strategy,
+    seen=len(module.seen_batch_sizes),
+    weights=float(sum(p.sum() for p in module.parameters())),
+)

@@ -1,0 +1,108 @@
+"""DPDDPStrategy on 2 CPU processes (gloo): exactness, noise added once, lock-step under tiny q."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TinyModule, make_trainer
+
+from lightning_dp import DPStrategy
+from lightning_dp.accounting import compute_epsilon
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    run = subprocess.run(
+        [sys.executable, str(HERE / "ddp_worker.py"), str(out)],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+
+    def load(name: str) -> list[dict]:
+        return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
+
+    return out, load
+
+
+@pytest.mark.slow
+def test_two_processes_equal_single_process_training(ddp_results):
+    out, load = ddp_results
+    torch.manual_seed(0)
+    single = TinyModule(n=64, batch_size=64)
+    make_trainer(DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0), max_epochs=5).fit(single)
+    ddp_state = torch.load(out / "exact.pt", weights_only=True)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(ddp_state[key], value, rtol=1e-5, atol=1e-6)
+    ranks = load("exact")
+    assert [r["batches"] for r in ranks] == [[32] * 5, [32] * 5]  # each rank: its half of the logical batch
+    assert ranks[0]["sample_rate"] == 1.0
+
+
+@pytest.mark.slow
+def test_noise_is_added_once_in_total(ddp_results):
+    _, load = ddp_results
+    ranks = load("noise")
+    expected = 2.0 * 3.0 / 40.0  # σC / B_logical, split over 2 ranks
+    assert ranks[0]["numel"] > 30_000
+    assert abs(ranks[0]["std"] / expected - 1) < 0.03  # √2× too large if every rank added full noise
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # every rank applies the same private gradient
+
+
+@pytest.mark.slow
+def test_tiny_sample_rate_keeps_ranks_in_lock_step(ddp_results):
+    _, load = ddp_results
+    r0, r1 = load("tiny_q")
+    assert r0["steps"] == r1["steps"] == 100  # 200 examples / (1 per device × 2 devices)
+    assert r0["epsilon"] == r1["epsilon"]
+    assert r0["epsilon"] == pytest.approx(
+        compute_epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5)
+    )
+    assert r0["seen"] < 100
+    assert r1["seen"] < 100
+    assert r0["weights"] == r1["weights"]
+
+
+@pytest.mark.slow
+def test_cli_on_two_processes_matches_single_process_epsilon(tmp_path):
+    """The issue's acceptance run: the digits config on 2 CPU processes, same q, steps and ε."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    config = str(HERE.parent / "configs" / "digits_dpsgd.yaml")
+    common = ["--config", config, "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "3"]
+
+    def run(*extra: str) -> dict:
+        out = tmp_path / str(len(extra))
+        out.mkdir()
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightning_dp.cli",
+            "fit",
+            *common,
+            "--trainer.logger.init_args.save_dir",
+            str(out),
+            *extra,
+        ]
+        done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return json.loads(next(out.rglob("privacy_report.json")).read_text())
+
+    single = run()
+    double = run("--trainer.strategy", "dp_ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
+    for key in ("epsilon", "steps", "sample_rate", "noise_multiplier"):
+        assert double[key] == single[key], key
+    assert "test_accuracy" in double
