@@ -65,6 +65,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
         loss_reduction: Literal["mean", "sum"] = "mean",
         seed: int | None = None,
         per_device_batch_size: bool = False,
+        max_physical_batch_size: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -99,6 +100,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             on_batchnorm=on_batchnorm,
             loss_reduction=loss_reduction,
             seed=seed,
+            max_physical_batch_size=max_physical_batch_size,
         )
         self.per_device_batch_size = per_device_batch_size
 

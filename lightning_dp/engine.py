@@ -56,6 +56,8 @@ class PrivateStepEngine:
         self.rank = 0
         self.world_size = 1
         self._checked_consistency = False
+        self._partial: list[Tensor] | None = None
+        self._partial_batch = 0
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, module: nn.Module) -> None:
@@ -94,8 +96,45 @@ class PrivateStepEngine:
         return int(self.ledger.affordable_count(self.next_event(), self.target_epsilon))
 
     # -- the private step ---------------------------------------------------------------------------
+    def _context(self, batch: int) -> StepContext:
+        assert self.grads is not None, "attach() first"
+        return StepContext(
+            step=self.steps,
+            batch_size=batch,
+            expected_batch_size=self.sampler.expected_batch_size,
+            max_grad_norm=self.max_grad_norm,
+            noise_multiplier=self.noise.noise_multiplier(self.steps),
+            generator=self._noise_generator(self.grads.params[0].device),
+        )
+
+    def _clipped_sums(self) -> tuple[list[Tensor], StepContext]:
+        """Clip the per-example gradients just backpropagated and sum them (releases nothing)."""
+        assert self.grads is not None, "attach() first"
+        grad_samples, batch = self.grads.collect()
+        if batch and not self._checked_consistency:
+            self._check_consistency(self.grads.params, grad_samples, batch)
+        ctx = self._context(batch)
+        sums = self.clipping.clip_and_sum(grad_samples, ctx)
+        self.grads.clear()
+        return sums, ctx
+
+    def accumulate_chunk(self) -> None:
+        """Virtual batching: fold one physical chunk's clipped sum into the pending logical step.
+
+        Nothing is released and nothing is priced: noise is added once, by the ``privatize`` that
+        ends the logical batch. The non-private ``p.grad`` of the chunk is discarded.
+        """
+        sums, ctx = self._clipped_sums()
+        if self._partial is None:
+            self._partial, self._partial_batch = sums, ctx.batch_size
+        else:
+            self._partial = [a + b for a, b in zip(self._partial, sums, strict=True)]
+            self._partial_batch += ctx.batch_size
+        for p in self.params:
+            p.grad = None
+
     def privatize(self) -> StepContext:
-        """Replace every ``p.grad`` with the private gradient of the batch just backpropagated."""
+        """Replace every ``p.grad`` with the private gradient of the logical batch just backpropagated."""
         assert self.grads is not None, "attach() first"
         if self.pending_ctx is not None:
             raise RuntimeError(
@@ -103,33 +142,23 @@ class PrivateStepEngine:
                 "followed by optimizer.step(). For larger logical batches use max_physical_batch_size, "
                 "not gradient accumulation."
             )
-        grad_samples, batch = self.grads.collect()
-        params = self.grads.params
-        if batch and not self._checked_consistency:
-            self._check_consistency(params, grad_samples, batch)
-        sigma = self.noise.noise_multiplier(self.steps)
-        event = self.sampler.event(sigma)
+        event = self.sampler.event(self.noise.noise_multiplier(self.steps))
         self._check_affordable(event)
+        sums, ctx = self._clipped_sums()
+        if self._partial is not None:
+            sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
+            ctx.batch_size += self._partial_batch
+            self._partial, self._partial_batch = None, 0
         self.ledger.record(event)
-        device = params[0].device
-        ctx = StepContext(
-            step=self.steps,
-            batch_size=batch,
-            expected_batch_size=self.sampler.expected_batch_size,
-            max_grad_norm=self.max_grad_norm,
-            noise_multiplier=sigma,
-            generator=self._noise_generator(device),
-        )
-        sums = self.clipping.clip_and_sum(grad_samples, ctx)
+        sigma = ctx.noise_multiplier
         std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
         # Under DDP each rank adds an independent share σC/√W, so the all-reduced sum carries
         # noise of std σC exactly once; one collective, identical result on every rank.
         noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
         if self.all_reduce is not None:
             noisy = self.all_reduce(noisy)
-        for p, g in zip(params, self.clipping.finalize(noisy, ctx), strict=True):
+        for p, g in zip(self.params, self.clipping.finalize(noisy, ctx), strict=True):
             p.grad = g.to(p.dtype)
-        self.grads.clear()
         self.steps += 1
         self.pending_ctx = ctx
         return ctx
@@ -141,6 +170,7 @@ class PrivateStepEngine:
             return
         assert self.grads is not None
         self.grads.clear()
+        self._partial, self._partial_batch = None, 0
         spent = self.ledger.epsilon()
         raise BudgetExceededError(
             f"Privacy budget exhausted: ε={spent:.4g} spent of target {target:g}; one more step would exceed it.",

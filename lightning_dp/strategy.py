@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -28,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp.accounting import BudgetExceededError
+from lightning_dp.batching import split_batch
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
@@ -87,8 +89,12 @@ class DPStrategyMixin(Strategy):
         on_batchnorm: OnBatchNorm,
         loss_reduction: Literal["mean", "sum"],
         seed: int | None,
+        max_physical_batch_size: int | None = None,
     ) -> None:
         """Validate the privacy arguments and build the engine (called by each concrete __init__)."""
+        if max_physical_batch_size is not None and max_physical_batch_size < 1:
+            raise DPConfigurationError(f"max_physical_batch_size must be ≥ 1, got {max_physical_batch_size}.")
+        self.max_physical_batch_size = max_physical_batch_size
         _validate_privacy_arguments(
             target_epsilon, delta, max_grad_norm, noise_multiplier, accountant, loss_reduction
         )
@@ -380,7 +386,29 @@ class DPStrategyMixin(Strategy):
         batch = args[0] if args else kwargs.get("batch")
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step()
+        if self.max_physical_batch_size is not None:
+            return self._virtual_batch_step(batch, *args[1:], **kwargs)
         return super().training_step(*args, **kwargs)
+
+    def _virtual_batch_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run the user's training_step on each physical chunk; Lightning backpropagates the last one."""
+        module = self.lightning_module
+        assert module is not None
+        assert self.max_physical_batch_size is not None
+        if not module.automatic_optimization:
+            raise DPConfigurationError(
+                "max_physical_batch_size needs automatic optimization; with manual optimization split the "
+                "batch yourself and call engine.accumulate_chunk() between backward passes."
+            )
+        kwargs.pop("batch", None)
+        *chunks, last = split_batch(batch, self.max_physical_batch_size)
+        for chunk in chunks:
+            output = super().training_step(chunk, *args, **kwargs)
+            loss = output["loss"] if isinstance(output, Mapping) else output
+            if isinstance(loss, Tensor):
+                loss.backward()
+            self.engine.accumulate_chunk()
+        return super().training_step(last, *args, **kwargs)
 
     def _noise_only_step(self) -> Tensor | None:
         module = self.lightning_module
@@ -429,6 +457,8 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
         loss_reduction: whether ``training_step`` returns the batch ``"mean"`` (default) or ``"sum"``.
         seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``.
+        max_physical_batch_size: split each logical batch into chunks of at most this many examples
+            (virtual batching): memory no longer limits the logical batch, q or ε. Noise is added once.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
     """
 
@@ -448,6 +478,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         on_batchnorm: OnBatchNorm = "raise",
         loss_reduction: Literal["mean", "sum"] = "mean",
         seed: int | None = None,
+        max_physical_batch_size: int | None = None,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
@@ -475,6 +506,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
             on_batchnorm=on_batchnorm,
             loss_reduction=loss_reduction,
             seed=seed,
+            max_physical_batch_size=max_physical_batch_size,
         )
 
     # -- device ----------------------------------------------------------------------------------------

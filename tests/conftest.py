@@ -15,6 +15,9 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dp import FlatClipping
+from lightning_dp.clipping import per_sample_norms
+
 torch.set_num_threads(1)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -68,6 +71,28 @@ class TinyModule(LightningModule):
 
     def test_dataloader(self):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=256)
+
+
+class RecordingClipping(FlatClipping):
+    """Flat clipping that also measures every example's clipped contribution (for the bound tests)."""
+
+    def __init__(self) -> None:
+        self.max_contribution = 0.0
+        self.max_raw_norm = 0.0
+        self.grad_dtypes: set[torch.dtype] = set()
+
+    def clip_and_sum(self, grad_samples, ctx):
+        self.grad_dtypes |= {g.dtype for g in grad_samples}
+        out = super().clip_and_sum(grad_samples, ctx)
+        for i in range(grad_samples[0].shape[0]):
+            single = [g[i : i + 1] for g in grad_samples]
+            contribution = super().clip_and_sum(single, ctx)
+            self.max_contribution = max(
+                self.max_contribution, float(per_sample_norms([c[None] for c in contribution])[0])
+            )
+        if grad_samples[0].shape[0]:
+            self.max_raw_norm = max(self.max_raw_norm, float(per_sample_norms(grad_samples).max()))
+        return out
 
 
 def make_trainer(strategy, tmp_path=None, **kwargs) -> Trainer:

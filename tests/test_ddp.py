@@ -106,3 +106,50 @@ def test_cli_on_two_processes_matches_single_process_epsilon(tmp_path):
     for key in ("epsilon", "steps", "sample_rate", "noise_multiplier"):
         assert double[key] == single[key], key
     assert "test_accuracy" in double
+
+
+@pytest.mark.slow
+def test_virtual_batching_under_ddp_equals_unsplit_single_process(ddp_results):
+    out, load = ddp_results
+    torch.manual_seed(0)
+    single = TinyModule(n=64, batch_size=64)
+    make_trainer(DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0), max_epochs=3).fit(single)
+    ddp_state = torch.load(out / "virtual.pt", weights_only=True)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(ddp_state[key], value, rtol=1e-5, atol=1e-6)
+    assert [r["max_chunk"] for r in load("virtual")] == [5, 5]
+    assert [r["steps"] for r in load("virtual")] == [3, 3]
+
+
+@pytest.mark.slow
+def test_bf16_under_ddp_keeps_every_contribution_below_c(ddp_results):
+    _, load = ddp_results
+    for rank in load("bf16"):
+        assert 0 < rank["max_contribution"] <= 0.05
+        assert "torch.bfloat16" in rank["dtypes"]
+
+
+@pytest.mark.slow
+def test_resume_under_ddp_continues_streams_and_epsilon(ddp_results):
+    out, load = ddp_results
+    for rank in load("resume"):
+        assert rank["steps"] == 8
+        assert rank["same_as_straight"]
+        assert rank["epsilon"] == pytest.approx(
+            compute_epsilon(noise_multiplier=1.0, sample_rate=0.25, steps=8, delta=1e-5)
+        )
+    saved = torch.load(out / "ddp.ckpt", weights_only=True)["lightning_dp"]
+    assert saved["world_size"] == 2
+    assert len(saved["ranks"]) == 2
+    assert not torch.equal(saved["ranks"][0]["noise_generator"], saved["ranks"][1]["noise_generator"])
+
+
+@pytest.mark.slow
+def test_resume_with_another_world_size_is_refused(ddp_results):
+    from lightning_dp import DPConfigurationError
+
+    out, _ = ddp_results
+    with pytest.raises(DPConfigurationError, match="written by 2 processes"):
+        make_trainer(DPStrategy(noise_multiplier=1.0, seed=7), max_epochs=2).fit(
+            TinyModule(n=128, batch_size=32), ckpt_path=out / "ddp.ckpt"
+        )

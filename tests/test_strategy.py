@@ -9,15 +9,14 @@ import warnings
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from conftest import RecordingClipping, TinyModule, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_dp import DPConfigurationError, DPStrategy, EmptyBatch, FlatClipping, PrivacyCallback
+from lightning_dp import DPConfigurationError, DPStrategy, EmptyBatch, PrivacyCallback
 from lightning_dp.accounting import compute_epsilon
-from lightning_dp.clipping import per_sample_norms
 
 
 def _params(module: nn.Module) -> list[torch.Tensor]:
@@ -63,28 +62,6 @@ def test_gradient_is_noisy_sum_over_expected_batch_size():
     expected = torch.autograd.grad(loss, list(reference.parameters()))
     for got, want in zip(seen["grad"], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-
-
-class RecordingClipping(FlatClipping):
-    """Flat clipping that also measures every example's clipped contribution (for the bound tests)."""
-
-    def __init__(self) -> None:
-        self.max_contribution = 0.0
-        self.max_raw_norm = 0.0
-        self.grad_dtypes: set[torch.dtype] = set()
-
-    def clip_and_sum(self, grad_samples, ctx):
-        self.grad_dtypes |= {g.dtype for g in grad_samples}
-        out = super().clip_and_sum(grad_samples, ctx)
-        for i in range(grad_samples[0].shape[0]):
-            single = [g[i : i + 1] for g in grad_samples]
-            contribution = super().clip_and_sum(single, ctx)
-            self.max_contribution = max(
-                self.max_contribution, float(per_sample_norms([c[None] for c in contribution])[0])
-            )
-        if grad_samples[0].shape[0]:
-            self.max_raw_norm = max(self.max_raw_norm, float(per_sample_norms(grad_samples).max()))
-        return out
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -493,3 +470,34 @@ def test_on_after_backward_hooks_are_flagged():
 def test_invalid_loss_reduction_is_refused_at_construction():
     with pytest.raises(DPConfigurationError, match="loss_reduction"):
         DPStrategy(loss_reduction="none")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunk", [1, 10, 64])
+def test_virtual_batching_equals_the_unsplit_logical_batch(chunk):
+    """σ=0, finite C: chunking one logical batch changes nothing but memory; one ledger event a step."""
+    reference = TinyModule(n=64, batch_size=64)
+    split = copy.deepcopy(reference)
+    make_trainer(DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0), max_epochs=3).fit(reference)
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0, max_physical_batch_size=chunk)
+    make_trainer(strategy, max_epochs=3).fit(split)
+    assert max(split.seen_batch_sizes) == min(chunk, 64)
+    assert sum(split.seen_batch_sizes) == 3 * 64
+    for a, b in zip(_params(reference), _params(split), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert strategy.engine.steps == 3
+    assert strategy.ledger.history[0][1] == 3
+
+
+def test_virtual_batching_keeps_epsilon_and_the_clipping_bound():
+    clipping = RecordingClipping()
+    module = TinyModule(n=256, batch_size=64)
+    module.x = module.x * 100
+    strategy = DPStrategy(
+        noise_multiplier=1.0, max_grad_norm=0.05, clipping=clipping, max_physical_batch_size=16
+    )
+    make_trainer(strategy, max_epochs=2).fit(module)
+    assert max(module.seen_batch_sizes) <= 16
+    assert 0 < clipping.max_contribution <= 0.05
+    assert strategy.epsilon == pytest.approx(
+        compute_epsilon(noise_multiplier=1.0, sample_rate=0.25, steps=8, delta=1e-5)
+    )
