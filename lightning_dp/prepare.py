@@ -12,6 +12,7 @@ from typing import Literal
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 
 from lightning_dp.errors import DPConfigurationError
 
@@ -56,6 +57,26 @@ def check_no_direct_parameters(module: nn.Module) -> None:
         )
 
 
+def check_stateful_layers(module: nn.Module) -> None:
+    """Refuse trainable layers whose buffers are updated from the batch: running statistics mix examples
+    (and store unprotected data in the model), and no per-example formula exists for them."""
+    from opacus.grad_sample import GradSampleHooks
+
+    from lightning_dp.grad_sample import trainable_layers
+
+    for name, layer in trainable_layers(module):
+        if isinstance(layer, _InstanceNorm) and layer.track_running_stats:
+            raise DPConfigurationError(
+                f"Layer {name} ({type(layer).__name__}) has track_running_stats=True: its running statistics are "
+                "computed from the private batch and saved with the model. Use track_running_stats=False."
+            )
+        if type(layer) not in GradSampleHooks.GRAD_SAMPLERS and any(True for _ in layer.buffers()):
+            raise DPConfigurationError(
+                f"Layer {name} ({type(layer).__name__}) has buffers and no per-example gradient formula: buffers "
+                "updated from the batch mix examples. Remove the buffers, or compute the layer from parameters only."
+            )
+
+
 def prepare_module(module: nn.Module, on_batchnorm: OnBatchNorm = "raise") -> list[str]:
     """Run every check and fix; returns a list of human-readable notes about what was changed."""
     check_no_direct_parameters(module)
@@ -71,4 +92,5 @@ def prepare_module(module: nn.Module, on_batchnorm: OnBatchNorm = "raise") -> li
         notes.append(f"replaced BatchNorm with GroupNorm: {replace_batchnorm(module)}")
     if not any(p.requires_grad for p in module.parameters()):
         raise DPConfigurationError("The model has no trainable parameters.")
+    check_stateful_layers(module)
     return notes

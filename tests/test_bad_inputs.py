@@ -1,0 +1,324 @@
+"""The bad-input matrix: every invalid or dangerous configuration, and the exact text a user sees.
+
+Each row names the problem and checks that the message names the fix. Rows that must *not* fail
+(in-place activations, NaN examples) check that training goes on safely instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import TinyModule, make_trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
+
+from lightning_dp import ConstantNoise, DPConfigurationError, DPStrategy, FlatClipping
+
+
+@dataclass
+class Row:
+    name: str
+    run: Callable[[object], object]
+    message: str
+    error: type[BaseException] = DPConfigurationError
+
+
+def fit(strategy: DPStrategy, module: TinyModule | None = None, **trainer_kwargs) -> None:
+    make_trainer(strategy, **trainer_kwargs).fit(module if module is not None else TinyModule())
+
+
+class WithBatchNorm(TinyModule):
+    def __init__(self, affine: bool = True):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(10, 16), nn.BatchNorm1d(16, affine=affine), nn.Tanh(), nn.Linear(16, 3)
+        )
+
+
+class DirectParameter(TinyModule):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from zip(torch.randn(8, 10), torch.zeros(8, dtype=torch.long))
+
+
+class Streaming(TinyModule):
+    def train_dataloader(self):
+        return DataLoader(Stream(), batch_size=4)
+
+
+class CustomBatchSampler(TinyModule):
+    def train_dataloader(self):
+        data = TensorDataset(self.x, self.y)
+        return DataLoader(
+            data, batch_sampler=BatchSampler(RandomSampler(data), batch_size=8, drop_last=False)
+        )
+
+
+class Empty(TinyModule):
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(torch.zeros(0, 10), torch.zeros(0, dtype=torch.long)), batch_size=4)
+
+
+class BufferedLayer(nn.Module):
+    """A trainable layer with a running buffer and no per-example formula (like a custom norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(10))
+        self.register_buffer("running", torch.zeros(10))
+
+    def forward(self, x):
+        self.running = 0.9 * self.running + 0.1 * x.detach().mean(0)
+        return x * self.weight - self.running
+
+
+class WithBufferedLayer(TinyModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(BufferedLayer(), nn.Linear(10, 3))
+
+
+class Manual(TinyModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self(batch[0]), batch[1]))
+        opt.step()
+
+
+def resume(first: DPStrategy, second: DPStrategy, tmp_path, first_module=None, second_module=None) -> None:
+    trainer = make_trainer(first, tmp_path, max_steps=2, max_epochs=5)
+    trainer.fit(first_module or TinyModule(n=256))
+    ckpt = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(ckpt)
+    make_trainer(second, tmp_path, max_steps=4, max_epochs=5).fit(
+        second_module or TinyModule(n=256), ckpt_path=ckpt
+    )
+
+
+def resume_from_plain(tmp_path) -> None:
+    plain = make_trainer(SingleDeviceStrategy("cpu"), tmp_path, max_steps=1)
+    plain.fit(TinyModule())
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=2).fit(
+        TinyModule(), ckpt_path=tmp_path / "plain.ckpt"
+    )
+
+
+def scaler_plugin() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+ROWS = [
+    Row("epsilon zero", lambda _: DPStrategy(target_epsilon=0.0), "target_epsilon must be > 0, got 0.0."),
+    Row(
+        "epsilon negative", lambda _: DPStrategy(target_epsilon=-1.0), "target_epsilon must be > 0, got -1.0."
+    ),
+    Row("delta zero", lambda _: DPStrategy(delta=0.0), "delta must be in (0, 1), got 0.0"),
+    Row("delta one", lambda _: DPStrategy(delta=1.0), "delta must be in (0, 1), got 1.0"),
+    Row("delta negative", lambda _: DPStrategy(delta=-1e-5), "delta must be in (0, 1), got -1e-05"),
+    Row(
+        "clip zero",
+        lambda _: DPStrategy(max_grad_norm=0.0),
+        "max_grad_norm (the clipping bound C) must be > 0",
+    ),
+    Row(
+        "clip negative",
+        lambda _: DPStrategy(max_grad_norm=-1.0),
+        "max_grad_norm (the clipping bound C) must be > 0",
+    ),
+    Row(
+        "sigma negative",
+        lambda _: DPStrategy(noise_multiplier=-0.5),
+        "noise_multiplier must be ≥ 0, got -0.5.",
+    ),
+    Row(
+        "sigma NaN", lambda _: DPStrategy(noise_multiplier=math.nan), "noise_multiplier must be ≥ 0, got nan."
+    ),
+    Row(
+        "unknown accountant",
+        lambda _: DPStrategy(accountant="gdp"),
+        "accountant must be 'rdp' or 'prv', got 'gdp'.",
+    ),
+    Row(
+        "bad loss reduction",
+        lambda _: DPStrategy(loss_reduction="none"),
+        "loss_reduction must be 'mean' or 'sum'",
+    ),
+    Row(
+        "physical batch < 1",
+        lambda _: DPStrategy(max_physical_batch_size=0),
+        "max_physical_batch_size must be ≥ 1",
+    ),
+    Row(
+        "noise twice",
+        lambda _: DPStrategy(noise=ConstantNoise(1.0), noise_multiplier=1.0),
+        "Give either noise=... or noise_multiplier=..., not both.",
+    ),
+    Row(
+        "batch larger than data (q > 1)",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), TinyModule(n=16, batch_size=32)),
+        "The expected batch size (32) is larger than the training set (16)",
+    ),
+    Row(
+        "empty dataset", lambda _: fit(DPStrategy(noise_multiplier=1.0), Empty()), "The training set is empty"
+    ),
+    Row(
+        "IterableDataset",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), Streaming()),
+        "The train dataset is an IterableDataset",
+    ),
+    Row(
+        "custom batch_sampler",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), CustomBatchSampler()),
+        "The train DataLoader has no batch_size",
+    ),
+    Row(
+        "BatchNorm",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), WithBatchNorm()),
+        "DP training cannot use BatchNorm: it mixes the examples of a batch, so one example's gradient depends "
+        "on the others. Layers: ['net.1']. Replace them with GroupNorm yourself, or pass "
+        "DPStrategy(on_batchnorm='replace')",
+    ),
+    Row(
+        "BatchNorm affine=False",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), WithBatchNorm(affine=False)),
+        "Layers: ['net.1']",
+    ),
+    Row(
+        "layer with buffers and no formula",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), WithBufferedLayer()),
+        "Layer net.0 (BufferedLayer) has buffers",
+    ),
+    Row(
+        "parameters on the LightningModule",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), DirectParameter()),
+        "Parameters registered directly on the LightningModule (scale) cannot get per-example gradients. "
+        "Move them into a submodule",
+    ),
+    Row(
+        "gradient_clip_val",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), gradient_clip_val=1.0),
+        "Trainer(gradient_clip_val=1.0) clips the aggregated gradient, which is not per-example clipping",
+    ),
+    Row(
+        "accumulate_grad_batches",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), accumulate_grad_batches=2),
+        "Trainer(accumulate_grad_batches=2) breaks DP-SGD",
+    ),
+    Row(
+        "fp16 with a GradScaler",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0, precision_plugin=scaler_plugin())),
+        "precision='16-mixed' uses a GradScaler",
+    ),
+    Row(
+        "target the planned steps cannot reach",
+        lambda _: fit(DPStrategy(target_epsilon=1e-4, delta=1e-10), max_epochs=1000),
+        "target_epsilon=0.0001 cannot be met",
+    ),
+    Row(
+        "no training horizon for a target",
+        lambda _: fit(DPStrategy(target_epsilon=1.0), max_epochs=-1, max_steps=-1),
+        "Calibrating σ from target_epsilon needs a finite training length",
+    ),
+    Row(
+        "virtual batching with manual optimization",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0, max_physical_batch_size=4), Manual()),
+        "max_physical_batch_size needs automatic optimization",
+    ),
+    Row(
+        "more than one device",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), devices=2),
+        "DPStrategy trains on one device, but the Trainer asked for 2",
+    ),
+    Row("resume without privacy state", resume_from_plain, "has no privacy state"),
+    Row(
+        "resume with another data set size",
+        lambda tmp: resume(
+            DPStrategy(noise_multiplier=1.0),
+            DPStrategy(noise_multiplier=1.0),
+            tmp,
+            second_module=TinyModule(n=300),
+        ),
+        "The checkpoint was trained on N=256 with sample rate 0.125; this run has N=300",
+    ),
+    Row(
+        "resume with another mechanism",
+        lambda tmp: resume(
+            DPStrategy(noise_multiplier=1.0),
+            DPStrategy(noise_multiplier=1.0, clipping=type("OtherClipping", (FlatClipping,), {})()),
+            tmp,
+        ),
+        "The checkpoint was trained with clipping=FlatClipping, this run uses OtherClipping",
+    ),
+    Row(
+        "resume with another delta",
+        lambda tmp: resume(
+            DPStrategy(noise_multiplier=1.0), DPStrategy(noise_multiplier=1.0, delta=1e-6), tmp
+        ),
+        "delta",
+    ),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_bad_input_is_refused_with_a_message_that_names_the_fix(row: Row, tmp_path):
+    with pytest.raises(row.error) as info:
+        row.run(tmp_path)
+    assert row.message in " ".join(str(info.value).split()), str(info.value)
+
+
+def test_matrix_has_at_least_25_rows():
+    assert len(ROWS) >= 25
+
+
+def test_delta_not_below_one_over_n_warns():
+    with pytest.warns(UserWarning, match=r"delta=0.01 is not below 1/N = 0.00391"):
+        fit(DPStrategy(noise_multiplier=1.0, delta=0.01), TinyModule(n=256), max_steps=1)
+
+
+def test_zero_noise_warns_that_there_is_no_privacy():
+    with pytest.warns(UserWarning, match="adds no noise: this run has no privacy"):
+        DPStrategy(noise_multiplier=0.0)
+
+
+def test_nan_examples_are_dropped_and_still_charged():
+    """An example whose loss or gradient is NaN contributes nothing; the step is still priced."""
+    module = TinyModule(n=64, batch_size=64)
+    module.x[3] = math.nan
+    module.x[10] = math.inf
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    fit(strategy, module, max_epochs=2)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert strategy.engine.steps == 2
+    assert strategy.ledger.steps == 2
+
+
+def test_in_place_activations_train():
+    class InPlace(TinyModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(inplace=True), nn.Linear(16, 3))
+
+    module = InPlace()
+    before = [p.detach().clone() for p in module.parameters()]
+    fit(DPStrategy(noise_multiplier=0.5), module, max_steps=2)
+    assert not torch.equal(before[0], next(module.parameters()))
