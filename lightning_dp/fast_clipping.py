@@ -1,0 +1,464 @@
+"""Per-example gradient norms and clipped sums straight from (layer inputs, output gradients).
+
+Flat clipping needs only each example's squared gradient norm and the weighted sum Σ_i w_i g_i, so
+for the layers below both are computed from the activations ``a`` and backprops ``δ`` (the gradient
+of the layer's output, already scaled to per-example) without materialising the [B, *param.shape]
+per-example gradients ("ghost clipping", Li et al. ICLR 2022; "book-keeping", Bu et al. ICML 2023):
+
+* Linear / Conv (unfolded patches as a sequence of length T): ‖Σ_t δ_t a_tᵀ‖²_F equals
+  Σ_{t,s} (a_t·a_s)(δ_t·δ_s) (Gram trick, O(T²) memory) and is used when T² < d_in·d_out;
+  otherwise that layer's per-example gradient is materialised for the norm only.
+* Embedding: the per-example gradient is a sparse row sum, squared norm Σ_{t,s} [i_t = i_s] δ_t·δ_s.
+* LayerNorm / GroupNorm: per-example gradients are tiny and materialised (Opacus's formulas).
+
+``weighted_grad`` is one ordinary reduction over the batch with the weights folded into the
+backprops: a matmul (Linear), the layer's own weight-gradient convolution (Conv, equal to the
+matmul of the unfolded patches but without unfolding) or ``index_add_`` (Embedding). All results
+are fp32 whatever the input dtype. Each layer's formula assumes the layer is called once per forward
+pass: a shared layer's norm is not the sum of its calls' norms, so the engine must materialise those.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn import grad as nn_grad
+
+__all__ = [
+    "FAST_CLIPPERS",
+    "FastClipper",
+    "embedding_use_gram",
+    "is_supported",
+    "materialized_sq_norms",
+    "materialized_sq_norms_and_weighted",
+    "materialized_weighted_grad",
+    "register_fast_clipper",
+    "sq_norms",
+    "use_gram",
+    "weighted_grad",
+]
+
+SqNormsFn = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
+WeightedGradFn = Callable[[nn.Module, list[Tensor], Tensor, Tensor], dict[nn.Parameter, Tensor]]
+
+
+class FastClipper(NamedTuple):
+    """The two per-layer kernels: per-example squared norms, and the weighted sum over the batch."""
+
+    sq_norms: SqNormsFn
+    weighted_grad: WeightedGradFn
+
+
+FAST_CLIPPERS: dict[type[nn.Module], FastClipper] = {}
+"""Registry keyed by exact layer type (subclasses may change ``forward``, so they are not matched)."""
+
+
+def register_fast_clipper(
+    *layer_types: type[nn.Module],
+) -> Callable[[type[_Kernels]], type[_Kernels]]:
+    """Class decorator registering a kernel pair (static ``sq_norms``/``weighted_grad``) for layer types."""
+
+    def wrap(kernels: type[_Kernels]) -> type[_Kernels]:
+        for layer_type in layer_types:
+            FAST_CLIPPERS[layer_type] = FastClipper(kernels.sq_norms, kernels.weighted_grad)
+        return kernels
+
+    return wrap
+
+
+class _Kernels:
+    """Base of the registered kernel pairs (static methods with the registry's signatures)."""
+
+    @staticmethod
+    def sq_norms(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        raise NotImplementedError
+
+    @staticmethod
+    def weighted_grad(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------------------------------
+
+
+def is_supported(layer: nn.Module) -> bool:
+    """Whether ``layer`` has fast kernels (exact type registered and no option that breaks them)."""
+    if type(layer) not in FAST_CLIPPERS:
+        return False
+    if isinstance(layer, nn.Embedding):
+        # scale_grad_by_freq rescales by counts over the whole batch: not a per-example gradient.
+        return not layer.scale_grad_by_freq
+    return True
+
+
+def sq_norms(layer: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+    """Per-example squared L2 norm [B] (fp32) of the gradient of each trainable parameter of ``layer``."""
+    return _kernels(layer).sq_norms(layer, activations, backprops)
+
+
+def weighted_grad(
+    layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+) -> dict[nn.Parameter, Tensor]:
+    """Σ_i w_i g_i (fp32, shape of the parameter) for each trainable parameter of ``layer``.
+
+    Examples with weight 0 contribute exactly nothing, even if their inputs or gradients are not
+    finite (clipping gives weight 0 to examples with non-finite norms).
+    """
+    return _kernels(layer).weighted_grad(layer, activations, backprops, weights)
+
+
+def use_gram(T: int, d_in: int, d_out: int) -> bool:
+    """Gram trick (O(T²) per example) rather than materialising the layer's d_out×d_in gradient."""
+    return d_in * d_out > T * T
+
+
+def embedding_use_gram(T: int, embedding_dim: int) -> bool:
+    """Embedding: [T,T] index-equality Gram for short sequences, else a sparse row sum per example."""
+    return 4 * embedding_dim >= T * T
+
+
+def materialized_sq_norms(grad_samples: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
+    """Per-example squared norms [B] in fp32 from materialised [B, *shape] per-example gradients."""
+    return {
+        p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
+        .square()
+        .float()
+        if g.numel() > 0
+        else torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
+        for p, g in grad_samples.items()
+    }
+
+
+def materialized_weighted_grad(
+    grad_samples: dict[nn.Parameter, Tensor], weights: Tensor
+) -> dict[nn.Parameter, Tensor]:
+    """Σ_i w_i g_i in fp32 from materialised per-example gradients (weight-0 examples masked out)."""
+    w = weights.float()
+    keep = w != 0
+    out = {}
+    for p, g in grad_samples.items():
+        g32 = g.float()
+        g32 = torch.where(keep.view(-1, *([1] * (g32.dim() - 1))), g32, 0.0)
+        out[p] = torch.tensordot(w, g32, dims=1)
+    return out
+
+
+def materialized_sq_norms_and_weighted(
+    grad_samples: dict[nn.Parameter, Tensor],
+) -> tuple[dict[nn.Parameter, Tensor], Callable[[Tensor], dict[nn.Parameter, Tensor]]]:
+    """Fallback for layers without fast kernels: their squared norms now, and a function of the
+    clip weights (known only once every layer's norm is) giving Σ_i w_i g_i."""
+    return materialized_sq_norms(grad_samples), lambda weights: materialized_weighted_grad(
+        grad_samples, weights
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def _kernels(layer: nn.Module) -> FastClipper:
+    if not is_supported(layer):
+        raise TypeError(f"No fast clipping kernels for {type(layer).__name__}; materialise its gradients.")
+    return FAST_CLIPPERS[type(layer)]
+
+
+def _weight_bias(layer: nn.Module) -> tuple[nn.Parameter | None, nn.Parameter | None]:
+    """The layer's trainable ``weight`` and ``bias`` (None where absent or frozen)."""
+    found = (getattr(layer, "weight", None), getattr(layer, "bias", None))
+    weight, bias = (p if isinstance(p, nn.Parameter) and p.requires_grad else None for p in found)
+    return weight, bias
+
+
+def _fold(weights: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+    """(w_i·δ_i in fp32, keep mask [B]); weight-0 examples become exact zeros (NaN-safe)."""
+    w = weights.to(device=backprops.device, dtype=torch.float32)
+    keep = w != 0
+    shape = (-1, *([1] * (backprops.dim() - 1)))
+    folded = torch.where(keep.view(shape), w.view(shape) * backprops.float(), 0.0)
+    return folded, keep
+
+
+def _mask(x: Tensor, keep: Tensor) -> Tensor:
+    """Zero the examples of ``x`` (batch first) that are not kept, so 0·NaN never enters a matmul."""
+    return torch.where(
+        keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), device=x.device, dtype=x.dtype)
+    )
+
+
+def _gram_or_materialized_sq_norm(a: Tensor, d: Tensor, gram: bool) -> Tensor:
+    """‖Σ_t d_t a_tᵀ‖²_F per example for a [B, T, p] and d [B, T, o] (fp32)."""
+    if gram:
+        aa = torch.bmm(a, a.transpose(1, 2))
+        dd = torch.bmm(d, d.transpose(1, 2))
+        return (aa * dd).flatten(1).sum(1)
+    g = torch.bmm(d.transpose(1, 2), a)  # [B, o, p]: this layer's per-example gradients only
+    return g.square().flatten(1).sum(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Linear
+# --------------------------------------------------------------------------------------------------
+
+
+def _linear_inputs(layer: nn.Linear, activations: list[Tensor], backprops: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 activations [B, T, d_in] and backprops [B, T, d_out], extra leading dims flattened into T."""
+    a, d = activations[0], backprops
+    B = d.shape[0]
+    T = math.prod(d.shape[1:-1])
+    return a.float().reshape(B, T, layer.in_features), d.float().reshape(B, T, layer.out_features)
+
+
+@register_fast_clipper(nn.Linear)
+class _LinearKernels(_Kernels):
+    """y = W a + b: ‖g_W‖² = ‖δ‖²‖a‖² for 2-D input, Gram trick or materialise for sequences."""
+
+    @staticmethod
+    def sq_norms(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        assert isinstance(layer, nn.Linear)
+        a, d = _linear_inputs(layer, activations, backprops)
+        weight, bias = _weight_bias(layer)
+        out: dict[nn.Parameter, Tensor] = {}
+        if weight is not None:
+            if a.shape[1] == 1:
+                out[weight] = d.square().sum((1, 2)) * a.square().sum((1, 2))
+            else:
+                gram = use_gram(a.shape[1], layer.in_features, layer.out_features)
+                out[weight] = _gram_or_materialized_sq_norm(a, d, gram)
+        if bias is not None:
+            out[bias] = d.sum(1).square().sum(1)
+        return out
+
+    @staticmethod
+    def weighted_grad(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        assert isinstance(layer, nn.Linear)
+        wd, keep = _fold(weights, backprops)
+        a, wd = _linear_inputs(layer, [_mask(activations[0], keep)], wd)
+        wd2 = wd.reshape(-1, layer.out_features)
+        weight, bias = _weight_bias(layer)
+        out: dict[nn.Parameter, Tensor] = {}
+        if weight is not None:
+            out[weight] = wd2.t() @ a.reshape(-1, layer.in_features)
+        if bias is not None:
+            out[bias] = wd2.sum(0)
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Conv1d / Conv2d
+# --------------------------------------------------------------------------------------------------
+
+_Conv = nn.Conv1d | nn.Conv2d
+
+
+def _conv_padded_input(layer: _Conv, x: Tensor) -> Tensor:
+    """fp32 input padded exactly as the layer pads it (zeros, reflect, ..., 'same' possibly asymmetric)."""
+    x = x.float()
+    pad = list(layer._reversed_padding_repeated_twice)
+    if not any(pad):
+        return x
+    return F.pad(x, pad, mode="constant" if layer.padding_mode == "zeros" else layer.padding_mode)
+
+
+def _conv_patches(layer: _Conv, x: Tensor) -> Tensor:
+    """Unfolded input patches [B, C_in·prod(kernel), L] in fp32, i.e. ``F.unfold``'s layout.
+
+    Built from strided ``Tensor.unfold`` views and one copy (about twice as fast as ``F.unfold`` on CPU);
+    dilation is a window of span (k-1)·d+1 sampled every d.
+    """
+    x = _conv_padded_input(layer, x)
+    n = len(layer.kernel_size)
+    for i, (k, s, d) in enumerate(zip(layer.kernel_size, layer.stride, layer.dilation)):
+        x = x.unfold(2 + i, (k - 1) * d + 1, s)
+    if any(d > 1 for d in layer.dilation):
+        every_d: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in layer.dilation))
+        x = x[every_d]
+    # [B, C, *out, *kernel] -> [B, C, *kernel, *out] -> [B, C·prod(kernel), L]
+    x = x.permute(0, 1, *range(2 + n, 2 + 2 * n), *range(2, 2 + n))
+    return x.reshape(x.shape[0], math.prod(x.shape[1 : 2 + n]), math.prod(x.shape[2 + n :]))
+
+
+def _conv_inputs(layer: _Conv, x: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+    """Patches [B, G, L, p/G] and backprops [B, G, L, o/G] per group (L output positions), in fp32."""
+    B, G, L = backprops.shape[0], layer.groups, math.prod(backprops.shape[2:])
+    d = backprops.float().reshape(B, G, layer.out_channels // G, L)
+    patches = _conv_patches(layer, x)
+    return patches.reshape(B, G, patches.shape[1] // G, L).transpose(2, 3), d.transpose(2, 3)
+
+
+@register_fast_clipper(nn.Conv1d, nn.Conv2d)
+class _ConvKernels(_Kernels):
+    """Convolution as a Linear layer over unfolded patches (T = output positions), per group."""
+
+    @staticmethod
+    def sq_norms(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        assert isinstance(layer, nn.Conv1d | nn.Conv2d)
+        a, d = _conv_inputs(layer, activations[0], backprops)
+        B, G, L = a.shape[0], a.shape[1], a.shape[2]
+        weight, bias = _weight_bias(layer)
+        out: dict[nn.Parameter, Tensor] = {}
+        if weight is not None:
+            gram = use_gram(L, a.shape[3], d.shape[3])
+            per_group = _gram_or_materialized_sq_norm(
+                a.reshape(B * G, L, a.shape[3]), d.reshape(B * G, L, d.shape[3]), gram
+            )
+            out[weight] = per_group.reshape(B, G).sum(1)
+        if bias is not None:
+            out[bias] = d.sum(2).square().flatten(1).sum(1)
+        return out
+
+    @staticmethod
+    def weighted_grad(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        assert isinstance(layer, nn.Conv1d | nn.Conv2d)
+        wd, keep = _fold(weights, backprops)
+        weight, bias = _weight_bias(layer)
+        out: dict[nn.Parameter, Tensor] = {}
+        if weight is not None:
+            # The layer's own weight-gradient convolution with w_i·δ_i as output gradient: one
+            # reduction over batch and positions, the same as a matmul of the unfolded patches.
+            x = _conv_padded_input(layer, _mask(activations[0], keep))
+            conv_weight = nn_grad.conv1d_weight if isinstance(layer, nn.Conv1d) else nn_grad.conv2d_weight
+            out[weight] = conv_weight(
+                x,
+                layer.weight.shape,
+                wd,
+                stride=layer.stride,
+                padding=0,
+                dilation=layer.dilation,
+                groups=layer.groups,
+            )
+        if bias is not None:
+            out[bias] = wd.sum((0, *range(2, wd.dim())))
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Embedding
+# --------------------------------------------------------------------------------------------------
+
+
+def _embedding_inputs(
+    layer: nn.Embedding, activations: list[Tensor], backprops: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Indices [B, T] and fp32 backprops [B, T, D], the padding row's positions zeroed (no gradient)."""
+    idx = activations[0]
+    B = backprops.shape[0]
+    T = math.prod(idx.shape[1:])
+    idx = idx.reshape(B, T).long()  # int64: the (example, row) keys below can exceed int32
+    d = backprops.float().reshape(B, T, layer.embedding_dim)
+    if layer.padding_idx is not None:
+        d = d * (idx != layer.padding_idx).unsqueeze(-1)
+    return idx, d
+
+
+@register_fast_clipper(nn.Embedding)
+class _EmbeddingKernels(_Kernels):
+    """Rows gathered by index: the per-example gradient is a sparse sum of δ_t into rows i_t."""
+
+    @staticmethod
+    def sq_norms(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        assert isinstance(layer, nn.Embedding)
+        weight, _ = _weight_bias(layer)
+        if weight is None:
+            return {}
+        idx, d = _embedding_inputs(layer, activations, backprops)
+        B, T = idx.shape
+        if embedding_use_gram(T, layer.embedding_dim):
+            same = idx.unsqueeze(2) == idx.unsqueeze(1)
+            dd = torch.bmm(d, d.transpose(1, 2))
+            norms = (dd * same).flatten(1).sum(1)
+        else:
+            # Sum δ_t per distinct (example, row) pair, then square: O(B·T·D), no [B,T,T] tensor.
+            key = idx + layer.num_embeddings * torch.arange(B, device=idx.device).unsqueeze(1)
+            unique, inverse = torch.unique(key.reshape(-1), return_inverse=True)
+            rows = d.new_zeros(unique.numel(), layer.embedding_dim).index_add_(
+                0, inverse, d.reshape(-1, d.shape[2])
+            )
+            norms = d.new_zeros(B).index_add_(0, unique // layer.num_embeddings, rows.square().sum(1))
+        return {weight: norms}
+
+    @staticmethod
+    def weighted_grad(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        assert isinstance(layer, nn.Embedding)
+        weight, _ = _weight_bias(layer)
+        if weight is None:
+            return {}
+        wd, _ = _fold(weights, backprops)
+        idx, wd = _embedding_inputs(layer, activations, wd)
+        grad = wd.new_zeros(layer.num_embeddings, layer.embedding_dim)
+        return {weight: grad.index_add_(0, idx.reshape(-1), wd.reshape(-1, layer.embedding_dim))}
+
+
+# --------------------------------------------------------------------------------------------------
+# LayerNorm / GroupNorm: small parameters, per-example gradients materialised (Opacus's formulas)
+# --------------------------------------------------------------------------------------------------
+
+
+def _norm_layer_grad_samples(
+    layer: nn.Module, activations: list[Tensor], backprops: Tensor
+) -> dict[nn.Parameter, Tensor]:
+    """Per-example affine gradients [B, *shape] in fp32 of a LayerNorm or GroupNorm layer."""
+    x, d = activations[0].float(), backprops.float()
+    B = d.shape[0]
+    out: dict[nn.Parameter, Tensor] = {}
+    weight, bias = _weight_bias(layer)
+    if isinstance(layer, nn.LayerNorm):
+        n = len(layer.normalized_shape)
+        reduce = tuple(range(1, d.dim() - n))  # every dim but the batch and the normalised ones
+        if weight is not None:
+            normed = F.layer_norm(x, layer.normalized_shape, eps=layer.eps)
+            out[weight] = (normed * d).sum(reduce) if reduce else normed * d
+        if bias is not None:
+            out[bias] = d.sum(reduce) if reduce else d
+        return out
+    assert isinstance(layer, nn.GroupNorm)
+    shape = (B, layer.num_channels, math.prod(d.shape[2:]))
+    if weight is not None:
+        normed = F.group_norm(x, layer.num_groups, eps=layer.eps)
+        out[weight] = (normed * d).reshape(shape).sum(2)
+    if bias is not None:
+        out[bias] = d.reshape(shape).sum(2)
+    return out
+
+
+@register_fast_clipper(nn.LayerNorm, nn.GroupNorm)
+class _NormKernels(_Kernels):
+    """LayerNorm / GroupNorm: norms and weighted sums of the (small) materialised affine gradients."""
+
+    @staticmethod
+    def sq_norms(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        return materialized_sq_norms(_norm_layer_grad_samples(layer, activations, backprops))
+
+    @staticmethod
+    def weighted_grad(
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+    ) -> dict[nn.Parameter, Tensor]:
+        wd, keep = _fold(weights, backprops)
+        samples = _norm_layer_grad_samples(layer, [_mask(activations[0], keep)], wd)
+        return {p: g.sum(0) for p, g in samples.items()}
