@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
+from lightning_dp.grad_sample import GradMode
 from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 from lightning_dp.strategy import DPStrategyMixin
@@ -66,6 +67,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
         seed: int | None = None,
         per_device_batch_size: bool = False,
         max_physical_batch_size: int | None = None,
+        grad_sample_mode: GradMode = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -101,6 +103,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             loss_reduction=loss_reduction,
             seed=seed,
             max_physical_batch_size=max_physical_batch_size,
+            grad_sample_mode=grad_sample_mode,
         )
         self.per_device_batch_size = per_device_batch_size
 

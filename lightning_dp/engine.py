@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
-from lightning_dp.grad_sample import PerSampleGradients
+from lightning_dp.clipping.flat import weighted_sum
+from lightning_dp.grad_sample import GradMode, PerSampleGradients
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
 
@@ -38,7 +39,9 @@ class PrivateStepEngine:
         accountant: Literal["rdp", "prv"],
         loss_reduction: str,
         seed: int | None,
+        grad_sample_mode: GradMode = "auto",
     ) -> None:
+        self.grad_sample_mode: GradMode = grad_sample_mode
         self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
         self.max_grad_norm = max_grad_norm
         self.delta = delta
@@ -63,7 +66,9 @@ class PrivateStepEngine:
     def attach(self, module: nn.Module) -> None:
         """Install the per-example gradient hooks on ``module`` (idempotent)."""
         if self.grads is None:
-            self.grads = PerSampleGradients(module, loss_reduction=self.loss_reduction)
+            self.grads = PerSampleGradients(
+                module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
+            )
             self.clipping.setup(self.grads.params)
 
     def detach(self) -> None:
@@ -181,16 +186,19 @@ class PrivateStepEngine:
             count=1,
         )
 
-    def _check_consistency(self, params: list[nn.Parameter], grad_samples: list[Tensor], batch: int) -> None:
+    def _check_consistency(
+        self, params: list[nn.Parameter], grad_samples: Sequence[Tensor], batch: int
+    ) -> None:
         """Once: the mean of the per-example gradients must equal the ordinary gradient."""
         self._checked_consistency = True
         scale = batch if self.loss_reduction == "mean" else 1
+        ones = torch.ones(batch, device=params[0].device)
         worst = 0.0
-        for p, g in zip(params, grad_samples, strict=True):
+        for p, total in zip(params, weighted_sum(grad_samples, ones), strict=True):
             if p.grad is None:
                 continue
             reference = p.grad.detach().float()
-            mean = g.float().sum(0) / scale
+            mean = total / scale
             scale_norm = max(float(reference.norm()), float(mean.norm()))
             err = float((mean - reference).norm()) / (scale_norm + 1e-6)
             if math.isfinite(err):

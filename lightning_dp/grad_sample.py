@@ -9,14 +9,16 @@ hooks, survive in-place operations on a layer's output (torchvision's ResNet ``o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import torch
 from opacus.grad_sample import GradSampleHooks
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+
+from lightning_dp import fast_clipping
 
 GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
 
@@ -44,25 +46,150 @@ def layer_method(module: nn.Module) -> str:
     return "formula" if type(module) in GradSampleHooks.GRAD_SAMPLERS else "functorch"
 
 
+Record = tuple[nn.Module, list[Any], Tensor]
+GradMode = Literal["auto", "fast", "materialize"]
+
+
+class PerExampleGradients(Sequence[Tensor]):
+    """The per-example gradients of one batch, one entry per parameter, materialised only on demand.
+
+    Layers with a fast formula keep only (inputs, output gradients): their per-example norms and the
+    clipped sum are computed from those directly (``sq_norms``, ``weighted_sum``), never as a
+    [B, *param.shape] tensor. Indexing or iterating materialises every entry (Opacus's formulas), so
+    a clipping that needs the full per-example gradients still gets them.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        batch: int,
+        materialized: dict[nn.Parameter, Tensor],
+        records: list[Record],
+    ) -> None:
+        self.params, self.batch = params, batch
+        self._materialized = materialized
+        self._records = records
+        self._full: list[Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __getitem__(self, index: int) -> Tensor:  # type: ignore[override]
+        return self.materialize()[index]
+
+    def materialize(self) -> list[Tensor]:
+        """Every parameter's [B, *shape] per-example gradients (zeros for unused parameters)."""
+        if self._full is None:
+            grads = dict(self._materialized)
+            for module, activations, backprops in self._records:
+                _add_samples(grads, _sampler(module)(module, activations, backprops))
+            self._full = [
+                grads.get(p, torch.zeros((self.batch, *p.shape), device=p.device, dtype=torch.float32))
+                for p in self.params
+            ]
+        return self._full
+
+    def sq_norms(self) -> Tensor:
+        """Each example's squared gradient norm over all parameters, in fp32."""
+        device = self.params[0].device
+        total = torch.zeros(self.batch, dtype=torch.float32, device=device)
+        if self._full is not None:
+            sources: list[Tensor] = self._full
+        else:
+            sources = list(self._materialized.values())
+            for module, activations, backprops in self._records:
+                for value in fast_clipping.sq_norms(module, activations, backprops).values():
+                    total += value
+        for g in sources:
+            total += torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32).square()
+        return total
+
+    def weighted_sum(self, weights: Tensor) -> list[Tensor]:
+        """Σ_i w_i g_i per parameter in fp32; examples with weight 0 are masked out (NaN-safe)."""
+        keep = weights != 0
+        masked = not bool(keep.all())
+        if self._full is not None:
+            return _weighted_materialized(self._full, weights, keep if masked else None)
+        sums: dict[nn.Parameter, Tensor] = {}
+        for p, g in self._materialized.items():
+            sums[p] = _weighted_materialized([g], weights, keep if masked else None)[0]
+        for module, activations, backprops in self._records:  # zero-weight rows contribute exactly 0
+            for p, value in fast_clipping.weighted_grad(module, activations, backprops, weights).items():
+                sums[p] = value if p not in sums else sums[p] + value
+        return [sums.get(p, torch.zeros(p.shape, device=p.device, dtype=torch.float32)) for p in self.params]
+
+
+def _weighted_materialized(grads: Sequence[Tensor], weights: Tensor, keep: Tensor | None) -> list[Tensor]:
+    out = []
+    for g in grads:
+        g32 = g.float()
+        if keep is not None:
+            g32 = torch.where(keep.view(-1, *([1] * (g32.dim() - 1))), g32, torch.zeros_like(g32))
+        out.append(torch.einsum("i,i...->...", weights.float(), g32))
+    return out
+
+
+def _sampler(module: nn.Module) -> GradSampler:
+    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+        return _embedding_with_padding
+    return GradSampleHooks.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
+
+
+def _embedding_with_padding(
+    module: nn.Module, activations: list[Tensor], backprops: Tensor
+) -> dict[nn.Parameter, Tensor]:
+    """Opacus's embedding formula gives the ``padding_idx`` row a gradient; torch gives it none."""
+    assert isinstance(module, nn.Embedding)
+    assert module.padding_idx is not None
+    samples = GradSampleHooks.GRAD_SAMPLERS[nn.Embedding](module, activations, backprops)
+    samples[module.weight][:, module.padding_idx] = 0
+    return samples
+
+
+def _add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, Tensor]) -> None:
+    for param, sample in samples.items():
+        if param.requires_grad:
+            previous = into.get(param)
+            into[param] = sample if previous is None else previous + sample
+
+
 class PerSampleGradients:
-    """Hooks on every trainable layer of ``root`` that collect per-example gradients per parameter.
+    """Hooks on every trainable layer of ``root`` that capture what per-example clipping needs.
 
     ``loss_reduction='mean'`` means the loss the user backpropagates is a mean over the batch, so
     each layer's output gradient is multiplied by the batch size to get per-example gradients.
+    ``mode``: ``"fast"`` keeps (inputs, output gradients) for layers with a fast formula and
+    materialises the rest; ``"materialize"`` materialises every layer (Opacus's formulas);
+    ``"auto"`` is fast when every layer has a fast formula, else materialise.
     """
 
-    def __init__(self, root: nn.Module, loss_reduction: str = "mean") -> None:
+    def __init__(self, root: nn.Module, loss_reduction: str = "mean", mode: GradMode = "auto") -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+        if mode not in ("auto", "fast", "materialize"):
+            raise ValueError(f"mode must be 'auto', 'fast' or 'materialize', got {mode!r}.")
         self.loss_reduction = loss_reduction
         self.enabled = True
         self.grad_samples: dict[nn.Parameter, Tensor] = {}
+        self.records: list[Record] = []
         self.batch_size: int | None = None
         self.layers = list(trainable_layers(root))
+        if mode == "auto":
+            mode = "fast" if all(fast_clipping.is_supported(m) for _, m in self.layers) else "materialize"
+        self.mode = mode
+        for _, module in self.layers:  # Opacus prepares functorch layers before any forward, so do we
+            if self.path_of(module) == "functorch":
+                prepare_layer(module)
         self._handles: list[RemovableHandle] = [
             module.register_forward_hook(self._capture) for _, module in self.layers
         ]
         self.params = [p for _, m in self.layers for p in m.parameters() if p.requires_grad]
+
+    def path_of(self, module: nn.Module) -> str:
+        """'fast' (norms from inputs and output gradients), 'formula' or 'functorch' (materialised)."""
+        if self.mode == "fast" and fast_clipping.is_supported(module):
+            return "fast"
+        return layer_method(module)
 
     def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         if not (self.enabled and module.training and torch.is_grad_enabled()):
@@ -75,32 +202,44 @@ class PerSampleGradients:
     def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor) -> None:
         batch = grad.shape[0]
         backprops = grad.detach() * batch if self.loss_reduction == "mean" else grad.detach()
-        sampler: GradSampler = GradSampleHooks.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
-        for param, sample in sampler(module, activations, backprops).items():
-            if not param.requires_grad:
-                continue
-            previous = self.grad_samples.get(param)
-            self.grad_samples[param] = sample if previous is None else previous + sample
+        if self.path_of(module) == "fast":
+            self.records.append((module, activations, backprops))
+        else:
+            _add_samples(self.grad_samples, _sampler(module)(module, activations, backprops))
         self.batch_size = batch
 
-    def collect(self) -> tuple[list[Tensor], int]:
-        """Per-example gradients in ``self.params`` order (zeros for unused params) and the batch size."""
+    def collect(self) -> tuple[PerExampleGradients, int]:
+        """The batch's per-example gradients (lazy where possible) and the batch size."""
         batch = self.batch_size or 0
-        out = []
-        for p in self.params:
-            sample = self.grad_samples.get(p)
-            if sample is None:
-                sample = torch.zeros((batch, *p.shape), device=p.device, dtype=torch.float32)
-            elif sample.shape[0] != batch:
+        for sample in self.grad_samples.values():
+            if sample.shape[0] != batch:
                 raise RuntimeError(
                     "Per-example gradients disagree on the batch size "
                     f"({sample.shape[0]} vs {batch}): every layer must see the batch on dimension 0."
                 )
-            out.append(sample)
-        return out, batch
+        materialized = dict(self.grad_samples)
+        records = self._split_shared(materialized)
+        return PerExampleGradients(self.params, batch, materialized, records), batch
+
+    def _split_shared(self, materialized: dict[nn.Parameter, Tensor]) -> list[Record]:
+        """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
+        norm, so those calls are materialised and summed; the others stay fast."""
+        seen: dict[nn.Parameter, int] = {p: 1 for p in materialized}
+        for module, _, _ in self.records:
+            for p in module.parameters():
+                seen[p] = seen.get(p, 0) + 1
+        fast = []
+        for record in self.records:
+            module, activations, backprops = record
+            if any(seen.get(p, 0) > 1 for p in module.parameters()):
+                _add_samples(materialized, _sampler(module)(module, activations, backprops))
+            else:
+                fast.append(record)
+        return fast
 
     def clear(self) -> None:
         self.grad_samples = {}
+        self.records = []
         self.batch_size = None
 
     def remove(self) -> None:

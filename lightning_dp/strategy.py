@@ -13,7 +13,6 @@ The strategy only wires things together, in the order Lightning calls it:
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -33,14 +33,12 @@ from lightning_dp.batching import split_batch
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import layer_method
+from lightning_dp.grad_sample import GradMode
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TARGET_EPSILON = 3.0
 CHECKPOINT_KEY = "lightning_dp"
@@ -90,6 +88,7 @@ class DPStrategyMixin(Strategy):
         loss_reduction: Literal["mean", "sum"],
         seed: int | None,
         max_physical_batch_size: int | None = None,
+        grad_sample_mode: GradMode = "auto",
     ) -> None:
         """Validate the privacy arguments and build the engine (called by each concrete __init__)."""
         if max_physical_batch_size is not None and max_physical_batch_size < 1:
@@ -116,6 +115,7 @@ class DPStrategyMixin(Strategy):
             accountant=accountant,
             loss_reduction=loss_reduction,
             seed=seed,
+            grad_sample_mode=grad_sample_mode,
         )
         self.setup_notes: list[str] = []
         self._resumed = False
@@ -185,13 +185,15 @@ class DPStrategyMixin(Strategy):
             )
 
     def _check_hooks(self) -> None:
+        """One line at fit start: which per-example path each layer takes."""
         grads = self.engine.grads
         assert grads is not None
-        functorch = [name for name, m in grads.layers if layer_method(m) == "functorch"]
-        summary = f"lightning-dp: per-example gradients for {len(grads.layers)} layers"
-        if functorch:
-            summary += f" ({len(functorch)} through functorch: {functorch})"
-        log.info(summary)
+        paths: dict[str, list[str]] = {}
+        for name, module in grads.layers:
+            paths.setdefault(grads.path_of(module), []).append(f"{name or '<root>'}:{type(module).__name__}")
+        described = "; ".join(f"{path} {', '.join(names)}" for path, names in sorted(paths.items()))
+        self.clipping_paths = f"per-example clipping ({grads.mode} mode): {described}"
+        rank_zero_info(f"lightning-dp: {self.clipping_paths}")
 
     # -- 2. optimizers --------------------------------------------------------------------------------------
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -360,12 +362,9 @@ class DPStrategyMixin(Strategy):
             )
         except ValueError as err:
             raise DPConfigurationError(f"target_epsilon={target} cannot be met: {err}") from err
-        log.info(
-            "lightning-dp: noise multiplier %.4f for ε=%g over %d steps (q=%.5f)",
-            self.engine.noise.noise_multiplier(0),
-            target,
-            steps,
-            self.engine.sampler.sample_rate,
+        rank_zero_info(
+            f"lightning-dp: noise multiplier {self.engine.noise.noise_multiplier(0):.4f} for ε={target:g} over "
+            f"{steps} steps (q={self.engine.sampler.sample_rate:.5f})"
         )
 
     def _check_first_step_affordable(self) -> None:
@@ -459,6 +458,8 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``.
         max_physical_batch_size: split each logical batch into chunks of at most this many examples
             (virtual batching): memory no longer limits the logical batch, q or ε. Noise is added once.
+        grad_sample_mode: ``"auto"`` (fast clipping without per-example gradients when every layer
+            supports it), ``"fast"`` (fast where supported, materialised elsewhere) or ``"materialize"``.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
     """
 
@@ -479,6 +480,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         loss_reduction: Literal["mean", "sum"] = "mean",
         seed: int | None = None,
         max_physical_batch_size: int | None = None,
+        grad_sample_mode: GradMode = "auto",
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
@@ -507,6 +509,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
             loss_reduction=loss_reduction,
             seed=seed,
             max_physical_batch_size=max_physical_batch_size,
+            grad_sample_mode=grad_sample_mode,
         )
 
     # -- device ----------------------------------------------------------------------------------------

@@ -7,11 +7,17 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_dp.grad_sample import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext
 
 
 def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
-    """L2 norm of each example's whole gradient (all parameters), accumulated in fp32."""
+    """L2 norm of each example's whole gradient (all parameters), accumulated in fp32.
+
+    On the fast path the norms come from each layer's inputs and output gradients directly.
+    """
+    if isinstance(grad_samples, PerExampleGradients):
+        return grad_samples.sq_norms().sqrt()
     batch = grad_samples[0].shape[0]
     squares = torch.zeros(batch, dtype=torch.float32, device=grad_samples[0].device)
     for g in grad_samples:
@@ -31,6 +37,8 @@ def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
 
 def weighted_sum(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor]:
     """Σ_i w_i g_i for every parameter, in fp32 (non-finite entries of dropped examples masked out)."""
+    if isinstance(grad_samples, PerExampleGradients):
+        return grad_samples.weighted_sum(weights)
     out = []
     for g in grad_samples:
         g32 = g.float()

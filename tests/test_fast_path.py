@@ -1,0 +1,153 @@
+"""Fast clipping inside the strategy: same training as materialised per-example gradients, never materialised."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import TinyModule, make_trainer
+from opacus.grad_sample import GradSampleHooks
+from torch import nn
+
+from lightning_dp import DPStrategy
+from lightning_dp.grad_sample import PerSampleGradients
+
+
+class SequenceModel(TinyModule):
+    """Embedding → LayerNorm → Linear over tokens → mean-pool → Linear: sequence inputs and tied rows."""
+
+    def __init__(self):
+        super().__init__(n=96, batch_size=32)
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randint(0, 20, (96, 12), generator=g)
+        self.y = (self.x[:, 0] % 3).long()
+        self.net = nn.ModuleDict(
+            {
+                "emb": nn.Embedding(20, 8, padding_idx=0),
+                "norm": nn.LayerNorm(8),
+                "mix": nn.Linear(8, 8),
+                "out": nn.Linear(8, 3),
+            }
+        )
+
+    def forward(self, x):
+        h = torch.tanh(self.net["mix"](self.net["norm"](self.net["emb"](x))))
+        return self.net["out"](h.mean(1))
+
+
+class ConvModel(TinyModule):
+    def __init__(self):
+        super().__init__(n=64, batch_size=16)
+        self.x = torch.randn(64, 1, 12, 12, generator=torch.Generator().manual_seed(2))
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 4, 3, stride=2, padding=1),
+            nn.GroupNorm(2, 4),
+            nn.Tanh(),
+            nn.Conv2d(4, 6, 3, dilation=2),
+            nn.Tanh(),
+            nn.Flatten(),
+            nn.Linear(6 * 2 * 2, 3),
+        )
+
+
+class Scale(nn.Module):
+    """A layer with no fast formula (and no Opacus formula): per-coordinate learned scale."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class MixedModel(TinyModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 16), Scale(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class ReusedLayer(TinyModule):
+    """The same Linear applied twice: its per-example norm has cross terms, so it must be materialised."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3))
+
+    def forward(self, x):
+        h = torch.tanh(self.net[0](x))
+        return self.net[1](torch.tanh(self.net[0](h)))
+
+
+MODELS = {
+    "mlp": TinyModule,
+    "sequence": SequenceModel,
+    "conv": ConvModel,
+    "mixed": MixedModel,
+    "reused": ReusedLayer,
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fast_path_trains_exactly_like_materialised_gradients(name):
+    torch.manual_seed(0)
+    fast_model = MODELS[name]()
+    slow_model = copy.deepcopy(fast_model)
+    for model, mode in ((fast_model, "fast"), (slow_model, "materialize")):
+        strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, grad_sample_mode=mode)
+        make_trainer(strategy, max_epochs=2).fit(model)
+    for a, b in zip(fast_model.parameters(), slow_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_auto_mode_is_fast_only_when_every_layer_supports_it():
+    assert PerSampleGradients(TinyModule().net, mode="auto").mode == "fast"
+    assert PerSampleGradients(ConvModel().net, mode="auto").mode == "fast"
+    assert PerSampleGradients(MixedModel().net, mode="auto").mode == "materialize"
+    mixed = PerSampleGradients(MixedModel().net, mode="fast")
+    assert [mixed.path_of(m) for _, m in mixed.layers] == ["fast", "functorch", "fast"]
+
+
+def test_fast_path_never_materialises_linear_gradients(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("per-example Linear gradients were materialised")
+
+    monkeypatch.setitem(GradSampleHooks.GRAD_SAMPLERS, nn.Linear, refuse)
+    module = TinyModule()
+    make_trainer(DPStrategy(noise_multiplier=1.0), max_steps=3).fit(module)
+    with pytest.raises(AssertionError, match="materialised"):
+        make_trainer(DPStrategy(noise_multiplier=1.0, grad_sample_mode="materialize"), max_steps=1).fit(
+            TinyModule()
+        )
+
+
+def test_fit_start_reports_the_path_of_every_layer():
+    strategy = DPStrategy(noise_multiplier=1.0, grad_sample_mode="fast")
+    make_trainer(strategy, max_steps=1).fit(MixedModel())
+    line = strategy.clipping_paths
+    assert "fast net.0:Linear, net.3:Linear" in line
+    assert "functorch net.1:Scale" in line
+
+
+def test_invalid_grad_sample_mode_is_refused():
+    with pytest.raises(ValueError, match="mode must be"):
+        PerSampleGradients(TinyModule().net, mode="ghost")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["fast", "materialize"])
+def test_both_paths_respect_embedding_padding_idx(mode):
+    """The padding row gets no gradient (Opacus's own embedding formula would give it one)."""
+    model = SequenceModel()
+    model.net["emb"] = nn.Embedding(20, 8, padding_idx=0)
+    model.x[:, -4:] = 0
+    before = model.net["emb"].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*do not add up.*")
+        make_trainer(
+            DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, grad_sample_mode="fast"), max_steps=2
+        ).fit(model)
+    after = model.net["emb"].weight.detach()
+    assert not torch.equal(before[1:], after[1:])
+    torch.testing.assert_close(after[0], before[0])
