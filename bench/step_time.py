@@ -1,24 +1,33 @@
-"""Time one training step: plain vs lightning-dp's DP-SGD step vs Opacus (hooks, ghost clipping).
+"""Time one training step: plain vs lightning-dp's DP-SGD step (fast and materialised per-example
+paths) vs Opacus (hooks, ghost clipping), on four models.
 
 Every variant trains its own copy of the same initial model on the same fixed batch, in one process,
 on one thread. Variants run in interleaved rounds (round-robin, the order rotating every round) and
 the table reports medians, so slow drifts of the machine hit every variant alike. Data loading is
 excluded: the batch is already on the device. Each step is timed the way its library runs it:
 
-* plain         forward, mean cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``
-* lightning-dp  the library's :class:`~lightning_dp.engine.PrivateStepEngine` without a Trainer:
-                forward, loss, backward (per-example gradients in tensor hooks), ``engine.privatize()``
-                (flat clipping in fp32, Gaussian noise, ledger), ``engine.apply_step(optimizer)``, zero_grad
-* opacus hooks  ``PrivacyEngine().make_private(...)``: forward, loss, backward, ``optimizer.step()``
-* opacus ghost  ``make_private(..., grad_sample_mode="ghost")``: the wrapped criterion's ``.backward()``
-                runs Opacus's two backward passes, then ``optimizer.step()``
+* plain                     forward, mean cross-entropy, backward, ``optimizer.step()``, ``zero_grad()``
+* lightning-dp fast         the library's :class:`~lightning_dp.engine.PrivateStepEngine` without a
+                            Trainer, ``grad_sample_mode="fast"``: forward, loss, backward (tensor hooks
+                            keep each supported layer's inputs and output gradients), ``engine.privatize()``
+                            (per-example norms and the clipped sum straight from those, no [B, *param]
+                            tensors; Gaussian noise; ledger), ``engine.apply_step(optimizer)``, zero_grad
+* lightning-dp materialize  the same engine with ``grad_sample_mode="materialize"`` (the previous
+                            behaviour): per-example gradients materialised in the backward hooks
+* opacus hooks              ``PrivacyEngine().make_private(...)``: forward, loss, backward, ``optimizer.step()``
+* opacus ghost              ``make_private(..., grad_sample_mode="ghost")``: the wrapped criterion's
+                            ``.backward()`` runs Opacus's two backward passes, then ``optimizer.step()``
+
+Models (``--models``): Tramèr & Boneh's MNIST CNN (batch 256), an MLP 784-1000-10 (256), a small
+transformer encoder on token sequences of length 128 (batch 32; attention built from ``nn.Linear``
+so that every layer has a fast kernel) and a ResNet-20 with GroupNorm on CIFAR-10-shaped input (batch 64).
 
 A second, small table runs a real ``lightning.Trainer`` (plain, and ``DPStrategy(noise_multiplier=1.0)``
 with and without ε logged every step) for a fixed number of steps on an in-memory data set.
 
 Run from the repository root::
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/step_time.py [--json results.json]
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/step_time.py [--models cnn,mlp] [--json results.json]
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import argparse
 import contextlib
 import copy
 import ctypes
+import functools
 import gc
 import json
 import logging
@@ -44,6 +54,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,9 +72,10 @@ from lightning_dp import PrivacyCallback
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.grad_sample import GradMode
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.sampling import Poisson
-from lightning_dp.slots import Step
+from lightning_dp.slots import Step, StepContext
 from lightning_dp.strategy import DPStrategy
 from recipes.models import mlp, tramer_boneh_cnn
 
@@ -71,30 +83,148 @@ SIGMA = 1.0
 MAX_GRAD_NORM = 1.0
 LR = 0.05
 DATASET_SIZE = 60_000  # what the sample rate q = B / N refers to (MNIST); only the accountants see it
-VARIANTS = ("plain", "lightning-dp", "opacus hooks", "opacus ghost")
+VARIANTS = ("plain", "lightning-dp fast", "lightning-dp materialize", "opacus hooks", "opacus ghost")
 
 
 # -- models ----------------------------------------------------------------------------------------
+class SelfAttention(nn.Module):
+    """Multi-head self-attention built from four ``nn.Linear`` projections (q, k, v, out).
+
+    Unlike ``nn.MultiheadAttention`` (which owns ``in_proj_weight`` directly, so per-example
+    clipping must fall back to functorch or Opacus's ``DPMultiheadAttention``), every parameter here
+    lives in a Linear layer, which lightning-dp's fast path and both Opacus modes support.
+    """
+
+    def __init__(self, d_model: int, nhead: int) -> None:
+        super().__init__()
+        self.nhead = nhead
+        self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+
+        def heads(t: Tensor) -> Tensor:
+            return t.view(B, T, self.nhead, D // self.nhead).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.out(a.transpose(1, 2).reshape(B, T, D))
+
+
+class EncoderLayer(nn.Module):
+    """Post-norm encoder layer, as ``nn.TransformerEncoderLayer(batch_first=True, dropout=0.0)``."""
+
+    def __init__(self, d_model: int, nhead: int, dim_feedforward: int) -> None:
+        super().__init__()
+        self.attn = SelfAttention(d_model, nhead)
+        self.norm1 = nn.LayerNorm(d_model)
+        self.linear1 = nn.Linear(d_model, dim_feedforward)
+        self.linear2 = nn.Linear(dim_feedforward, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.norm1(x + self.attn(x))
+        return self.norm2(x + self.linear2(F.relu(self.linear1(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Token + learned position embeddings, 2 encoder layers, mean-pool, Linear(d, classes)."""
+
+    def __init__(
+        self, vocab: int = 1000, seq_len: int = 128, d_model: int = 128, nhead: int = 4, ff: int = 256
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(seq_len, d_model)
+        self.layers = nn.Sequential(*(EncoderLayer(d_model, nhead, ff) for _ in range(2)))
+        self.head = nn.Linear(d_model, 2)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        B, T = idx.shape
+        # Positions per example (so every hook sees the batch), contiguous (Opacus's embedding norm uses .view).
+        positions = torch.arange(T, device=idx.device).repeat(B, 1)
+        return self.head(self.layers(self.tok(idx) + self.pos(positions)).mean(1))
+
+
+GN_GROUPS = 8
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block with GroupNorm; parameter-free shortcut (He et al.'s option A) on downsampling."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.gn1 = nn.GroupNorm(GN_GROUPS, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.gn2 = nn.GroupNorm(GN_GROUPS, c_out)
+        self.stride, self.extra = stride, c_out - c_in
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.gn2(self.conv2(F.relu(self.gn1(self.conv1(x)))))
+        shortcut = x[:, :, :: self.stride, :: self.stride] if self.stride > 1 else x
+        if self.extra:
+            shortcut = F.pad(shortcut, (0, 0, 0, 0, 0, self.extra))
+        return F.relu(out + shortcut)
+
+
+def resnet20(num_classes: int = 10) -> nn.Sequential:
+    """ResNet-20 for CIFAR-10 (3 stages × 3 BasicBlocks, 16/32/64 channels), GroupNorm(8) for BatchNorm."""
+    layers: list[nn.Module] = [
+        nn.Conv2d(3, 16, 3, padding=1, bias=False),
+        nn.GroupNorm(GN_GROUPS, 16),
+        nn.ReLU(),
+    ]
+    c_in = 16
+    for stage, c_out in enumerate((16, 32, 64)):
+        for block in range(3):
+            layers.append(BasicBlock(c_in, c_out, 2 if stage > 0 and block == 0 else 1))
+            c_in = c_out
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)]
+    return nn.Sequential(*layers)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     key: str
     title: str
     build: Callable[[], nn.Module]
     input_shape: tuple[int, ...]  # without the batch dimension
+    batch_size: int  # the default batch (--batch-size overrides it for every model)
+    num_classes: int = 10
+    vocab: int | None = None  # integer token inputs in [0, vocab) instead of Gaussian features
 
 
 MODELS = {
-    "cnn": ModelSpec("cnn", "Tramèr & Boneh MNIST CNN", tramer_boneh_cnn, (1, 28, 28)),
-    "mlp": ModelSpec("mlp", "MLP 784-1000-10", lambda: mlp(784, [1000], 10), (784,)),
+    "cnn": ModelSpec("cnn", "Tramèr & Boneh MNIST CNN", tramer_boneh_cnn, (1, 28, 28), 256),
+    "mlp": ModelSpec("mlp", "MLP 784-1000-10", lambda: mlp(784, [1000], 10), (784,), 256),
+    "transformer": ModelSpec(
+        "transformer",
+        "Transformer encoder (2 layers, d 128, 4 heads, ff 256, Linear-built attention)",
+        TinyTransformer,
+        (128,),
+        32,
+        num_classes=2,
+        vocab=1000,
+    ),
+    "resnet20": ModelSpec("resnet20", "ResNet-20 (GroupNorm) for CIFAR-10", resnet20, (3, 32, 32), 64),
 }
+DEFAULT_MODELS = ("cnn", "mlp", "transformer", "resnet20")
+
+
+def batch_of(spec: ModelSpec, args: argparse.Namespace) -> int:
+    return args.batch_size if args.batch_size is not None else spec.batch_size
 
 
 def fixed_batch(
     spec: ModelSpec, batch_size: int, device: torch.device, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn((batch_size, *spec.input_shape), generator=g)
-    y = torch.randint(0, 10, (batch_size,), generator=g)
+    if spec.vocab is not None:
+        x = torch.randint(0, spec.vocab, (batch_size, *spec.input_shape), generator=g)
+    else:
+        x = torch.randn((batch_size, *spec.input_shape), generator=g)
+    y = torch.randint(0, spec.num_classes, (batch_size,), generator=g)
     return x.to(device), y.to(device)
 
 
@@ -130,6 +260,10 @@ class Variant:
     rounds: int = 0
     peak_bytes: int | None = None
     note: str = ""
+    engine: PrivateStepEngine | None = None  # lightning-dp variants: for the correctness check
+    paths: str = ""  # lightning-dp variants: how many layers take which per-example path
+    ctx: StepContext | None = None  # lightning-dp variants: the last step's context (per-example norms)
+    norms: Tensor | None = None  # lightning-dp variants: the checked first step's per-example norms
 
 
 def _sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -151,7 +285,7 @@ def build_plain(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
     )
 
 
-def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
+def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor, mode: GradMode) -> Variant:
     model = copy.deepcopy(base)
     opt = _sgd(model)
     engine = PrivateStepEngine(
@@ -165,6 +299,7 @@ def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
         accountant="rdp",
         loss_reduction="mean",
         seed=0,
+        grad_sample_mode=mode,
     )
     engine.attach(model)
     engine.sampler.bind(DATASET_SIZE, len(y))
@@ -177,13 +312,20 @@ def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
         assert engine.grads is not None
         engine.grads.clear()
 
+    def privatize() -> None:
+        variant.ctx = engine.privatize()
+
     variant = Variant(
-        "lightning-dp",
-        [("fwd+bwd", fwd_bwd), ("privatize", engine.privatize), ("update", lambda: engine.apply_step(opt))],
+        f"lightning-dp {mode}",
+        [("fwd+bwd", fwd_bwd), ("privatize", privatize), ("update", lambda: engine.apply_step(opt))],
         zero=zero,
         params=list(model.parameters()),
     )
-    variant.engine = engine  # type: ignore[attr-defined]  # for the correctness check
+    variant.engine = engine
+    grads = engine.grads
+    assert grads is not None
+    paths = Counter(grads.path_of(m) for _, m in grads.layers)
+    variant.paths = ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
     return variant
 
 
@@ -239,7 +381,8 @@ def build_opacus_ghost(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
 
 BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Variant]] = {
     "plain": build_plain,
-    "lightning-dp": build_lightning_dp,
+    "lightning-dp fast": functools.partial(build_lightning_dp, mode="fast"),
+    "lightning-dp materialize": functools.partial(build_lightning_dp, mode="materialize"),
     "opacus hooks": build_opacus_hooks,
     "opacus ghost": build_opacus_ghost,
 }
@@ -295,9 +438,11 @@ def check_variant(v: Variant, device: torch.device) -> None:
         raise AssertionError("non-finite weights after the step")
     if all(torch.equal(b, p.detach()) for b, p in zip(before, v.params)):
         raise AssertionError("the step did not change the weights")
-    engine = getattr(v, "engine", None)
+    engine = v.engine
     if engine is not None and (engine.steps != 1 or engine.pending_ctx is not None):
         raise AssertionError("the engine did not complete exactly one private step")
+    if v.ctx is not None:
+        v.norms = v.ctx.extras["per_sample_norms"].detach().clone()
     v.zero()
     _sync(device)
 
@@ -365,10 +510,19 @@ def schedule(num_rounds: int, count: int) -> set[int]:
     return {min(num_rounds - 1, int(k * num_rounds / count)) for k in range(count)}
 
 
+def norm_gap(variants: list[Variant]) -> float | None:
+    """Largest relative gap between the fast and the materialised path's per-example norms (first step)."""
+    by_name = {v.name: v.norms for v in variants if v.norms is not None}
+    fast, full = by_name.get("lightning-dp fast"), by_name.get("lightning-dp materialize")
+    if fast is None or full is None:
+        return None
+    return float((fast - full).abs().max() / full.abs().max().clamp(min=1e-12))
+
+
 def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device) -> list[Variant]:
     torch.manual_seed(0)
     base = spec.build().to(device)
-    x, y = fixed_batch(spec, args.batch_size, device)
+    x, y = fixed_batch(spec, batch_of(spec, args), device)
     variants: list[Variant] = []
     for name in args.variants:
         try:
@@ -436,27 +590,36 @@ def _quantile(values: list[float], q: float) -> float:
 def print_model_table(
     spec: ModelSpec, variants: list[Variant], args: argparse.Namespace, params: int
 ) -> None:
-    shape = ", ".join(str(d) for d in (args.batch_size, *spec.input_shape))
+    shape = ", ".join(str(d) for d in (batch_of(spec, args), *spec.input_shape))
     print(f"\n{spec.title} ({params:,} parameters), batch ({shape}), {args.device}")
-    header = f"{'variant':<14}{'n':>4}{'median ms':>12}{'IQR ms':>16}{'× plain':>9}{'peak MB':>10}"
+    w = 26
+    header = f"{'variant':<{w}}{'n':>4}{'median ms':>12}{'IQR ms':>18}{'× plain':>9}{'peak MB':>10}{'mem × plain':>13}"
     print(header)
     print("-" * len(header))
     plain = next((v for v in variants if v.name == "plain" and v.error is None and v.times), None)
     plain_median = statistics.median(plain.times) if plain else None
+    plain_peak = plain.peak_bytes if plain is not None else None
     for v in variants:
         if v.error is not None or not v.times:
-            print(f"{v.name:<14}  n/a ({v.error or 'no timed rounds'})")
+            print(f"{v.name:<{w}}  n/a ({v.error or 'no timed rounds'})")
             continue
         med = statistics.median(v.times)
         iqr = f"{_ms(_quantile(v.times, 0.25))}-{_ms(_quantile(v.times, 0.75))}"
         ratio = f"{med / plain_median:.2f}" if plain_median else "n/a"
-        peak = f"{v.peak_bytes / 2**20:,.0f}" if v.peak_bytes is not None else "n/a"
-        print(f"{v.name:<14}{v.rounds:>4}{_ms(med):>12}{iqr:>16}{ratio:>9}{peak:>10}")
+        peak = f"{v.peak_bytes / 2**20:,.1f}" if v.peak_bytes is not None else "n/a"
+        mem = f"{v.peak_bytes / plain_peak:.2f}" if v.peak_bytes is not None and plain_peak else "n/a"
+        print(f"{v.name:<{w}}{v.rounds:>4}{_ms(med):>12}{iqr:>18}{ratio:>9}{peak:>10}{mem:>13}")
     print("  phases (median ms):")
     for v in variants:
         if v.error is None and v.times:
             parts = ", ".join(f"{k} {_ms(statistics.median(t))}" for k, t in v.phase_times.items())
-            print(f"    {v.name:<14}{parts}")
+            print(f"    {v.name:<{w}}{parts}")
+    for v in variants:
+        if v.paths:
+            print(f"  {v.name}: per-layer path: {v.paths}")
+    gap = norm_gap(variants)
+    if gap is not None:
+        print(f"  check: fast vs materialised per-example norms (first step), max relative gap {gap:.1e}")
     for v in variants:
         if v.note:
             print(f"  note: {v.name}: {v.note}")
@@ -517,11 +680,9 @@ class _StepTimer(L.Callback):
 
 
 def bench_trainer(spec: ModelSpec, args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    n = args.batch_size * (args.trainer_steps + 1)  # one epoch covers every step: no epoch boundary inside
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(
-        torch.randn((n, *spec.input_shape), generator=g), torch.randint(0, 10, (n,), generator=g)
-    )
+    # One epoch covers every step: no epoch boundary inside.
+    n = batch_of(spec, args) * (args.trainer_steps + 1)
+    data = TensorDataset(*fixed_batch(spec, n, torch.device("cpu"), seed=1))
     configs: list[tuple[str, Callable[[], tuple[Any, list[L.Callback]]]]] = [
         ("plain Trainer", lambda: ("auto", [])),
         (
@@ -573,7 +734,7 @@ def _fit_once(
     module = _Classifier(spec.build())
     strategy, callbacks = make()
     timer = _StepTimer(device)
-    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    loader = DataLoader(data, batch_size=batch_of(spec, args), shuffle=True, drop_last=True)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator=device.type,
@@ -613,7 +774,7 @@ def epsilon_readout_ms(batch_size: int, dataset_size: int, repeats: int = 200) -
 
 def print_trainer_table(spec: ModelSpec, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
-        f"\nlightning.Trainer, {spec.title}, batch {args.batch_size} (Poisson for DP), {args.device}, logger=False"
+        f"\nlightning.Trainer, {spec.title}, batch {batch_of(spec, args)} (Poisson for DP), {args.device}, logger=False"
     )
     header = f"{'configuration':<34}{'steps':>6}{'step ms':>10}{'loop ms':>10}{'× plain':>9}{'fit s':>7}"
     print(header)
@@ -630,24 +791,31 @@ def print_trainer_table(spec: ModelSpec, rows: list[dict[str, Any]], args: argpa
         "  fetching and collating the next batch); medians over every fit's steps after its first warm-up\n"
         f"  steps, {args.trainer_repeats} fits per configuration in alternating order; × plain on loop ms.\n"
         f"  For scale: the ledger's ε readout after a new step (PrivacyLedger.epsilon, RDP) takes "
-        f"{epsilon_readout_ms(args.batch_size, args.batch_size * (args.trainer_steps + 1)):.3f} ms."
+        f"{epsilon_readout_ms(batch_of(spec, args), batch_of(spec, args) * (args.trainer_steps + 1)):.3f} ms."
     )
 
 
 # -- main -----------------------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="one batch for every model (default: each model's own, "
+        + ", ".join(f"{k} {m.batch_size}" for k, m in MODELS.items())
+        + ")",
+    )
     p.add_argument("--rounds", type=int, default=60, help="interleaved rounds (each variant once per round)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before the rounds")
     p.add_argument(
         "--budget",
         type=float,
-        default=30.0,
+        default=15.0,
         help="seconds of timed steps per variant and model; a slower variant runs in fewer (evenly spread) rounds",
     )
     p.add_argument("--min-rounds", type=int, default=7, help="rounds a slow variant still gets")
-    p.add_argument("--models", default="cnn,mlp", help=f"comma-separated, from {sorted(MODELS)}")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated, from {list(MODELS)}")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
@@ -666,7 +834,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for v in args.variants:
         if v not in BUILDERS:
             p.error(f"unknown variant {v!r}; choose from {list(VARIANTS)}")
-    if args.rounds < 1 or args.batch_size < 1:
+    if args.rounds < 1 or (args.batch_size is not None and args.batch_size < 1):
         p.error("--rounds and --batch-size must be positive")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
@@ -702,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"
     )
     print(
-        f"σ={SIGMA}, C={MAX_GRAD_NORM}, SGD lr={LR}, q={args.batch_size}/{DATASET_SIZE}; {args.rounds} interleaved "
+        f"σ={SIGMA}, C={MAX_GRAD_NORM}, SGD lr={LR}, q=B/{DATASET_SIZE}; {args.rounds} interleaved "
         f"rounds after {args.warmup} warm-up steps; medians; peak MB = extra memory at the step's peak "
         f"({'max_memory_allocated' if device.type == 'cuda' else 'process RSS high-water mark'})"
     )
@@ -733,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
         results["models"][key] = {
             "title": spec.title,
             "parameters": params,
-            "input_shape": [args.batch_size, *spec.input_shape],
+            "input_shape": [batch_of(spec, args), *spec.input_shape],
         }
         results["steps"] += [variant_record(spec, v, plain_median) for v in variants]
         del variants
