@@ -6,7 +6,7 @@ privacy ledger that never lets ε pass its target.
 """
 
 from lightning_dp.callbacks import PrivacyCallback
-from lightning_dp.clipping import FlatClipping
+from lightning_dp.clipping import AdaCliP, FlatClipping
 from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
@@ -29,6 +29,7 @@ def register() -> None:
 register()
 
 __all__ = [
+    "AdaCliP",
     "Clipping",
     "ConstantNoise",
     "DPConfigurationError",
