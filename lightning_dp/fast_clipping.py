@@ -119,8 +119,12 @@ def weighted_grad(
 
 
 def use_gram(T: int, d_in: int, d_out: int) -> bool:
-    """Gram trick (O(T²) per example) rather than materialising the layer's d_out×d_in gradient."""
-    return d_in * d_out > T * T
+    """Gram trick when it needs fewer FLOPs than materialising the layer's per-example gradient.
+
+    Per example the Gram route costs T²·(d_in + d_out), materialising T·d_in·d_out; the FLOP rule
+    also implies T² < d_in·d_out, so the Gram matrices never take more memory either.
+    """
+    return T * (d_in + d_out) < d_in * d_out
 
 
 def embedding_use_gram(T: int, embedding_dim: int) -> bool:
@@ -187,12 +191,16 @@ def _fold(weights: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
     w = weights.to(device=backprops.device, dtype=torch.float32)
     keep = w != 0
     shape = (-1, *([1] * (backprops.dim() - 1)))
+    if bool(keep.all()):  # the usual case: no example dropped, no mask pass needed
+        return w.view(shape) * backprops.float(), keep
     folded = torch.where(keep.view(shape), w.view(shape) * backprops.float(), 0.0)
     return folded, keep
 
 
 def _mask(x: Tensor, keep: Tensor) -> Tensor:
     """Zero the examples of ``x`` (batch first) that are not kept, so 0·NaN never enters a matmul."""
+    if bool(keep.all()):
+        return x
     return torch.where(
         keep.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), device=x.device, dtype=x.dtype)
     )

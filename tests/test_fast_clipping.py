@@ -115,9 +115,9 @@ def check_layer(
 CASES: dict[str, tuple[LayerFactory, InputFactory]] = {
     "linear-2d": (lambda: nn.Linear(7, 5), randn(7)),
     "linear-2d-nobias": (lambda: nn.Linear(7, 5, bias=False), randn(7)),
-    "linear-seq-gram": (lambda: nn.Linear(6, 5), randn(3, 6)),  # T²=9 < 30
+    "linear-seq-gram": (lambda: nn.Linear(8, 7), randn(3, 8)),  # T=3: 3·15 < 56
     "linear-seq-materialise": (lambda: nn.Linear(3, 2), randn(4, 3)),  # T²=16 ≥ 6
-    "linear-4d-gram": (lambda: nn.Linear(5, 4), randn(2, 2, 5)),  # T=4: 16 < 20
+    "linear-4d-gram": (lambda: nn.Linear(12, 10), randn(2, 2, 12)),  # T=4: 4·22 < 120
     "linear-4d-materialise": (lambda: nn.Linear(5, 4), randn(2, 3, 5)),  # T=6: 36 ≥ 20
     "conv1d": (lambda: nn.Conv1d(3, 4, 3), randn(3, 9)),
     "conv1d-stride-pad-dil-nobias": (
@@ -128,7 +128,7 @@ CASES: dict[str, tuple[LayerFactory, InputFactory]] = {
     "conv1d-reflect": (lambda: nn.Conv1d(2, 3, 3, padding=1, padding_mode="reflect"), randn(2, 6)),
     "conv1d-depthwise": (lambda: nn.Conv1d(4, 8, 3, groups=4), randn(4, 7)),
     "conv1d-gram": (lambda: nn.Conv1d(8, 8, 3, stride=3), randn(8, 12)),  # L=4: 16 < 24·8
-    "conv2d-gram": (lambda: nn.Conv2d(4, 6, 3, padding=1), randn(4, 3, 3)),  # L=9: 81 < 216
+    "conv2d-gram": (lambda: nn.Conv2d(8, 16, 3, padding=1), randn(8, 3, 3)),  # L=9: 9·88 < 72·16
     "conv2d-materialise": (lambda: nn.Conv2d(1, 2, 2), randn(1, 6, 6)),  # L=25: 625 ≥ 8
     "conv2d-stride-pad-dil": (
         lambda: nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
@@ -352,7 +352,7 @@ def test_registry_and_support() -> None:
     assert not fc.is_supported(MyLinear(2, 2))
     with pytest.raises(TypeError, match="No fast clipping kernels"):
         fc.sq_norms(nn.Conv3d(1, 1, 1), [torch.zeros(1, 1, 1, 1, 1)], torch.zeros(1, 1, 1, 1, 1))
-    assert fc.use_gram(3, 2, 5)
+    assert fc.use_gram(3, 10, 10)  # 3·20 < 100 FLOPs
     assert not fc.use_gram(4, 2, 8)
 
 
