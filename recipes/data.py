@@ -31,12 +31,36 @@ def _loader(dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int) 
     )
 
 
+class _SplitDataModule(L.LightningDataModule):
+    """Train/val/test sets built in ``setup``, served by plain DataLoaders with ``batch_size``."""
+
+    batch_size: int
+    num_workers: int
+    train_set: Dataset | None = None
+    val_set: Dataset | None = None
+    test_set: Dataset | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None, "call setup() first"
+        return _loader(self.train_set, self.batch_size, True, self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        assert self.val_set is not None, "call setup() first"
+        if len(self.val_set) == 0:  # type: ignore[arg-type]
+            return []
+        return _loader(self.val_set, self.batch_size, False, self.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        assert self.test_set is not None, "call setup() first"
+        return _loader(self.test_set, self.batch_size, False, self.num_workers)
+
+
 # --------------------------------------------------------------------------------------------------
 # scikit-learn digits
 # --------------------------------------------------------------------------------------------------
 
 
-class DigitsDataModule(L.LightningDataModule):
+class DigitsDataModule(_SplitDataModule):
     """scikit-learn's bundled 8×8 digits (1,797 images, no download), stratified train/val/test split.
 
     Normalisation (``normalization``):
@@ -114,20 +138,6 @@ class DigitsDataModule(L.LightningDataModule):
         self.train_set = TensorDataset(Xt[train_idx], yt[train_idx])
         self.val_set = TensorDataset(Xt[val_idx], yt[val_idx])
         self.test_set = TensorDataset(Xt[test_idx], yt[test_idx])
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None, "call setup() first"
-        return _loader(self.train_set, self.batch_size, True, self.num_workers)
-
-    def val_dataloader(self) -> DataLoader | list:
-        assert self.val_set is not None, "call setup() first"
-        if len(self.val_set) == 0:
-            return []
-        return _loader(self.val_set, self.batch_size, False, self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        assert self.test_set is not None, "call setup() first"
-        return _loader(self.test_set, self.batch_size, False, self.num_workers)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,7 +229,7 @@ class _ImageTensorDataset(Dataset):
         return (x - self.mean) / self.std, self.targets[index]
 
 
-class MNISTDataModule(L.LightningDataModule):
+class MNISTDataModule(_SplitDataModule):
     """MNIST via ``torchvision.datasets.MNIST``: 60,000 training images split into train/val
     (``val_size`` held out by a seeded permutation) and the standard 10,000 test images.
 
@@ -291,20 +301,6 @@ class MNISTDataModule(L.LightningDataModule):
         self.val_set = _ImageTensorDataset(train.data[val_idx], train.targets[val_idx], mean, std)
         self.test_set = _ImageTensorDataset(test.data, test.targets, mean, std)
 
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None, "call setup() first"
-        return _loader(self.train_set, self.batch_size, True, self.num_workers)
-
-    def val_dataloader(self) -> DataLoader | list:
-        assert self.val_set is not None, "call setup() first"
-        if len(self.val_set) == 0:  # type: ignore[arg-type]
-            return []
-        return _loader(self.val_set, self.batch_size, False, self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        assert self.test_set is not None, "call setup() first"
-        return _loader(self.test_set, self.batch_size, False, self.num_workers)
-
 
 # --------------------------------------------------------------------------------------------------
 # Tabular (DP-AGD preprocessing of BANK, IPUMS-BR)
@@ -331,7 +327,7 @@ def load_tabular(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     return X.astype(np.float32), y.astype(np.int64)
 
 
-class TabularDataModule(L.LightningDataModule):
+class TabularDataModule(_SplitDataModule):
     """Binary classification on the DP-AGD tabular files (``BANK.dat.gz``, ``IPUMS-BR.dat.gz``).
 
     ``fold=None``: one stratified train/test split with ``test_fraction`` (seeded). ``fold=k``: the test
@@ -397,17 +393,3 @@ class TabularDataModule(L.LightningDataModule):
         self.train_set = TensorDataset(Xt[train_idx], yt[train_idx])
         self.val_set = TensorDataset(Xt[val_idx], yt[val_idx])
         self.test_set = TensorDataset(Xt[test_idx], yt[test_idx])
-
-    def train_dataloader(self) -> DataLoader:
-        assert self.train_set is not None, "call setup() first"
-        return _loader(self.train_set, self.batch_size, True, self.num_workers)
-
-    def val_dataloader(self) -> DataLoader | list:
-        assert self.val_set is not None, "call setup() first"
-        if len(self.val_set) == 0:
-            return []
-        return _loader(self.val_set, self.batch_size, False, self.num_workers)
-
-    def test_dataloader(self) -> DataLoader:
-        assert self.test_set is not None, "call setup() first"
-        return _loader(self.test_set, self.batch_size, False, self.num_workers)
