@@ -34,8 +34,10 @@ __all__ = [
     "FastClipper",
     "embedding_use_gram",
     "is_supported",
+    "materialized_sq_norm",
     "materialized_sq_norms",
     "materialized_sq_norms_and_weighted",
+    "materialized_weighted",
     "materialized_weighted_grad",
     "register_fast_clipper",
     "sq_norms",
@@ -132,30 +134,37 @@ def embedding_use_gram(T: int, embedding_dim: int) -> bool:
     return 4 * embedding_dim >= T * T
 
 
-def materialized_sq_norms(grad_samples: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
-    """Per-example squared norms [B] in fp32 from materialised [B, *shape] per-example gradients."""
-    return {
-        p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
+def materialized_sq_norm(g: Tensor) -> Tensor:
+    """Per-example squared norms [B] in fp32 of one materialised [B, *shape] per-example gradient."""
+    if g.numel() == 0:
+        return torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
+    return (
+        torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
         .square()
         .float()
-        if g.numel() > 0
-        else torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
-        for p, g in grad_samples.items()
-    }
+    )
+
+
+def materialized_weighted(g: Tensor, weights: Tensor) -> Tensor:
+    """Σ_i w_i g_i in fp32 of one materialised per-example gradient; weight-0 examples masked out."""
+    w = weights.float()
+    g32 = g.float()
+    keep = w != 0
+    if not bool(keep.all()):
+        g32 = torch.where(keep.view(-1, *([1] * (g32.dim() - 1))), g32, 0.0)
+    return torch.tensordot(w, g32, dims=1)
+
+
+def materialized_sq_norms(grad_samples: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
+    """Per-example squared norms [B] in fp32 from materialised [B, *shape] per-example gradients."""
+    return {p: materialized_sq_norm(g) for p, g in grad_samples.items()}
 
 
 def materialized_weighted_grad(
     grad_samples: dict[nn.Parameter, Tensor], weights: Tensor
 ) -> dict[nn.Parameter, Tensor]:
     """Σ_i w_i g_i in fp32 from materialised per-example gradients (weight-0 examples masked out)."""
-    w = weights.float()
-    keep = w != 0
-    out = {}
-    for p, g in grad_samples.items():
-        g32 = g.float()
-        g32 = torch.where(keep.view(-1, *([1] * (g32.dim() - 1))), g32, 0.0)
-        out[p] = torch.tensordot(w, g32, dims=1)
-    return out
+    return {p: materialized_weighted(g, weights) for p, g in grad_samples.items()}
 
 
 def materialized_sq_norms_and_weighted(

@@ -101,32 +101,18 @@ class PerExampleGradients(Sequence[Tensor]):
                 for value in fast_clipping.sq_norms(module, activations, backprops).values():
                     total += value
         for g in sources:
-            total += torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32).square()
+            total += fast_clipping.materialized_sq_norm(g)
         return total
 
     def weighted_sum(self, weights: Tensor) -> list[Tensor]:
-        """Σ_i w_i g_i per parameter in fp32; examples with weight 0 are masked out (NaN-safe)."""
-        keep = weights != 0
-        masked = not bool(keep.all())
+        """Σ_i w_i g_i per parameter in fp32; examples with weight 0 contribute exactly 0 (NaN-safe)."""
         if self._full is not None:
-            return _weighted_materialized(self._full, weights, keep if masked else None)
-        sums: dict[nn.Parameter, Tensor] = {}
-        for p, g in self._materialized.items():
-            sums[p] = _weighted_materialized([g], weights, keep if masked else None)[0]
-        for module, activations, backprops in self._records:  # zero-weight rows contribute exactly 0
+            return [fast_clipping.materialized_weighted(g, weights) for g in self._full]
+        sums = fast_clipping.materialized_weighted_grad(self._materialized, weights)
+        for module, activations, backprops in self._records:
             for p, value in fast_clipping.weighted_grad(module, activations, backprops, weights).items():
                 sums[p] = value if p not in sums else sums[p] + value
         return [sums.get(p, torch.zeros(p.shape, device=p.device, dtype=torch.float32)) for p in self.params]
-
-
-def _weighted_materialized(grads: Sequence[Tensor], weights: Tensor, keep: Tensor | None) -> list[Tensor]:
-    out = []
-    for g in grads:
-        g32 = g.float()
-        if keep is not None:
-            g32 = torch.where(keep.view(-1, *([1] * (g32.dim() - 1))), g32, torch.zeros_like(g32))
-        out.append(torch.einsum("i,i...->...", weights.float(), g32))
-    return out
 
 
 def _sampler(module: nn.Module) -> GradSampler:

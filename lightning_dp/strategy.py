@@ -145,6 +145,8 @@ class DPStrategyMixin(Strategy):
             module = self.lightning_module
             assert module is not None
             self.setup_notes = prepare_module(module, self.on_batchnorm)
+            for note in self.setup_notes:
+                rank_zero_info(f"lightning-dp: {note}")
             self.engine.attach(module)
             self._check_hooks()
             _warn_on_non_private_gradient_hooks(trainer)

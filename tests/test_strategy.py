@@ -261,9 +261,11 @@ def test_replaces_batchnorm_with_groupnorm_in_place():
         warnings.filterwarnings(
             "error", message=".*do not add up.*"
         )  # the replacement must not kill the layer
-        make_trainer(DPStrategy(noise_multiplier=1.0, on_batchnorm="replace"), max_steps=2).fit(module)
+        strategy = DPStrategy(noise_multiplier=1.0, on_batchnorm="replace")
+        make_trainer(strategy, max_steps=2).fit(module)
     assert isinstance(module.net[1], nn.GroupNorm)
     assert module.net[1].num_groups == 1  # BatchNorm1d on (B, C): one group, not one channel per group
+    assert strategy.setup_notes == ["replaced BatchNorm with GroupNorm: ['net.1']"]
 
 
 def test_replace_batchnorm2d_uses_gcd_groups():

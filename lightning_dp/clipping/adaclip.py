@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_dp.clipping.flat import clip_factors
+from lightning_dp.clipping.flat import clip_factors, per_sample_norms, weighted_sum
 from lightning_dp.slots import Clipping, StepContext
 
 VarianceMode = Literal["per_example", "literal"]
@@ -82,18 +82,7 @@ class AdaCliP(Clipping):
         """Σ_k clip_1((g_k − a)/b): the transformed, clipped sum that the noise is added to."""
         self._b = adaclip_scale(self.s, self.gamma)
         transformed = [(g.float() - a) / b for g, a, b in zip(grad_samples, self.m, self._b, strict=True)]
-        batch = transformed[0].shape[0] if transformed else 0
-        squares = torch.zeros(batch, dtype=torch.float32, device=self.m[0].device)
-        for w in transformed:
-            squares += w.flatten(1).square().sum(1)
-        factors = clip_factors(squares.sqrt(), 1.0)
-        keep = factors != 0
-        sums = []
-        for w in transformed:
-            if not bool(keep.all()):
-                w = torch.where(keep.view(-1, *([1] * (w.dim() - 1))), w, torch.zeros_like(w))
-            sums.append(torch.einsum("i,i...->...", factors, w))
-        return sums
+        return weighted_sum(transformed, clip_factors(per_sample_norms(transformed), 1.0))
 
     def sensitivity(self, ctx: StepContext) -> float:
         return 1.0

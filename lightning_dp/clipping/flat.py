@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_dp.fast_clipping import materialized_sq_norm, materialized_weighted
 from lightning_dp.grad_sample import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext
 
@@ -18,11 +19,7 @@ def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
     """
     if isinstance(grad_samples, PerExampleGradients):
         return grad_samples.sq_norms().sqrt()
-    batch = grad_samples[0].shape[0]
-    squares = torch.zeros(batch, dtype=torch.float32, device=grad_samples[0].device)
-    for g in grad_samples:
-        squares += torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32).square()
-    return squares.sqrt()
+    return sum(materialized_sq_norm(g) for g in grad_samples).sqrt()  # type: ignore[union-attr]
 
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
@@ -39,14 +36,7 @@ def weighted_sum(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor
     """Σ_i w_i g_i for every parameter, in fp32 (non-finite entries of dropped examples masked out)."""
     if isinstance(grad_samples, PerExampleGradients):
         return grad_samples.weighted_sum(weights)
-    out = []
-    for g in grad_samples:
-        g32 = g.float()
-        keep = weights != 0
-        if not bool(keep.all()):
-            g32 = torch.where(keep.view(-1, *([1] * (g32.dim() - 1))), g32, torch.zeros_like(g32))
-        out.append(torch.einsum("i,i...->...", weights, g32))
-    return out
+    return [materialized_weighted(g, weights) for g in grad_samples]
 
 
 class FlatClipping(Clipping):
