@@ -61,10 +61,17 @@ class PrivateStepEngine:
         self._checked_consistency = False
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
+        self.module: nn.Module | None = None
+        """The module the hooks are attached to (steps that probe the loss evaluate it)."""
+        self.batch: Any = None
+        """The current logical batch, set by the strategy before each training step (for loss probes)."""
+        self.max_physical_batch_size: int | None = None
+        step.bind(self)
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, module: nn.Module) -> None:
         """Install the per-example gradient hooks on ``module`` (idempotent)."""
+        self.module = module
         if self.grads is None:
             self.grads = PerSampleGradients(
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
@@ -162,6 +169,8 @@ class PrivateStepEngine:
         noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
         if self.all_reduce is not None:
             noisy = self.all_reduce(noisy)
+        if self.step_slot.needs_sums:
+            ctx.extras["clipped_sums"], ctx.extras["noisy_sums"] = sums, noisy
         for p, g in zip(self.params, self.clipping.finalize(noisy, ctx), strict=True):
             p.grad = g.to(p.dtype)
         self.steps += 1
