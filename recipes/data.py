@@ -337,7 +337,9 @@ class TabularDataModule(_SplitDataModule):
     set is fold ``k`` of a seeded ``StratifiedKFold(num_folds)`` and the rest is training data, so the
     ``num_folds`` test sets partition the data (benchmarks report the mean over folds). ``val_fraction > 0``
     carves a validation split out of the training part; otherwise there is no validation loader.
-    ``normalize_rows=False`` keeps min-max scaling only (DP-AGD's preprocessing).
+    ``normalize_rows=False`` keeps min-max scaling only (DP-AGD's preprocessing). ``full_batch=True``: the
+    train loader's batch is the whole training split (DP-AGD's full-batch gradient descent; ``batch_size``
+    then only sets the evaluation batches).
     """
 
     num_classes = 2
@@ -353,6 +355,7 @@ class TabularDataModule(_SplitDataModule):
         val_fraction: float = 0.0,
         num_workers: int = 0,
         normalize_rows: bool = True,
+        full_batch: bool = False,
     ) -> None:
         super().__init__()
         if fold is not None and not 0 <= fold < num_folds:
@@ -367,6 +370,7 @@ class TabularDataModule(_SplitDataModule):
         self.val_fraction = val_fraction
         self.num_workers = num_workers
         self.normalize_rows = normalize_rows
+        self.full_batch = full_batch
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
         self.test_set: TensorDataset | None = None
@@ -399,3 +403,8 @@ class TabularDataModule(_SplitDataModule):
         self.train_set = TensorDataset(Xt[train_idx], yt[train_idx])
         self.val_set = TensorDataset(Xt[val_idx], yt[val_idx])
         self.test_set = TensorDataset(Xt[test_idx], yt[test_idx])
+
+    def train_dataloader(self) -> DataLoader:
+        if self.full_batch and self.train_set is not None:
+            return _loader(self.train_set, len(self.train_set), True, self.num_workers)
+        return super().train_dataloader()
