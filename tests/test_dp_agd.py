@@ -4,7 +4,12 @@ test_privacy_filter.py), the NoisyMin sign regression test, and the Lightning wi
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -21,6 +26,7 @@ from lightning_dp.steps.dp_agd import grad_avg, initial_budgets, noisy_min, step
 from recipes.linear import LinearClassifier
 
 L8 = math.log(1e8)
+HERE = Path(__file__).resolve().parent
 
 
 def _data(n: int = 300, d: int = 6, seed: int = 0):
@@ -290,3 +296,26 @@ def test_refuses_bad_configurations():
     engine.privatize()
     with pytest.raises(DPConfigurationError, match="dp_per_sample_loss"):
         engine.apply_step(torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_every_decision(tmp_path):
+    """DDP (gloo, 2 ranks): candidate losses all-reduced, NoisyMin drawn on rank 0 and broadcast, so both
+    ranks take the same steps, spend the same budget and end with identical weights."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
+    run = subprocess.run(
+        [sys.executable, str(HERE / "ddp_agd_worker.py"), str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+    r0, r1 = (json.loads((tmp_path / f"agd.rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    assert r0["iterations"] >= 3
+    assert r0["rho_spent"] <= r0["rho_total"]
+    assert r0["epsilon"] <= 0.5
+    assert r0["noisy_min_calls"] == r0["iterations"] + r0["rejections"]
+    assert any(w != 0.0 for w in r0["weights"])
