@@ -308,16 +308,17 @@ class _LinearKernels(_Kernels):
         assert isinstance(layer, nn.Linear)
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
-        reused = _reuse(cache, weight, weights)
-        if reused is not None and weight is not None:
-            out[weight], weight = reused, None
-        wd, keep = _fold(weights, backprops)
-        wd2 = wd.reshape(-1, layer.out_features)
+        if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
+            out[bias] = materialized_weighted(
+                _linear_inputs(layer, activations, backprops)[1].sum(1), weights
+            )
         if weight is not None:
-            a, _ = _linear_inputs(layer, [_mask(activations[0], keep)], wd)
-            out[weight] = wd2.t() @ a.reshape(-1, layer.in_features)
-        if bias is not None:
-            out[bias] = wd2.sum(0)
+            reused = _reuse(cache, weight, weights)
+            if reused is None:
+                wd, keep = _fold(weights, backprops)
+                a, wd = _linear_inputs(layer, [_mask(activations[0], keep)], wd)
+                reused = wd.reshape(-1, layer.out_features).t() @ a.reshape(-1, layer.in_features)
+            out[weight] = reused
         return out
 
 
@@ -383,10 +384,16 @@ def force_conv_method(method: ConvMethod | None) -> Iterator[None]:
 
 
 def _conv_weight_grad(layer: _Conv, x: Tensor, grad_output: Tensor, groups: int, shape: Any) -> Tensor:
-    """The layer's weight-gradient convolution on an already padded fp32 input."""
+    """The layer's weight-gradient convolution on its fp32 input (zero padding done by the convolution
+    itself, other padding modes and 'same' padded here first)."""
     conv_weight = nn_grad.conv1d_weight if isinstance(layer, nn.Conv1d) else nn_grad.conv2d_weight
+    padding: Any = layer.padding
+    if layer.padding_mode == "zeros" and not isinstance(padding, str):
+        x = x.float()
+    else:
+        x, padding = _conv_padded_input(layer, x), 0
     return conv_weight(
-        x, shape, grad_output, stride=layer.stride, padding=0, dilation=layer.dilation, groups=groups
+        x, shape, grad_output, stride=layer.stride, padding=padding, dilation=layer.dilation, groups=groups
     )
 
 
@@ -396,7 +403,6 @@ def _conv_samples_grouped(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
     B = backprops.shape[0]
     if B == 0:
         return backprops.new_zeros((0, *layer.weight.shape), dtype=torch.float32)
-    x = _conv_padded_input(layer, x)
     xb = x.reshape(1, B * x.shape[1], *x.shape[2:])
     db = backprops.float().reshape(1, B * backprops.shape[1], *backprops.shape[2:])
     shape = (B * layer.out_channels, *layer.weight.shape[1:])
@@ -501,17 +507,17 @@ class _ConvKernels(_Kernels):
         assert isinstance(layer, nn.Conv1d | nn.Conv2d)
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
-        reused = _reuse(cache, weight, weights)
-        if reused is not None and weight is not None:
-            out[weight], weight = reused, None
-        wd, keep = _fold(weights, backprops)
+        if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
+            out[bias] = materialized_weighted(backprops.float().flatten(2).sum(2), weights)
         if weight is not None:
-            # The layer's own weight-gradient convolution with w_i·δ_i as output gradient: one
-            # reduction over batch and positions, the same as a matmul of the unfolded patches.
-            x = _conv_padded_input(layer, _mask(activations[0], keep))
-            out[weight] = _conv_weight_grad(layer, x, wd, layer.groups, layer.weight.shape)
-        if bias is not None:
-            out[bias] = wd.sum((0, *range(2, wd.dim())))
+            reused = _reuse(cache, weight, weights)
+            if reused is None:
+                # The layer's own weight-gradient convolution with w_i·δ_i as output gradient: one
+                # reduction over batch and positions, the same as a matmul of the unfolded patches.
+                wd, keep = _fold(weights, backprops)
+                x = _mask(activations[0], keep)
+                reused = _conv_weight_grad(layer, x, wd, layer.groups, layer.weight.shape)
+            out[weight] = reused
         return out
 
 
@@ -620,7 +626,8 @@ class _NormKernels(_Kernels):
     def sq_norms(
         layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
-        return materialized_sq_norms(_norm_layer_grad_samples(layer, activations, backprops))
+        samples = _norm_layer_grad_samples(layer, activations, backprops)
+        return {p: _cached(cache, p, g) for p, g in samples.items()}
 
     @staticmethod
     def weighted_grad(
@@ -630,6 +637,9 @@ class _NormKernels(_Kernels):
         weights: Tensor,
         cache: Cache | None = None,
     ) -> dict[nn.Parameter, Tensor]:
-        wd, keep = _fold(weights, backprops)
-        samples = _norm_layer_grad_samples(layer, [_mask(activations[0], keep)], wd)
-        return {p: g.sum(0) for p, g in samples.items()}
+        params = [p for p in _weight_bias(layer) if p is not None]
+        out = {p: g for p in params if (g := _reuse(cache, p, weights)) is not None}
+        if len(out) < len(params):
+            samples = _norm_layer_grad_samples(layer, activations, backprops)
+            out.update(materialized_weighted_grad({p: samples[p] for p in params if p not in out}, weights))
+        return out

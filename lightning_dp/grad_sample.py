@@ -65,8 +65,12 @@ class PerExampleGradients(Sequence[Tensor]):
         batch: int,
         materialized: dict[nn.Parameter, Tensor],
         records: list[Record],
+        scale: float = 1.0,
     ) -> None:
         self.params, self.batch = params, batch
+        self.scale = scale
+        """Records hold the raw output gradients; per-example gradients are ``scale`` times theirs
+        (the batch size under a mean loss), applied to the few scalars that need it, not to every δ."""
         self._materialized = materialized
         self._records = records
         self._caches: list[fast_clipping.Cache] = [{} for _ in records]
@@ -83,7 +87,7 @@ class PerExampleGradients(Sequence[Tensor]):
         if self._full is None:
             grads = dict(self._materialized)
             for module, activations, backprops in self._records:
-                _add_samples(grads, _sampler(module)(module, activations, backprops))
+                _add_samples(grads, _sampler(module)(module, activations, backprops * self.scale))
             self._full = [
                 grads.get(p, torch.zeros((self.batch, *p.shape), device=p.device, dtype=torch.float32))
                 for p in self.params
@@ -101,6 +105,7 @@ class PerExampleGradients(Sequence[Tensor]):
             for (module, activations, backprops), cache in zip(self._records, self._caches, strict=True):
                 for value in fast_clipping.sq_norms(module, activations, backprops, cache).values():
                     total += value
+            total *= self.scale**2
         for g in sources:
             total += fast_clipping.materialized_sq_norm(g)
         return total
@@ -110,6 +115,7 @@ class PerExampleGradients(Sequence[Tensor]):
         if self._full is not None:
             return [fast_clipping.materialized_weighted(g, weights) for g in self._full]
         sums = fast_clipping.materialized_weighted_grad(self._materialized, weights)
+        weights = weights * self.scale
         for (module, activations, backprops), cache in zip(self._records, self._caches, strict=True):
             for p, value in fast_clipping.weighted_grad(
                 module, activations, backprops, weights, cache
@@ -236,11 +242,12 @@ class PerSampleGradients:
 
     def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor) -> None:
         batch = grad.shape[0]
-        backprops = grad.detach() * batch if self.loss_reduction == "mean" else grad.detach()
         if self.path_of(module) == "fast":
-            self.records.append((module, activations, backprops))
+            self.records.append((module, activations, grad.detach()))
         else:
-            _add_samples(self.grad_samples, _sampler(module)(module, activations, backprops))
+            _add_samples(
+                self.grad_samples, _sampler(module)(module, activations, grad.detach() * self._scale(batch))
+            )
         self.batch_size = batch
 
     def collect(self) -> tuple[PerExampleGradients, int]:
@@ -253,10 +260,14 @@ class PerSampleGradients:
                     f"({sample.shape[0]} vs {batch}): every layer must see the batch on dimension 0."
                 )
         materialized = dict(self.grad_samples)
-        records = self._split_shared(materialized)
-        return PerExampleGradients(self.params, batch, materialized, records), batch
+        records = self._split_shared(materialized, self._scale(batch))
+        return PerExampleGradients(self.params, batch, materialized, records, self._scale(batch)), batch
 
-    def _split_shared(self, materialized: dict[nn.Parameter, Tensor]) -> list[Record]:
+    def _scale(self, batch: int) -> float:
+        """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
+        return float(batch) if self.loss_reduction == "mean" else 1.0
+
+    def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[Record]:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
         norm, so those calls are materialised and summed; the others stay fast."""
         seen: dict[nn.Parameter, int] = {p: 1 for p in materialized}
@@ -267,7 +278,7 @@ class PerSampleGradients:
         for record in self.records:
             module, activations, backprops = record
             if any(seen.get(p, 0) > 1 for p in module.parameters()):
-                _add_samples(materialized, _sampler(module)(module, activations, backprops))
+                _add_samples(materialized, _sampler(module)(module, activations, backprops * scale))
             else:
                 fast.append(record)
         return fast
