@@ -10,6 +10,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from lightning_dp import AdaCliP, ConstantNoise, DPStrategy
 from lightning_dp.audit import audit, default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
 from recipes import DigitsDataModule, ImageClassifier
 
+ROOT = Path(__file__).resolve().parents[1]
 CLAIMED = 1.0  # the target ε of every audited run
 
 # name → extra DPStrategy arguments. DPIS, the line-search step and the accelerated steps add one line
@@ -88,7 +90,9 @@ class SilentNoise(ConstantNoise):
         return sums
 
 
-def run_audit(mechanism: str, canary: str, broken: bool, tmp_path, steps: int = 100, lr: float = 2.0):
+def run_audit(
+    mechanism: str, canary: str, broken: bool, tmp_path, steps: int = 100, lr: float = 2.0, **options: Any
+):
     extra = MECHANISMS[mechanism]()
     if broken:
         extra["noise"] = SilentNoise()
@@ -116,6 +120,7 @@ def run_audit(mechanism: str, canary: str, broken: bool, tmp_path, steps: int = 
             canary=canary,
             num_canaries=256,
             seed=1,
+            **options,
         )
 
 
@@ -148,3 +153,29 @@ def test_run_without_noise_fails_the_black_box_audit(mechanism, tmp_path):
     assert result.claimed_epsilon == pytest.approx(CLAIMED, abs=0.01)
     assert result.epsilon_lower_bound > 1.4 * result.claimed_epsilon, result
     assert not result.passed
+
+
+def test_canaries_on_model_coordinates_see_the_missing_noise_through_real_gradients(tmp_path):
+    """placement='model': the real gradients on the canary coordinates blur the scores (weaker)."""
+    broken = run_audit("dp-sgd", "gradient", broken=True, tmp_path=tmp_path, placement="model")
+    correct = run_audit("dp-sgd", "gradient", broken=False, tmp_path=tmp_path, placement="model")
+    assert broken.epsilon_lower_bound > 0.25
+    assert correct.epsilon_lower_bound <= correct.claimed_epsilon
+
+
+def test_cli_audit_exits_1_when_the_noise_is_missing(tmp_path, capsys):
+    from lightning_dp.cli import main
+
+    args = ["audit", "--config", str(ROOT / "configs" / "digits_dpsgd.yaml"), "--trainer.max_epochs", "4"]
+    args += ["--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
+    args += ["--trainer.strategy.init_args.noise", "test_audit.SilentNoise", "--audit_seed", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 1
+    out = capsys.readouterr().out
+    assert "lightning-dp audit: claimed ε = 2.9" in out
+    assert "FAILED: the run leaks more than claimed" in out
+    (report,) = tmp_path.rglob("privacy_report.json")
+    audit_field = json.loads(report.read_text())["audit"]
+    assert audit_field["passed"] is False
+    assert audit_field["epsilon_lower_bound"] > audit_field["claimed_epsilon"]
