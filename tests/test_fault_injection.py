@@ -36,7 +36,8 @@ from lightning_dp.checkpointing import (
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 SIGMA, MAX_STEPS, N, BATCH = 1.0, 16, 128, 16  # as in fault_worker.py
-SEED = random.randrange(1 << 30)  # the kill points are random; the seed is in the test ids' output
+# The kill points are random; a failure names the seed, and LDP_FAULT_SEED=<seed> replays it.
+SEED = int(os.environ.get("LDP_FAULT_SEED", random.randrange(1 << 30)))
 
 
 def exact_epsilon(steps: int) -> float:
@@ -120,6 +121,7 @@ def killed_mid_write(tmp_path_factory):
 def test_kill_mid_write_leaves_only_complete_checkpoints(killed_mid_write):
     out, hang_at = killed_mid_write
     names = sorted(os.listdir(out / "ckpt"))
+    print(f"seed {SEED}: killed during checkpoint write {hang_at}")
     complete = [n for n in names if n.endswith(".ckpt")]
     assert len(complete) == hang_at - 1, names
     assert all(checkpoint_problem(out / "ckpt" / n) is None for n in complete)
@@ -163,8 +165,15 @@ def test_half_written_checkpoint_is_refused_and_the_previous_one_used(killed_mid
     assert Path(previous).name == f"step={3 * (hang_at - 1)}.ckpt"
 
 
-def test_checkpoints_written_by_the_strategy_are_complete_at_every_save(tmp_path):
+def test_checkpoints_written_by_the_strategy_are_complete_at_every_save(tmp_path, monkeypatch):
     """Lightning's ModelCheckpoint goes through the strategy's atomic path (no temp file is left)."""
+    written = []
+
+    def counting_save(checkpoint, path):
+        written.append(os.path.basename(path))
+        atomic_save(checkpoint, path)
+
+    monkeypatch.setattr("lightning_dp.strategy.atomic_save", counting_save)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     strategy = DPStrategy(noise_multiplier=SIGMA, seed=0)
     trainer = make_trainer(
@@ -172,8 +181,8 @@ def test_checkpoints_written_by_the_strategy_are_complete_at_every_save(tmp_path
     )
     trainer.fit(TinyModule(n=N, batch_size=BATCH))
     names = sorted(os.listdir(tmp_path / "ckpt"))
+    assert names == sorted(written)
     assert len(names) == 3
-    assert all(n.endswith(".ckpt") for n in names)
     for name in names:
         state = saved_state(str(tmp_path / "ckpt" / name))
         assert state["steps"] == state["global_step"]
@@ -233,6 +242,7 @@ def ddp_resumed(tmp_path_factory):
 
 def test_ddp_rank_death_mid_step_resumes_without_losing_or_double_counting(ddp_resumed):
     kill_step, before, records = ddp_resumed
+    print(f"seed {SEED}: rank 1 killed in step {kill_step}")
     last_complete = 2 * (kill_step // 2)  # checkpoints every 2 steps; step kill_step never finished
     assert before[-1] == f"step={last_complete}.ckpt" or f"step={last_complete}.ckpt" in before, before
     for record in records:
