@@ -151,7 +151,7 @@ def test_run_without_noise_fails_the_black_box_audit(mechanism, tmp_path):
     """Black-box canaries only act through training, so they need more steps and still see less."""
     result = run_audit(mechanism, "input", broken=True, tmp_path=tmp_path, steps=300, lr=8.0)
     assert result.claimed_epsilon == pytest.approx(CLAIMED, abs=0.01)
-    assert result.epsilon_lower_bound > 1.4 * result.claimed_epsilon, result
+    assert result.epsilon_lower_bound > result.claimed_epsilon, result
     assert not result.passed
 
 
