@@ -267,14 +267,9 @@ ROWS = [
         "DPStrategy trains on one device, but the Trainer asked for 2",
     ),
     Row(
-        "unpriceable mechanism combination (target ε)",
-        lambda _: fit(DPStrategy(target_epsilon=3.0, accountant="prv", sampler=RdpOnlySampler())),
-        "the PRV accountant cannot price 'test_bad_inputs_rdp_only' events",
-        ValueError,
-    ),
-    Row(
-        "unpriceable mechanism combination (σ given)",
+        "unpriceable mechanism combination",
         lambda _: fit(DPStrategy(noise_multiplier=1.0, accountant="prv", sampler=RdpOnlySampler())),
+        "the PRV accountant cannot price 'test_bad_inputs_rdp_only' events (RdpOnly(noise_multiplier=1.0)); "
         "use accountant='rdp'",
         ValueError,
     ),
