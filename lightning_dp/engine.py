@@ -134,6 +134,9 @@ class PrivateStepEngine:
         grad_samples, batch = self.grads.collect()
         if batch and not self._checked_consistency:
             self._check_consistency(self.grads.params, grad_samples, batch)
+            # Checked once against autograd's gradient; from now on that gradient is never computed
+            # (it would be discarded anyway: privatize builds p.grad from per-example terms alone).
+            self.grads.skip_param_grads = True
         ctx = self._context(batch)
         sums = self.clipping.clip_and_sum(grad_samples, ctx)
         self.grads.clear()
