@@ -5,6 +5,7 @@ LightningModule with DP-SGD: Poisson sampling, per-example clipping, calibrated 
 privacy ledger that never lets ε pass its target.
 """
 
+from lightning_dp.audit import AuditResult, audit
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.clipping import AdaCliP, FlatClipping
 from lightning_dp.ddp import DPDDPStrategy
@@ -30,6 +31,7 @@ register()
 
 __all__ = [
     "AdaCliP",
+    "AuditResult",
     "Clipping",
     "ConstantNoise",
     "DPConfigurationError",
@@ -44,5 +46,6 @@ __all__ = [
     "Step",
     "StepContext",
     "__version__",
+    "audit",
     "register",
 ]

@@ -23,6 +23,21 @@ from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter
 AllReduce = Callable[[list[Tensor]], list[Tensor]]
 
 
+class ReleaseHook:
+    """Sees each step's release: may add contributions before the noise, reads the noisy sums after.
+
+    The privacy audit's gradient canaries use it (lightning_dp/audit.py); the default does nothing.
+    """
+
+    def before_noise(self, sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        """The clipped sums the noise is added to (extra tensors may be appended; return them all)."""
+        return sums
+
+    def after_release(self, noisy: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        """The released noisy sums; return those of the parameters (drop anything appended above)."""
+        return noisy
+
+
 class PrivateStepEngine:
     """Holds the four slots, the ledger and the noise generator, and runs the private step."""
 
@@ -61,6 +76,7 @@ class PrivateStepEngine:
         self._checked_consistency = False
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
+        self.release_hooks: list[ReleaseHook] = []
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, module: nn.Module) -> None:
@@ -158,6 +174,8 @@ class PrivateStepEngine:
             ctx.batch_size += self._partial_batch
             self._partial, self._partial_batch = None, 0
         self.ledger.record(event)
+        for hook in self.release_hooks:
+            sums = hook.before_noise(sums, ctx)
         sigma = ctx.noise_multiplier
         std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
         # Under DDP each rank adds an independent share σC/√W, so the all-reduced sum carries
@@ -165,6 +183,8 @@ class PrivateStepEngine:
         noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
         if self.all_reduce is not None:
             noisy = self.all_reduce(noisy)
+        for hook in reversed(self.release_hooks):
+            noisy = hook.after_release(noisy, ctx)
         for p, g in zip(self.params, self.clipping.finalize(noisy, ctx), strict=True):
             p.grad = g.to(p.dtype)
         self.steps += 1

@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp.accounting import BudgetExceededError
 from lightning_dp.batching import split_batch
+from lightning_dp.checkpointing import atomic_save, checkpoint_problem, is_local_path
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
@@ -226,6 +228,14 @@ class DPStrategyMixin(Strategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         checkpoint[CHECKPOINT_KEY] = self._gather_dp_state()
+        if (
+            type(self.checkpoint_io) is TorchCheckpointIO
+            and storage_options is None
+            and is_local_path(filepath)
+        ):
+            if self.is_global_zero:  # temp file + fsync + rename: a crash never leaves half a checkpoint
+                atomic_save(checkpoint, filepath)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _gather_dp_state(self) -> dict[str, Any]:
@@ -249,7 +259,17 @@ class DPStrategyMixin(Strategy):
         return ranks[self.global_rank] if ranks else state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except Exception as err:
+            problem = checkpoint_problem(checkpoint_path) if is_local_path(checkpoint_path) else None
+            if problem is None:
+                raise
+            raise DPConfigurationError(
+                f"The checkpoint {checkpoint_path} is damaged: {problem}. It was probably being written when "
+                "the process died. Resume from the previous one: lightning_dp.checkpointing."
+                "latest_valid_checkpoint(folder) returns the newest complete checkpoint."
+            ) from err
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             state = checkpoint.get(CHECKPOINT_KEY)
