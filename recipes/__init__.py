@@ -6,14 +6,18 @@ Nothing here knows about differential privacy; the models only respect its const
 
 from recipes.classifier import ImageClassifier, build_model
 from recipes.data import DigitsDataModule, MNISTDataModule, TabularDataModule, resolve_mnist_root
+from recipes.dp_pca import ComposedNoise, DPPCAClassifier, dp_pca_projection
 from recipes.models import logistic_regression, mlp, small_cnn_digits, tramer_boneh_cnn
 
 __all__ = [
+    "ComposedNoise",
+    "DPPCAClassifier",
     "DigitsDataModule",
     "ImageClassifier",
     "MNISTDataModule",
     "TabularDataModule",
     "build_model",
+    "dp_pca_projection",
     "logistic_regression",
     "mlp",
     "resolve_mnist_root",
