@@ -328,9 +328,17 @@ class PrivacyLedger:
         if self.epsilon() > target:
             return 0
         if self._accountant == "pure":
-            if event.pure_epsilon() == 0.0:
+            cost = float(event.pure_epsilon() or 0.0)
+            if cost == 0.0:
                 return _MAX_COUNT
-        elif not self._event_rdp(event).any():
+            # Costs add: start at the quotient and correct the floating-point rounding exactly.
+            guess = min(_MAX_COUNT, int((target - self.epsilon()) / cost)) if math.isfinite(cost) else 0
+            while guess > 0 and not fits(guess):
+                guess -= 1
+            while guess < _MAX_COUNT and fits(guess + 1):
+                guess += 1
+            return guess
+        if not self._event_rdp(event).any():
             return _MAX_COUNT
         if self._accountant == "prv":
             # Start near the (cheap) RDP answer: PRV evaluations cost ~0.1-1 s each.
