@@ -90,7 +90,7 @@ PAPER: dict[tuple[str, float, str], tuple[float | None, ...]] = {
     ("m=1e3", 0.1, "DP-NAG"): (None, None, 0.12, 0.45),
     ("m=1e3", 0.1, "DP-HB"): (None, None, 0.12, 0.45),
     ("m=1e3", 0.1, "DP-MASG"): (None, None, None, 1.2),
-    ("m=1e3", 0.1, "DP-NAG-opt"): (0.025, 0.025, 0.025, 0.025),
+    ("m=1e3", 0.1, "DP-NAG-opt"): (None, None, 0.025, 0.025),
     ("m=1e3", 0.1, "DP-MASG-opt"): (5, 5, 5, 5),
 }
 
