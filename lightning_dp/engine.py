@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
 from lightning_dp.clipping.flat import weighted_sum
+from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import GradMode, PerSampleGradients
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
@@ -38,6 +39,26 @@ class ReleaseHook:
         return noisy
 
 
+def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str) -> None:
+    """Refuse slot combinations the ledger cannot price (e.g. Laplace noise with Poisson/RDP events).
+
+    Slots declare ``mechanism`` ("gaussian" unless set): Laplace needs all of fixed-size sampling,
+    L1 clipping, Laplace noise and the pure-ε accountant (basic composition); Gaussian needs none.
+    """
+    kinds = {
+        name: getattr(slot, "mechanism", "gaussian")
+        for name, slot in (("sampler", sampler), ("clipping", clipping), ("noise", noise))
+    }
+    kinds["accountant"] = "laplace" if accountant == "pure" else "gaussian"
+    if len(set(kinds.values())) > 1:
+        described = ", ".join(f"{name}: {kind}" for name, kind in kinds.items())
+        raise DPConfigurationError(
+            f"These slots release different mechanisms ({described}), which the ledger cannot price together. "
+            "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
+            "and accountant='pure'; Gaussian steps need none of these."
+        )
+
+
 class PrivateStepEngine:
     """Holds the four slots, the ledger and the noise generator, and runs the private step."""
 
@@ -51,12 +72,16 @@ class PrivateStepEngine:
         max_grad_norm: float,
         delta: float,
         target_epsilon: float | None,
-        accountant: Literal["rdp", "prv"],
+        accountant: Literal["rdp", "prv", "pure"],
         loss_reduction: str,
         seed: int | None,
         grad_sample_mode: GradMode = "auto",
     ) -> None:
         self.grad_sample_mode: GradMode = grad_sample_mode
+        check_mechanisms(sampler, clipping, noise, accountant)
+        link = getattr(noise, "link_step", None)
+        if callable(link):  # schedules such as NoiseDividing take their weights from the step slot
+            link(step)
         self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
         self.max_grad_norm = max_grad_norm
         self.delta = delta

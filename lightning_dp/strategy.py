@@ -81,7 +81,7 @@ class DPStrategyMixin(Strategy):
         delta: float,
         max_grad_norm: float,
         noise_multiplier: float | None,
-        accountant: Literal["rdp", "prv"],
+        accountant: Literal["rdp", "prv", "pure"],
         sampler: Sampler | None,
         clipping: Clipping | None,
         noise: Noise | None,
@@ -455,6 +455,14 @@ class DPStrategyMixin(Strategy):
                 "it unless you removed it) and do not force more steps with min_epochs/min_steps."
             ) from err
 
+    def on_train_end(self) -> None:
+        """Steps that train on a look-ahead point (Nesterov) write their final iterate into the weights."""
+        super().on_train_end()
+        finalize = getattr(self.engine.step_slot, "finalize", None)
+        if callable(finalize):
+            for optimizer in self.optimizers:
+                finalize(optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer)
+
     # -- teardown --------------------------------------------------------------------------------------------------
     def teardown(self) -> None:
         self.engine.detach()
@@ -472,7 +480,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
         max_grad_norm: per-example clipping bound C.
         noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
-        accountant: ``"rdp"`` or ``"prv"``.
+        accountant: ``"rdp"`` or ``"prv"``; ``"pure"`` sums pure ε (basic composition) for Laplace steps.
         sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
             user's optimizer).
         on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
@@ -493,7 +501,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         delta: float = 1e-5,
         max_grad_norm: float = 1.0,
         noise_multiplier: float | None = None,
-        accountant: Literal["rdp", "prv"] = "rdp",
+        accountant: Literal["rdp", "prv", "pure"] = "rdp",
         sampler: Sampler | None = None,
         clipping: Clipping | None = None,
         noise: Noise | None = None,
@@ -571,8 +579,8 @@ def _validate_privacy_arguments(
         raise DPConfigurationError(f"max_grad_norm (the clipping bound C) must be > 0, got {max_grad_norm}.")
     if noise_multiplier is not None and (math.isnan(noise_multiplier) or noise_multiplier < 0):
         raise DPConfigurationError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
-    if accountant not in ("rdp", "prv"):
-        raise DPConfigurationError(f"accountant must be 'rdp' or 'prv', got {accountant!r}.")
+    if accountant not in ("rdp", "prv", "pure"):
+        raise DPConfigurationError(f"accountant must be 'rdp', 'prv' or 'pure', got {accountant!r}.")
     if loss_reduction not in ("mean", "sum"):
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
 

@@ -13,6 +13,7 @@ from .calibrate import calibrate_noise, compute_epsilon
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .ledger import BudgetExceededError, PrivacyLedger
 from .prv import PRVNumericalError
+from .pure_laplace import SubsampledLaplace
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "PoissonGaussian",
     "PrivacyEvent",
     "PrivacyLedger",
+    "SubsampledLaplace",
     "calibrate_noise",
     "compute_epsilon",
     "epsilon_from_rdp",

@@ -1,5 +1,6 @@
 """Step slot: how the private gradient moves the weights (default: the user's own optimizer)."""
 
 from lightning_dp.slots import Step as OptimizerStep
+from lightning_dp.steps.dp_accelerated import HeavyBall, MultiStageNesterov, Nesterov
 
-__all__ = ["OptimizerStep"]
+__all__ = ["HeavyBall", "MultiStageNesterov", "Nesterov", "OptimizerStep"]
