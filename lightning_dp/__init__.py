@@ -13,7 +13,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise, NoiseDividing
 from lightning_dp.sampling import FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
-from lightning_dp.steps import HeavyBall, MultiStageNesterov, Nesterov
+from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.strategy import DPStrategy, EmptyBatch
 
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ register()
 
 __all__ = [
     "AdaCliP",
+    "AdaptiveGD",
     "AuditResult",
     "Clipping",
     "ConstantNoise",

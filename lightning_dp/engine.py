@@ -102,10 +102,17 @@ class PrivateStepEngine:
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
         self.release_hooks: list[ReleaseHook] = []
+        self.module: nn.Module | None = None
+        """The module the hooks are attached to (steps that probe the loss evaluate it)."""
+        self.batch: Any = None
+        """The current logical batch, set by the strategy before each training step (for loss probes)."""
+        self.max_physical_batch_size: int | None = None
+        step.bind(self)
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, module: nn.Module) -> None:
         """Install the per-example gradient hooks on ``module`` (idempotent)."""
+        self.module = module
         if self.grads is None:
             self.grads = PerSampleGradients(
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
@@ -201,6 +208,8 @@ class PrivateStepEngine:
         self.ledger.record(event)
         for hook in self.release_hooks:
             sums = hook.before_noise(sums, ctx)
+        if self.step_slot.needs_sums:  # the noise is added in place: keep the clipped sums apart
+            ctx.extras["clipped_sums"] = [s.clone() for s in sums]
         sigma = ctx.noise_multiplier
         std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
         # Under DDP each rank adds an independent share σC/√W, so the all-reduced sum carries
@@ -210,6 +219,8 @@ class PrivateStepEngine:
             noisy = self.all_reduce(noisy)
         for hook in reversed(self.release_hooks):
             noisy = hook.after_release(noisy, ctx)
+        if self.step_slot.needs_sums:
+            ctx.extras["noisy_sums"] = noisy
         for p, g in zip(self.params, self.clipping.finalize(noisy, ctx), strict=True):
             p.grad = g.to(p.dtype)
         self.steps += 1

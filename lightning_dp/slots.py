@@ -132,6 +132,15 @@ class Noise(_Stateful, ABC):
 class Step(_Stateful):
     """How the private gradient (already in ``p.grad``) moves the weights; default: the user's optimizer."""
 
+    needs_sums: bool = False
+    """True: the engine also passes the clipped (pre-noise, this rank's) and the released noisy sums in
+    ``ctx.extras["clipped_sums"]`` / ``ctx.extras["noisy_sums"]`` (steps that re-measure or rescale them)."""
+
+    def bind(self, engine: Any) -> None:
+        """Called once by the engine that drives this step. Steps that release more than the gradient
+        (line searches, noisy step-size selection) install their noise rule or privacy filter here."""
+        del engine
+
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
         del ctx
         optimizer.step()

@@ -119,6 +119,7 @@ class DPStrategyMixin(Strategy):
             seed=seed,
             grad_sample_mode=grad_sample_mode,
         )
+        self.engine.max_physical_batch_size = max_physical_batch_size
         self.setup_notes: list[str] = []
         self._resumed = False
 
@@ -405,6 +406,7 @@ class DPStrategyMixin(Strategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
+        self.engine.batch = batch
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step()
         if self.max_physical_batch_size is not None:

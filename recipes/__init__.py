@@ -8,6 +8,7 @@ from recipes.accelerated import PaperLogisticRegression, SyntheticLogRegDataModu
 from recipes.classifier import ImageClassifier, build_model
 from recipes.data import DigitsDataModule, MNISTDataModule, TabularDataModule, resolve_mnist_root
 from recipes.dp_pca import ComposedNoise, DPPCAClassifier, dp_pca_projection
+from recipes.linear import LinearClassifier
 from recipes.models import logistic_regression, mlp, small_cnn_digits, tramer_boneh_cnn
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "DPPCAClassifier",
     "DigitsDataModule",
     "ImageClassifier",
+    "LinearClassifier",
     "MNISTDataModule",
     "PaperLogisticRegression",
     "SyntheticLogRegDataModule",

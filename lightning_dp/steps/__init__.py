@@ -2,5 +2,6 @@
 
 from lightning_dp.slots import Step as OptimizerStep
 from lightning_dp.steps.dp_accelerated import HeavyBall, MultiStageNesterov, Nesterov
+from lightning_dp.steps.dp_agd import AdaptiveGD
 
-__all__ = ["HeavyBall", "MultiStageNesterov", "Nesterov", "OptimizerStep"]
+__all__ = ["AdaptiveGD", "HeavyBall", "MultiStageNesterov", "Nesterov", "OptimizerStep"]
