@@ -11,19 +11,41 @@ Typical use::
 
 from .calibrate import calibrate_noise, compute_epsilon
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
+from .filter import PrivacyFilter
 from .ledger import BudgetExceededError, PrivacyLedger
 from .prv import PRVNumericalError
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from .zcdp import (
+    ZCDP,
+    GaussianSVT,
+    LaplaceMechanism,
+    LaplaceSVT,
+    NoisyMin,
+    PureDP,
+    epsilon_from_rho,
+    rho_from_epsilon,
+    zcdp_rho,
+)
 
 __all__ = [
     "DEFAULT_ORDERS",
+    "ZCDP",
     "BudgetExceededError",
     "Gaussian",
+    "GaussianSVT",
+    "LaplaceMechanism",
+    "LaplaceSVT",
+    "NoisyMin",
     "PRVNumericalError",
     "PoissonGaussian",
     "PrivacyEvent",
+    "PrivacyFilter",
     "PrivacyLedger",
+    "PureDP",
     "calibrate_noise",
     "compute_epsilon",
     "epsilon_from_rdp",
+    "epsilon_from_rho",
+    "rho_from_epsilon",
+    "zcdp_rho",
 ]

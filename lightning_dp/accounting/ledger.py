@@ -359,7 +359,7 @@ class PrivacyLedger:
         if self._steps == 0:
             return [(0, 0.0)]
         points = sorted({round(x) for x in np.linspace(0, self._steps, num_points)})
-        prefix = PrivacyLedger(self._delta, self._accountant, self._orders)
+        prefix = self._empty_like()
         events = [event for event, _ in self._history]
         left = [count for _, count in self._history]
         index = 0
@@ -373,6 +373,10 @@ class PrivacyLedger:
                     index += 1
             curve.append((int(target_step), prefix.epsilon()))
         return curve
+
+    def _empty_like(self) -> PrivacyLedger:
+        """An empty ledger priced like this one (subclasses such as privacy filters keep their rules)."""
+        return PrivacyLedger(self._delta, self._accountant, self._orders)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
