@@ -12,6 +12,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
+from lightning_dp.steps.dp_line_search import LineSearch
 from lightning_dp.strategy import DPStrategy, EmptyBatch
 
 __version__ = "0.1.0"
@@ -37,6 +38,7 @@ __all__ = [
     "DPStrategy",
     "EmptyBatch",
     "FlatClipping",
+    "LineSearch",
     "Noise",
     "Poisson",
     "PrivacyCallback",

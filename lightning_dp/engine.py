@@ -61,10 +61,17 @@ class PrivateStepEngine:
         self._checked_consistency = False
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
+        self.module: nn.Module | None = None
+        self.current_batch: Any = None
+        """The logical batch of the running step (step slots that search on the same batch read it)."""
+        self.train_data: tuple[Any, Any] | None = None
+        """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
+        step.bind(self)
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, module: nn.Module) -> None:
         """Install the per-example gradient hooks on ``module`` (idempotent)."""
+        self.module = module
         if self.grads is None:
             self.grads = PerSampleGradients(
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
@@ -92,7 +99,7 @@ class PrivateStepEngine:
     # -- pricing --------------------------------------------------------------------------------
     def next_event(self) -> Any:
         """The ledger event the next step would release."""
-        return self.sampler.event(self.noise.noise_multiplier(self.steps))
+        return self.step_slot.gradient_event(self.sampler, self.noise.noise_multiplier(self.steps))
 
     def affordable_steps(self) -> int | None:
         """How many more steps fit under ``target_epsilon`` (None when there is no target)."""
@@ -147,13 +154,21 @@ class PrivateStepEngine:
                 "followed by optimizer.step(). For larger logical batches use max_physical_batch_size, "
                 "not gradient accumulation."
             )
-        event = self.sampler.event(self.noise.noise_multiplier(self.steps))
+        event = self.next_event()
         self._check_affordable(event)
         sums, ctx = self._clipped_sums()
         if self._partial is not None:
             sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
             ctx.batch_size += self._partial_batch
             self._partial, self._partial_batch = None, 0
+        for p, g in zip(self.params, self._release(sums, ctx, event), strict=True):
+            p.grad = g.to(p.dtype)
+        self.steps += 1
+        self.pending_ctx = ctx
+        return ctx
+
+    def _release(self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent) -> list[Tensor]:
+        """Record ``event``, add the noise once over all ranks, and finalize: the released gradient."""
         self.ledger.record(event)
         sigma = ctx.noise_multiplier
         std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
@@ -162,11 +177,17 @@ class PrivateStepEngine:
         noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
         if self.all_reduce is not None:
             noisy = self.all_reduce(noisy)
-        for p, g in zip(self.params, self.clipping.finalize(noisy, ctx), strict=True):
-            p.grad = g.to(p.dtype)
-        self.steps += 1
-        self.pending_ctx = ctx
-        return ctx
+        return self.clipping.finalize(noisy, ctx)
+
+    def private_gradient(self, event: PrivacyEvent) -> list[Tensor]:
+        """One more noisy gradient of what was just backpropagated, priced as ``event`` (``p.grad`` untouched).
+
+        For step slots that measure a second gradient inside a step (e.g. the line search's CHEB);
+        the noise multiplier is the noise slot's current one, and check-before-spend applies.
+        """
+        self._check_affordable(event)
+        sums, ctx = self._clipped_sums()
+        return self._release(sums, ctx, event)
 
     def _check_affordable(self, event: PrivacyEvent) -> None:
         """Check before spend: refuse a release the target cannot pay for (O(1) per step, even with PRV)."""

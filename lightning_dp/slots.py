@@ -125,6 +125,14 @@ class Noise(_Stateful, ABC):
 class Step(_Stateful):
     """How the private gradient (already in ``p.grad``) moves the weights; default: the user's optimizer."""
 
+    def bind(self, engine: Any) -> None:
+        """Called once by the engine that owns this slot (steps that probe losses or spend more budget)."""
+        del engine
+
+    def gradient_event(self, sampler: Sampler, noise_multiplier: float) -> PrivacyEvent:
+        """The ledger event of one noisy gradient (default: the sampler's subsampled Gaussian)."""
+        return sampler.event(noise_multiplier)
+
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
         del ctx
         optimizer.step()

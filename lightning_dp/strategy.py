@@ -291,6 +291,7 @@ class DPStrategyMixin(Strategy):
                 "the sampler and reads batch_size as the expected batch size: pass batch_size=... instead."
             )
         num_samples = len(dataset)  # type: ignore[arg-type]
+        self.engine.train_data = (dataset, _CollateWithEmpty(loader.collate_fn))
         sampler = self.engine.sampler
         world = self.world_size
         logical_batch = loader.batch_size * (world if self.per_device_batch_size else 1)
@@ -385,6 +386,7 @@ class DPStrategyMixin(Strategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
+        self.engine.current_batch = batch
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step()
         if self.max_physical_batch_size is not None:
