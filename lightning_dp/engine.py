@@ -62,8 +62,9 @@ class PrivateStepEngine:
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
         self.module: nn.Module | None = None
-        self.current_batch: Any = None
-        """The logical batch of the running step (step slots that search on the same batch read it)."""
+        """The module the hooks are attached to (steps that probe the loss evaluate it)."""
+        self.batch: Any = None
+        """The current logical batch, set by the strategy before each training step (for loss probes)."""
         self.train_data: tuple[Any, Any] | None = None
         """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
         step.bind(self)

@@ -386,7 +386,7 @@ class DPStrategyMixin(Strategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
-        self.engine.current_batch = batch
+        self.engine.batch = batch
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step()
         if self.max_physical_batch_size is not None:

@@ -27,6 +27,7 @@ import torch
 from opacus.accountants.analysis.rdp import compute_rdp
 from scipy.special import gammaln, logsumexp
 from torch import Tensor
+from torch.utils.data import TensorDataset
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.rdp import event_rdp
@@ -732,19 +733,22 @@ class LineSearch(Step):
 
         if self.engine.train_data is None:
             raise DPConfigurationError("LineSearch draws extra batches: train through DPStrategy.")
+        from lightning_dp.strategy import EmptyBatch
+
         dataset, collate = self.engine.train_data
         rank, world = self.engine.rank, self.engine.world_size
         indices = torch.arange(rank, len(dataset), world)
-        mask = torch.rand(len(indices), generator=self._generator("batches")) < self._q
-        batch = collate([dataset[i] for i in indices[mask].tolist()])
-        from lightning_dp.strategy import EmptyBatch
-
-        if isinstance(batch, EmptyBatch):
-            return batch
+        chosen = indices[torch.rand(len(indices), generator=self._generator("batches")) < self._q]
+        if len(chosen) == 0:
+            return EmptyBatch()
+        if isinstance(dataset, TensorDataset):  # index the tensors at once (tabular data, no Python loop)
+            batch = [t[chosen] for t in dataset.tensors]
+        else:
+            batch = collate([dataset[i] for i in chosen.tolist()])
         return move_data_to_device(batch, self.engine.params[0].device)
 
     def _search_batch(self) -> Any:
-        return self.engine.current_batch if self.line_search_batch == "same" else self._fresh_batch()
+        return self.engine.batch if self.line_search_batch == "same" else self._fresh_batch()
 
     def _can_afford(self, event: PrivacyEvent, with_reserve: bool = False) -> bool:
         """Check before spend; ``with_reserve``: a search at the current budget must fit afterwards too."""
