@@ -93,7 +93,7 @@ def amplify_general(
         terms = log_binom + js * log_q + (alpha - js) * log_1q + (js - 1) * eps_l[: alpha - 1]
         terms[1:] += math.log(3.0)  # the terms l ≥ 3 carry a factor 3
         first = (alpha - 1) * log_1q + math.log1p((alpha - 1) * q)
-        out[i] = float(logsumexp(np.concatenate(([first], terms)))) / (alpha - 1)
+        out[i] = max(0.0, float(logsumexp(np.concatenate(([first], terms)))) / (alpha - 1))  # no rounding < 0
     return out
 
 
