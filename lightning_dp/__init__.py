@@ -12,6 +12,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
+from lightning_dp.steps import AdaptiveGD
 from lightning_dp.steps.dp_line_search import LineSearch
 from lightning_dp.strategy import DPStrategy, EmptyBatch
 
@@ -31,6 +32,7 @@ register()
 
 __all__ = [
     "AdaCliP",
+    "AdaptiveGD",
     "Clipping",
     "ConstantNoise",
     "DPConfigurationError",

@@ -67,6 +67,7 @@ class PrivateStepEngine:
         """The current logical batch, set by the strategy before each training step (for loss probes)."""
         self.train_data: tuple[Any, Any] | None = None
         """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
+        self.max_physical_batch_size: int | None = None
         step.bind(self)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -178,6 +179,8 @@ class PrivateStepEngine:
         noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
         if self.all_reduce is not None:
             noisy = self.all_reduce(noisy)
+        if self.step_slot.needs_sums:
+            ctx.extras["clipped_sums"], ctx.extras["noisy_sums"] = sums, noisy
         return self.clipping.finalize(noisy, ctx)
 
     def private_gradient(self, event: PrivacyEvent) -> list[Tensor]:

@@ -68,6 +68,8 @@ class LossProbe:
         clip: ``C_obj``; each loss is clamped to ``[0, clip]``.
         chunk_size: evaluate at most this many examples per forward (virtual batching); ``None``: all.
         algorithm: name used in the error message when the method is missing.
+        vectorize: evaluate all candidates of a chunk in one ``torch.func.vmap`` forward (K× the
+            activation memory); falls back to one forward per candidate if vmap cannot run the model.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class LossProbe:
         clip: float,
         chunk_size: int | None = None,
         algorithm: str = "This step",
+        vectorize: bool = True,
     ) -> None:
         if not clip > 0:
             raise ValueError(f"the loss clip C_obj must be > 0, got {clip}")
@@ -85,6 +88,7 @@ class LossProbe:
         self.params = list(params)
         self.clip = float(clip)
         self.chunk_size = chunk_size
+        self.vectorize = vectorize
 
     # -- side-effect control -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -156,12 +160,51 @@ class LossProbe:
             origin = [p.detach().clone() for p in self.params]
             for chunk in chunks:
                 rng = _get_rng(devices)
+                if self.vectorize:
+                    try:
+                        totals += self._vmapped(chunk, origin, direction, steps)
+                        continue
+                    except (RuntimeError, NotImplementedError):  # an op vmap cannot batch, or out of memory
+                        self.vectorize = False
+                        _set_rng(rng, devices)
                 for k, eta in enumerate(steps):
                     for p, w, d in zip(self.params, origin, direction, strict=True):
                         p.copy_(w - float(eta) * d.to(p.dtype))
                     _set_rng(rng, devices)
                     totals[k] += self._clipped(chunk).sum()
         return totals
+
+    def _vmapped(
+        self, chunk: Any, origin: list[Tensor], direction: Sequence[Tensor], steps: Sequence[float]
+    ) -> Tensor:
+        """All candidates of one chunk in one batched forward (``torch.func.vmap``, same randomness)."""
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        if any(id(p) not in names for p in self.params):
+            raise NotImplementedError("a probed tensor is not a parameter of the module")
+        etas = torch.tensor([float(e) for e in steps], dtype=origin[0].dtype, device=origin[0].device)
+        stacked = {
+            f"inner.{names[id(p)]}": w.unsqueeze(0)
+            - etas.view(-1, *([1] * w.dim())) * d.to(w.dtype).unsqueeze(0)
+            for p, w, d in zip(self.params, origin, direction, strict=True)
+        }
+        wrapper = _LossCall(self)
+
+        def total(params: dict[str, Tensor]) -> Tensor:
+            return torch.func.functional_call(wrapper, params, (chunk,), strict=False)
+
+        return torch.func.vmap(total, randomness="same")(stacked)
+
+
+class _LossCall(nn.Module):
+    """``functional_call`` target: its forward is the probe's clipped loss sum of the wrapped module."""
+
+    def __init__(self, probe: LossProbe) -> None:
+        super().__init__()
+        self.inner = probe.module
+        self.probe = probe
+
+    def forward(self, chunk: Any) -> Tensor:
+        return self.probe._clipped(chunk).sum()
 
 
 def _no_log(*args: Any, **kwargs: Any) -> None:

@@ -125,8 +125,13 @@ class Noise(_Stateful, ABC):
 class Step(_Stateful):
     """How the private gradient (already in ``p.grad``) moves the weights; default: the user's optimizer."""
 
+    needs_sums: bool = False
+    """True: the engine also passes the clipped (pre-noise, this rank's) and the released noisy sums in
+    ``ctx.extras["clipped_sums"]`` / ``ctx.extras["noisy_sums"]`` (steps that re-measure or rescale them)."""
+
     def bind(self, engine: Any) -> None:
-        """Called once by the engine that owns this slot (steps that probe losses or spend more budget)."""
+        """Called once by the engine that drives this step. Steps that release more than the gradient
+        (line searches, noisy step-size selection) install their noise rule or privacy filter here."""
         del engine
 
     def gradient_event(self, sampler: Sampler, noise_multiplier: float) -> PrivacyEvent:

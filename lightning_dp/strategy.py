@@ -117,6 +117,7 @@ class DPStrategyMixin(Strategy):
             seed=seed,
             grad_sample_mode=grad_sample_mode,
         )
+        self.engine.max_physical_batch_size = max_physical_batch_size
         self.setup_notes: list[str] = []
         self._resumed = False
 

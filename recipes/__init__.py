@@ -6,11 +6,13 @@ Nothing here knows about differential privacy; the models only respect its const
 
 from recipes.classifier import ImageClassifier, build_model
 from recipes.data import DigitsDataModule, MNISTDataModule, TabularDataModule, resolve_mnist_root
+from recipes.linear import LinearClassifier
 from recipes.models import logistic_regression, mlp, small_cnn_digits, tramer_boneh_cnn
 
 __all__ = [
     "DigitsDataModule",
     "ImageClassifier",
+    "LinearClassifier",
     "MNISTDataModule",
     "TabularDataModule",
     "build_model",

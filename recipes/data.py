@@ -307,12 +307,13 @@ class MNISTDataModule(_SplitDataModule):
 # --------------------------------------------------------------------------------------------------
 
 
-def load_tabular(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
+def load_tabular(path: str | os.PathLike, normalize_rows: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Read a whitespace-separated (optionally gzipped) file, label in the last column (0/1).
 
-    Features are min-max scaled to ``[0, 1]`` per column, then every row is scaled to unit L2 norm
-    (all-zero rows stay zero), as in the DP-AGD / private line-search papers. The column ranges are
-    taken from the whole file, the papers' convention of treating attribute domains as public.
+    Features are min-max scaled to ``[0, 1]`` per column, then (``normalize_rows=True``) every row is
+    scaled to unit L2 norm (all-zero rows stay zero), as in the private line-search paper; DP-AGD uses
+    min-max scaling only (``normalize_rows=False``). The column ranges are taken from the whole file,
+    the papers' convention of treating attribute domains as public.
     """
     data = np.loadtxt(path, dtype=np.float64, ndmin=2)
     X, y = data[:, :-1], data[:, -1]
@@ -322,6 +323,8 @@ def load_tabular(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = X.min(axis=0), X.max(axis=0)
     span = np.where(hi > lo, hi - lo, 1.0)
     X = (X - lo) / span
+    if not normalize_rows:
+        return X.astype(np.float32), y.astype(np.int64)
     norms = np.linalg.norm(X, axis=1, keepdims=True)
     X = X / np.where(norms > 0, norms, 1.0)
     return X.astype(np.float32), y.astype(np.int64)
@@ -334,6 +337,9 @@ class TabularDataModule(_SplitDataModule):
     set is fold ``k`` of a seeded ``StratifiedKFold(num_folds)`` and the rest is training data, so the
     ``num_folds`` test sets partition the data (benchmarks report the mean over folds). ``val_fraction > 0``
     carves a validation split out of the training part; otherwise there is no validation loader.
+    ``normalize_rows=False`` keeps min-max scaling only (DP-AGD's preprocessing). ``full_batch=True``: the
+    train loader's batch is the whole training split (DP-AGD's full-batch gradient descent; ``batch_size``
+    then only sets the evaluation batches).
     """
 
     num_classes = 2
@@ -348,6 +354,8 @@ class TabularDataModule(_SplitDataModule):
         num_folds: int = 5,
         val_fraction: float = 0.0,
         num_workers: int = 0,
+        normalize_rows: bool = True,
+        full_batch: bool = False,
     ) -> None:
         super().__init__()
         if fold is not None and not 0 <= fold < num_folds:
@@ -361,6 +369,8 @@ class TabularDataModule(_SplitDataModule):
         self.num_folds = num_folds
         self.val_fraction = val_fraction
         self.num_workers = num_workers
+        self.normalize_rows = normalize_rows
+        self.full_batch = full_batch
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
         self.test_set: TensorDataset | None = None
@@ -371,7 +381,7 @@ class TabularDataModule(_SplitDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        X, y = load_tabular(self.path)
+        X, y = load_tabular(self.path, self.normalize_rows)
         idx = np.arange(len(y))
         if self.fold is None:
             train_idx, test_idx = train_test_split(
@@ -393,3 +403,8 @@ class TabularDataModule(_SplitDataModule):
         self.train_set = TensorDataset(Xt[train_idx], yt[train_idx])
         self.val_set = TensorDataset(Xt[val_idx], yt[val_idx])
         self.test_set = TensorDataset(Xt[test_idx], yt[test_idx])
+
+    def train_dataloader(self) -> DataLoader:
+        if self.full_batch and self.train_set is not None:
+            return _loader(self.train_set, len(self.train_set), True, self.num_workers)
+        return super().train_dataloader()

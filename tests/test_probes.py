@@ -119,3 +119,22 @@ def test_empty_batch_gives_zero_scores():
         (x, y), [torch.zeros_like(p) for p in params], [0.0, 1.0]
     )
     assert sums.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_vectorized_and_looped_candidates_agree(dropout):
+    torch.manual_seed(3)
+    module = Probed(dropout=dropout).train()
+    params = list(module.parameters())
+    direction = [torch.randn_like(p) for p in params]
+    steps = [0.0, 0.2, 0.7]
+    fast_probe = LossProbe(module, params, clip=2.0, chunk_size=8)
+    fast = fast_probe.along(_batch(), direction, steps)
+    assert fast_probe.vectorize  # vmap ran the model (no fallback)
+    slow_probe = LossProbe(module, params, clip=2.0, chunk_size=8, vectorize=False)
+    slow = slow_probe.along(_batch(), direction, steps)
+    if dropout == 0.0:  # same weights, same data: the batched forward computes the same numbers
+        assert torch.allclose(fast, slow, rtol=1e-5)
+    zero = [torch.zeros_like(p) for p in params]
+    shared = LossProbe(module, params, clip=10.0, chunk_size=6).along(_batch(), zero, [0.0, 0.3, 1.0])
+    assert shared[0] == shared[1] == shared[2]

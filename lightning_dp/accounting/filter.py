@@ -79,6 +79,7 @@ class PrivacyFilter(PrivacyLedger):
         if not 0 < target < math.inf:
             raise ValueError(f"a privacy filter needs a finite target_epsilon > 0, got {target_epsilon!r}")
         self.target_epsilon = target
+        self._rho_cache: tuple[tuple[int, int], float] | None = None
         self.mode: FilterMode = mode
         self.reserve = reserve
 
@@ -113,7 +114,12 @@ class PrivacyFilter(PrivacyLedger):
         """Σρ over the history (exactly rounded), zCDP mode only."""
         if self.mode != "zcdp":
             raise AttributeError("rho_spent exists only for mode='zcdp'")
-        return math.fsum(count * self._rho(event) for event, count in self.history)
+        key = (self._generation, self.steps)
+        cached = self._rho_cache
+        if cached is None or cached[0] != key:
+            cached = (key, math.fsum(count * self._rho(event) for event, count in self._history))
+            self._rho_cache = cached
+        return cached[1]
 
     @staticmethod
     def _rho(event: PrivacyEvent) -> float:
@@ -135,8 +141,7 @@ class PrivacyFilter(PrivacyLedger):
             extra = [count * self._rho(event)]
             if with_reserve and self.reserve is not None:
                 extra.append(count * self._rho(self.reserve))
-            spent = [count_ * self._rho(e) for e, count_ in self.history]
-            return math.fsum(spent + extra) <= self.rho_budget(target)
+            return math.fsum([self.rho_spent, *extra]) <= self.rho_budget(target)
         cost = count * event_rdp(event, self.orders)
         if with_reserve and self.reserve is not None:
             cost = cost + count * event_rdp(self.reserve, self.orders)
@@ -247,6 +252,7 @@ class PrivacyFilter(PrivacyLedger):
                 f"the saved privacy filter had target_epsilon={saved['target_epsilon']}, this one "
                 f"{self.target_epsilon}: a filter's budget cannot change during a run"
             )
+        self._rho_cache = None
         super().load_state_dict({k: v for k, v in state.items() if k != "filter"})
 
     def __repr__(self) -> str:
