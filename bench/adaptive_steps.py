@@ -149,7 +149,7 @@ def dpsgd_runner(lr: float, batch: int, epochs: int) -> Method:
 
 def run_blsgd(train: Split, test: Split, epsilon: float, delta: float, seed: int, loss: str) -> float:
     """DP-BLSGD (adaptive mode, Laplace SVT, safe accounting) with the paper's convex defaults (q = 0.1,
-    C_grad = 3, C_obj = 1, c = 0.5, β = 0.8, ξ = 0.3, μ = 1e-3), η0 = 8 and a budget planned for 1000
+    C_grad = 3, C_obj = 1, c = 0.5, β = 0.8, ξ = 0.3, μ = 1e-3), η0 = 1 and a budget planned for 1000
     nominal iterations (the paper's 50 leaves ~40 steps, too few from w = 0: see bench/README.md).
     Every data access draws its own Poisson batch; the run ends when the filter refuses a gradient."""
     del delta
@@ -157,7 +157,7 @@ def run_blsgd(train: Split, test: Split, epsilon: float, delta: float, seed: int
     module = LinearClassifier(train[0].shape[1], loss=loss)
     n = len(train[1])
     step = LineSearch(
-        mode="adaptive", loss_clip=1.0, weight_decay=1e-3, eta0=8.0, planned_iterations=1000, seed=seed
+        mode="adaptive", loss_clip=1.0, weight_decay=1e-3, eta0=1.0, planned_iterations=1000, seed=seed
     )
     engine = make_engine(module, n, max(1, round(0.1 * n)), step, epsilon, clip=3.0, seed=seed)
     engine.train_data = (TensorDataset(*train), None)

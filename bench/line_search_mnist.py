@@ -79,7 +79,9 @@ def run(method: str, seed: int, args: argparse.Namespace, data: MNISTDataModule)
         model = ImageClassifier(arch="tramer_boneh_cnn", activation="tanh", optimizer="adam", lr=1e-3)
     else:
         model = ImageClassifier(arch="tramer_boneh_cnn", activation="tanh", optimizer="sgd", lr=args.sgd_lr)
-    step = LineSearch(mode="nn", seed=seed) if method == "line search" else None
+    step = None
+    if method == "line search":
+        step = LineSearch(mode="nn", seed=seed, eta0=args.ls_eta0, grad_fraction=args.ls_grad_fraction)
     strategy = DPStrategy(
         noise_multiplier=args.noise_multiplier,
         target_epsilon=args.budget,
@@ -139,6 +141,10 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=3.0, help="C_grad (the paper: 3)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--sgd-lr", type=float, default=0.2, help="DP-SGD's lr (the paper: 0.2)")
+    parser.add_argument("--ls-eta0", type=float, default=1.0, help="line search: first candidate η0")
+    parser.add_argument(
+        "--ls-grad-fraction", type=float, default=0.9, help="line search: gradient share of ρ_iter"
+    )
     parser.add_argument("--target", type=float, default=0.95)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--max-steps", type=int, default=1500)
