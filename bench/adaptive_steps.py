@@ -209,6 +209,7 @@ def main() -> None:
     parser.add_argument("--sgd-batch", type=int, default=512)
     parser.add_argument("--sgd-epochs", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--verbose", action="store_true", help="print every fold's accuracy as it finishes")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -240,9 +241,11 @@ def main() -> None:
             for variants in methods.values():
                 best: tuple[float, list[float], str] | None = None
                 for label, run in variants:
-                    accs = [
-                        run(tr, te, eps, DELTA, args.seed + k, args.loss) for k, (tr, te) in enumerate(splits)
-                    ]
+                    accs = []
+                    for k, (tr, te) in enumerate(splits):
+                        accs.append(run(tr, te, eps, DELTA, args.seed + k, args.loss))
+                        if args.verbose:
+                            print(f"  {dataset} ε={eps:g} {label} fold {k}: {accs[-1]:.2f}", flush=True)
                     if best is None or np.mean(accs) > best[0]:
                         best = (float(np.mean(accs)), accs, label)
                 assert best is not None

@@ -319,3 +319,34 @@ def test_two_processes_agree_on_every_decision(tmp_path):
     assert r0["epsilon"] <= 0.5
     assert r0["noisy_min_calls"] == r0["iterations"] + r0["rejections"]
     assert any(w != 0.0 for w in r0["weights"])
+
+
+def test_resume_continues_the_budget_and_the_step_state(tmp_path):
+    x, y = _data(300)
+
+    def fit(step, max_steps, ckpt=None):
+        module = LinearClassifier(x.shape[1])
+        trainer = L.Trainer(
+            strategy=DPStrategy(step=step, target_epsilon=0.5, delta=1e-8, max_grad_norm=3.0, seed=0),
+            max_epochs=-1,
+            max_steps=max_steps,
+            default_root_dir=tmp_path,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=len(y)), ckpt_path=ckpt)
+        return trainer
+
+    first = AdaptiveGD(splits=10, gamma=0.3)
+    spent_then = fit(first, 3).strategy.ledger.rho_spent
+    ckpt = str(sorted(tmp_path.rglob("*.ckpt"))[-1])
+    second = AdaptiveGD(splits=10, gamma=0.3)
+    resumed = fit(second, -1, ckpt)
+    whole = AdaptiveGD(splits=10, gamma=0.3)
+    straight = fit(whole, -1)
+    assert resumed.strategy.ledger.rho_spent > spent_then
+    # the step state, the filter and the noise streams come back: the same run as without interruption
+    assert resumed.strategy.ledger.rho_spent == straight.strategy.ledger.rho_spent
+    assert second.state_dict() == whole.state_dict()
+    assert not resumed.strategy.ledger.can_afford(ZCDP(second.rho_ng + second.rho_nmax))
