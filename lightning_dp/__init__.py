@@ -14,6 +14,7 @@ from lightning_dp.noise import ConstantNoise, NoiseDividing
 from lightning_dp.sampling import FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
+from lightning_dp.steps.dp_line_search import LineSearch
 from lightning_dp.strategy import DPStrategy, EmptyBatch
 
 __version__ = "0.1.0"
@@ -44,6 +45,7 @@ __all__ = [
     "FlatClipping",
     "HeavyBall",
     "L1Clipping",
+    "LineSearch",
     "MultiStageNesterov",
     "Nesterov",
     "Noise",

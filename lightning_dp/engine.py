@@ -106,6 +106,8 @@ class PrivateStepEngine:
         """The module the hooks are attached to (steps that probe the loss evaluate it)."""
         self.batch: Any = None
         """The current logical batch, set by the strategy before each training step (for loss probes)."""
+        self.train_data: tuple[Any, Any] | None = None
+        """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
         self.max_physical_batch_size: int | None = None
         step.bind(self)
 
@@ -140,7 +142,7 @@ class PrivateStepEngine:
     # -- pricing --------------------------------------------------------------------------------
     def next_event(self) -> Any:
         """The ledger event the next step would release."""
-        return self.sampler.event(self.noise.noise_multiplier(self.steps))
+        return self.step_slot.gradient_event(self.sampler, self.noise.noise_multiplier(self.steps))
 
     def affordable_steps(self) -> int | None:
         """How many more steps fit under ``target_epsilon`` (None when there is no target)."""
@@ -198,13 +200,21 @@ class PrivateStepEngine:
                 "followed by optimizer.step(). For larger logical batches use max_physical_batch_size, "
                 "not gradient accumulation."
             )
-        event = self.sampler.event(self.noise.noise_multiplier(self.steps))
+        event = self.next_event()
         self._check_affordable(event)
         sums, ctx = self._clipped_sums()
         if self._partial is not None:
             sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
             ctx.batch_size += self._partial_batch
             self._partial, self._partial_batch = None, 0
+        for p, g in zip(self.params, self._release(sums, ctx, event), strict=True):
+            p.grad = g.to(p.dtype)
+        self.steps += 1
+        self.pending_ctx = ctx
+        return ctx
+
+    def _release(self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent) -> list[Tensor]:
+        """Record ``event``, add the noise once over all ranks, and finalize: the released gradient."""
         self.ledger.record(event)
         for hook in self.release_hooks:
             sums = hook.before_noise(sums, ctx)
@@ -221,11 +231,17 @@ class PrivateStepEngine:
             noisy = hook.after_release(noisy, ctx)
         if self.step_slot.needs_sums:
             ctx.extras["noisy_sums"] = noisy
-        for p, g in zip(self.params, self.clipping.finalize(noisy, ctx), strict=True):
-            p.grad = g.to(p.dtype)
-        self.steps += 1
-        self.pending_ctx = ctx
-        return ctx
+        return self.clipping.finalize(noisy, ctx)
+
+    def private_gradient(self, event: PrivacyEvent) -> list[Tensor]:
+        """One more noisy gradient of what was just backpropagated, priced as ``event`` (``p.grad`` untouched).
+
+        For step slots that measure a second gradient inside a step (e.g. the line search's CHEB);
+        the noise multiplier is the noise slot's current one, and check-before-spend applies.
+        """
+        self._check_affordable(event)
+        sums, ctx = self._clipped_sums()
+        return self._release(sums, ctx, event)
 
     def _check_affordable(self, event: PrivacyEvent) -> None:
         """Check before spend: refuse a release the target cannot pay for (O(1) per step, even with PRV)."""

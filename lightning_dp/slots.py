@@ -141,6 +141,10 @@ class Step(_Stateful):
         (line searches, noisy step-size selection) install their noise rule or privacy filter here."""
         del engine
 
+    def gradient_event(self, sampler: Sampler, noise_multiplier: float) -> PrivacyEvent:
+        """The ledger event of one noisy gradient (default: the sampler's subsampled Gaussian)."""
+        return sampler.event(noise_multiplier)
+
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
         del ctx
         optimizer.step()

@@ -312,6 +312,7 @@ class DPStrategyMixin(Strategy):
                 "the sampler and reads batch_size as the expected batch size: pass batch_size=... instead."
             )
         num_samples = len(dataset)  # type: ignore[arg-type]
+        self.engine.train_data = (dataset, _CollateWithEmpty(loader.collate_fn))
         sampler = self.engine.sampler
         world = self.world_size
         logical_batch = loader.batch_size * (world if self.per_device_batch_size else 1)
