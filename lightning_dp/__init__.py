@@ -5,14 +5,16 @@ LightningModule with DP-SGD: Poisson sampling, per-example clipping, calibrated 
 privacy ledger that never lets ε pass its target.
 """
 
+from lightning_dp.audit import AuditResult, audit
 from lightning_dp.callbacks import PrivacyCallback
-from lightning_dp.clipping import AdaCliP, FlatClipping
+from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.noise import ConstantNoise
-from lightning_dp.sampling import Poisson
+from lightning_dp.noise import ConstantNoise, NoiseDividing
+from lightning_dp.sampling import FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
-from lightning_dp.steps import AdaptiveGD
+from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
+from lightning_dp.steps.dp_line_search import LineSearch
 from lightning_dp.strategy import DPStrategy, EmptyBatch
 
 __version__ = "0.1.0"
@@ -32,19 +34,28 @@ register()
 __all__ = [
     "AdaCliP",
     "AdaptiveGD",
+    "AuditResult",
     "Clipping",
     "ConstantNoise",
     "DPConfigurationError",
     "DPDDPStrategy",
     "DPStrategy",
     "EmptyBatch",
+    "FixedSize",
     "FlatClipping",
+    "HeavyBall",
+    "L1Clipping",
+    "LineSearch",
+    "MultiStageNesterov",
+    "Nesterov",
     "Noise",
+    "NoiseDividing",
     "Poisson",
     "PrivacyCallback",
     "Sampler",
     "Step",
     "StepContext",
     "__version__",
+    "audit",
     "register",
 ]

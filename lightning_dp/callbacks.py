@@ -47,13 +47,19 @@ class PrivacyCallback(Callback):
         sigma = (
             engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else float("nan")
         )
-        return {
+        out = {
             "dp/epsilon": float(engine.ledger.epsilon()),
             "dp/delta": float(engine.delta),
             "dp/noise_multiplier": float(sigma),
             "dp/sample_rate": float(engine.sampler.sample_rate),
             "dp/steps": float(engine.steps),
         }
+        step_metrics = getattr(
+            engine.step_slot, "metrics", None
+        )  # released values only, e.g. the line search's η
+        if callable(step_metrics):
+            out.update(step_metrics())
+        return out
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._stop_if_spent(trainer)

@@ -2,10 +2,12 @@
 
 ``lightning-dp fit --config configs/digits_dpsgd.yaml`` trains, tests (``--test_after_fit``, on by
 default) and prints ε next to the test accuracy; ``validate`` and ``test`` work as in LightningCLI.
+``lightning-dp audit --config configs/digits_dpsgd.yaml`` audits the run empirically (lightning_dp/audit.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -49,11 +51,60 @@ def _overrides(obj: Any, method: str) -> bool:
     return getattr(type(obj), method, None) is not getattr(LightningDataModule, method, None)
 
 
+def audit_main(args: list[str]) -> int:
+    """``lightning-dp audit --config run.yaml``: train once with canaries, print claimed vs audited ε.
+
+    Returns 1 (the exit status) when the audited lower bound exceeds the claimed ε.
+    """
+    from lightning_dp.audit import audit
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-dp audit",
+        description="Empirical lower bound on ε from one training run (Steinke, Nasr & Jagielski 2023). "
+        "Other options (--config, --trainer.*, --model.*, --data.*) are those of `lightning-dp fit`.",
+    )
+    parser.add_argument("--canary", choices=("gradient", "input"), default="gradient")
+    parser.add_argument("--num_canaries", type=int, default=256)
+    parser.add_argument("--confidence", type=float, default=0.95)
+    parser.add_argument(
+        "--audit_seed", type=int, default=None, help="fixes the canaries (default: os.urandom)"
+    )
+    known, rest = parser.parse_known_args(args)
+    cli = DPLightningCLI(
+        args=rest, run=False, save_config_kwargs={"overwrite": True}, auto_configure_optimizers=False
+    )
+    result = audit(
+        cli.trainer,
+        cli.model,
+        cli.datamodule,
+        canary=known.canary,
+        num_canaries=known.num_canaries,
+        confidence=known.confidence,
+        seed=known.audit_seed,
+    )
+    if cli.trainer.is_global_zero:
+        verdict = (
+            "no evidence against the claim" if result.passed else "FAILED: the run leaks more than claimed"
+        )
+        print(
+            f"lightning-dp audit: claimed ε = {result.claimed_epsilon:.4f}, audited ε ≥ {result.epsilon_lower_bound:.4f} "
+            f"at {result.confidence:.0%} confidence ({result.num_correct}/{result.num_guesses} guesses correct, "
+            f"{result.num_canaries} {result.canary} canaries): {verdict}"
+        )
+    return 0 if result.passed else 1
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-dp`` console script."""
     lightning_dp.register()
+    argv = args if args is not None else sys.argv[1:]
+    if argv[:1] == ["audit"]:
+        status = audit_main(argv[1:])
+        if status:
+            sys.exit(status)
+        return
     DPLightningCLI(
-        args=args if args is not None else sys.argv[1:],
+        args=argv,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
     )

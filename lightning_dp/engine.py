@@ -16,11 +16,47 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
 from lightning_dp.clipping.flat import weighted_sum
+from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import GradMode, PerSampleGradients
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
 
 AllReduce = Callable[[list[Tensor]], list[Tensor]]
+
+
+class ReleaseHook:
+    """Sees each step's release: may add contributions before the noise, reads the noisy sums after.
+
+    The privacy audit's gradient canaries use it (lightning_dp/audit.py); the default does nothing.
+    """
+
+    def before_noise(self, sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        """The clipped sums the noise is added to (extra tensors may be appended; return them all)."""
+        return sums
+
+    def after_release(self, noisy: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        """The released noisy sums; return those of the parameters (drop anything appended above)."""
+        return noisy
+
+
+def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str) -> None:
+    """Refuse slot combinations the ledger cannot price (e.g. Laplace noise with Poisson/RDP events).
+
+    Slots declare ``mechanism`` ("gaussian" unless set): Laplace needs all of fixed-size sampling,
+    L1 clipping, Laplace noise and the pure-ε accountant (basic composition); Gaussian needs none.
+    """
+    kinds = {
+        name: getattr(slot, "mechanism", "gaussian")
+        for name, slot in (("sampler", sampler), ("clipping", clipping), ("noise", noise))
+    }
+    kinds["accountant"] = "laplace" if accountant == "pure" else "gaussian"
+    if len(set(kinds.values())) > 1:
+        described = ", ".join(f"{name}: {kind}" for name, kind in kinds.items())
+        raise DPConfigurationError(
+            f"These slots release different mechanisms ({described}), which the ledger cannot price together. "
+            "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
+            "and accountant='pure'; Gaussian steps need none of these."
+        )
 
 
 class PrivateStepEngine:
@@ -36,12 +72,16 @@ class PrivateStepEngine:
         max_grad_norm: float,
         delta: float,
         target_epsilon: float | None,
-        accountant: Literal["rdp", "prv"],
+        accountant: Literal["rdp", "prv", "pure"],
         loss_reduction: str,
         seed: int | None,
         grad_sample_mode: GradMode = "auto",
     ) -> None:
         self.grad_sample_mode: GradMode = grad_sample_mode
+        check_mechanisms(sampler, clipping, noise, accountant)
+        link = getattr(noise, "link_step", None)
+        if callable(link):  # schedules such as NoiseDividing take their weights from the step slot
+            link(step)
         self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
         self.max_grad_norm = max_grad_norm
         self.delta = delta
@@ -61,10 +101,13 @@ class PrivateStepEngine:
         self._checked_consistency = False
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
+        self.release_hooks: list[ReleaseHook] = []
         self.module: nn.Module | None = None
         """The module the hooks are attached to (steps that probe the loss evaluate it)."""
         self.batch: Any = None
         """The current logical batch, set by the strategy before each training step (for loss probes)."""
+        self.train_data: tuple[Any, Any] | None = None
+        """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
         self.max_physical_batch_size: int | None = None
         step.bind(self)
 
@@ -99,7 +142,7 @@ class PrivateStepEngine:
     # -- pricing --------------------------------------------------------------------------------
     def next_event(self) -> Any:
         """The ledger event the next step would release."""
-        return self.sampler.event(self.noise.noise_multiplier(self.steps))
+        return self.step_slot.gradient_event(self.sampler, self.noise.noise_multiplier(self.steps))
 
     def affordable_steps(self) -> int | None:
         """How many more steps fit under ``target_epsilon`` (None when there is no target)."""
@@ -125,6 +168,9 @@ class PrivateStepEngine:
         grad_samples, batch = self.grads.collect()
         if batch and not self._checked_consistency:
             self._check_consistency(self.grads.params, grad_samples, batch)
+            # Checked once against autograd's gradient; from now on that gradient is never computed
+            # (it would be discarded anyway: privatize builds p.grad from per-example terms alone).
+            self.grads.skip_param_grads = True
         ctx = self._context(batch)
         sums = self.clipping.clip_and_sum(grad_samples, ctx)
         self.grads.clear()
@@ -154,14 +200,26 @@ class PrivateStepEngine:
                 "followed by optimizer.step(). For larger logical batches use max_physical_batch_size, "
                 "not gradient accumulation."
             )
-        event = self.sampler.event(self.noise.noise_multiplier(self.steps))
+        event = self.next_event()
         self._check_affordable(event)
         sums, ctx = self._clipped_sums()
         if self._partial is not None:
             sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
             ctx.batch_size += self._partial_batch
             self._partial, self._partial_batch = None, 0
+        for p, g in zip(self.params, self._release(sums, ctx, event), strict=True):
+            p.grad = g.to(p.dtype)
+        self.steps += 1
+        self.pending_ctx = ctx
+        return ctx
+
+    def _release(self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent) -> list[Tensor]:
+        """Record ``event``, add the noise once over all ranks, and finalize: the released gradient."""
         self.ledger.record(event)
+        for hook in self.release_hooks:
+            sums = hook.before_noise(sums, ctx)
+        if self.step_slot.needs_sums:  # the noise is added in place: keep the clipped sums apart
+            ctx.extras["clipped_sums"] = [s.clone() for s in sums]
         sigma = ctx.noise_multiplier
         std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
         # Under DDP each rank adds an independent share σC/√W, so the all-reduced sum carries
@@ -169,13 +227,21 @@ class PrivateStepEngine:
         noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
         if self.all_reduce is not None:
             noisy = self.all_reduce(noisy)
+        for hook in reversed(self.release_hooks):
+            noisy = hook.after_release(noisy, ctx)
         if self.step_slot.needs_sums:
-            ctx.extras["clipped_sums"], ctx.extras["noisy_sums"] = sums, noisy
-        for p, g in zip(self.params, self.clipping.finalize(noisy, ctx), strict=True):
-            p.grad = g.to(p.dtype)
-        self.steps += 1
-        self.pending_ctx = ctx
-        return ctx
+            ctx.extras["noisy_sums"] = noisy
+        return self.clipping.finalize(noisy, ctx)
+
+    def private_gradient(self, event: PrivacyEvent) -> list[Tensor]:
+        """One more noisy gradient of what was just backpropagated, priced as ``event`` (``p.grad`` untouched).
+
+        For step slots that measure a second gradient inside a step (e.g. the line search's CHEB);
+        the noise multiplier is the noise slot's current one, and check-before-spend applies.
+        """
+        self._check_affordable(event)
+        sums, ctx = self._clipped_sums()
+        return self._release(sums, ctx, event)
 
     def _check_affordable(self, event: PrivacyEvent) -> None:
         """Check before spend: refuse a release the target cannot pay for (O(1) per step, even with PRV)."""

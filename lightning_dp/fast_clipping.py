@@ -20,9 +20,12 @@ pass: a shared layer's norm is not the sum of its calls' norms, so the engine mu
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +33,13 @@ from torch import Tensor, nn
 from torch.nn import grad as nn_grad
 
 __all__ = [
+    "CONV_METHODS",
     "FAST_CLIPPERS",
+    "Cache",
+    "ConvMethod",
     "FastClipper",
     "embedding_use_gram",
+    "force_conv_method",
     "is_supported",
     "materialized_sq_norm",
     "materialized_sq_norms",
@@ -45,8 +52,11 @@ __all__ = [
     "weighted_grad",
 ]
 
-SqNormsFn = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
-WeightedGradFn = Callable[[nn.Module, list[Tensor], Tensor, Tensor], dict[nn.Parameter, Tensor]]
+Cache = dict[nn.Parameter, Tensor]
+"""Per-example gradients [B, *param.shape] a kernel materialised for the norms anyway; ``weighted_grad``
+reuses them (a B-term weighted sum) instead of a second reduction over the layer's inputs."""
+SqNormsFn = Callable[[nn.Module, list[Tensor], Tensor, Cache | None], dict[nn.Parameter, Tensor]]
+WeightedGradFn = Callable[[nn.Module, list[Tensor], Tensor, Tensor, Cache | None], dict[nn.Parameter, Tensor]]
 
 
 class FastClipper(NamedTuple):
@@ -78,13 +88,17 @@ class _Kernels:
 
     @staticmethod
     def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
         raise NotImplementedError
 
     @staticmethod
     def weighted_grad(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+        layer: nn.Module,
+        activations: list[Tensor],
+        backprops: Tensor,
+        weights: Tensor,
+        cache: Cache | None = None,
     ) -> dict[nn.Parameter, Tensor]:
         raise NotImplementedError
 
@@ -104,20 +118,30 @@ def is_supported(layer: nn.Module) -> bool:
     return True
 
 
-def sq_norms(layer: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-    """Per-example squared L2 norm [B] (fp32) of the gradient of each trainable parameter of ``layer``."""
-    return _kernels(layer).sq_norms(layer, activations, backprops)
+def sq_norms(
+    layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
+) -> dict[nn.Parameter, Tensor]:
+    """Per-example squared L2 norm [B] (fp32) of the gradient of each trainable parameter of ``layer``.
+
+    Pass the same ``cache`` dict to :func:`weighted_grad` so per-example gradients materialised
+    here are reused there.
+    """
+    return _kernels(layer).sq_norms(layer, activations, backprops, cache)
 
 
 def weighted_grad(
-    layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+    layer: nn.Module,
+    activations: list[Tensor],
+    backprops: Tensor,
+    weights: Tensor,
+    cache: Cache | None = None,
 ) -> dict[nn.Parameter, Tensor]:
     """Σ_i w_i g_i (fp32, shape of the parameter) for each trainable parameter of ``layer``.
 
     Examples with weight 0 contribute exactly nothing, even if their inputs or gradients are not
     finite (clipping gives weight 0 to examples with non-finite norms).
     """
-    return _kernels(layer).weighted_grad(layer, activations, backprops, weights)
+    return _kernels(layer).weighted_grad(layer, activations, backprops, weights, cache)
 
 
 def use_gram(T: int, d_in: int, d_out: int) -> bool:
@@ -215,14 +239,26 @@ def _mask(x: Tensor, keep: Tensor) -> Tensor:
     )
 
 
-def _gram_or_materialized_sq_norm(a: Tensor, d: Tensor, gram: bool) -> Tensor:
-    """‖Σ_t d_t a_tᵀ‖²_F per example for a [B, T, p] and d [B, T, o] (fp32)."""
-    if gram:
-        aa = torch.bmm(a, a.transpose(1, 2))
-        dd = torch.bmm(d, d.transpose(1, 2))
-        return (aa * dd).flatten(1).sum(1)
-    g = torch.bmm(d.transpose(1, 2), a)  # [B, o, p]: this layer's per-example gradients only
-    return g.square().flatten(1).sum(1)
+def _gram_sq_norm(a: Tensor, d: Tensor) -> Tensor:
+    """‖Σ_t d_t a_tᵀ‖²_F per example for a [B, T, p] and d [B, T, o] by the Gram trick (fp32)."""
+    aa = torch.bmm(a, a.transpose(1, 2))
+    dd = torch.bmm(d, d.transpose(1, 2))
+    return (aa * dd).flatten(1).sum(1)
+
+
+def _cached(cache: Cache | None, param: nn.Parameter, samples: Tensor) -> Tensor:
+    """Keep a materialised per-example gradient for ``weighted_grad``; return its squared norms."""
+    if cache is not None:
+        cache[param] = samples
+    return materialized_sq_norm(samples)
+
+
+def _reuse(cache: Cache | None, param: nn.Parameter | None, weights: Tensor) -> Tensor | None:
+    """Σ_i w_i g_i from a per-example gradient ``sq_norms`` materialised, if it did."""
+    if cache is None or param is None or param not in cache:
+        return None
+    samples = cache.pop(param)
+    return materialized_weighted(samples, weights.to(samples.device))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -244,7 +280,7 @@ class _LinearKernels(_Kernels):
 
     @staticmethod
     def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
         assert isinstance(layer, nn.Linear)
         a, d = _linear_inputs(layer, activations, backprops)
@@ -253,27 +289,36 @@ class _LinearKernels(_Kernels):
         if weight is not None:
             if a.shape[1] == 1:
                 out[weight] = d.square().sum((1, 2)) * a.square().sum((1, 2))
-            else:
-                gram = use_gram(a.shape[1], layer.in_features, layer.out_features)
-                out[weight] = _gram_or_materialized_sq_norm(a, d, gram)
+            elif use_gram(a.shape[1], layer.in_features, layer.out_features):
+                out[weight] = _gram_sq_norm(a, d)
+            else:  # materialise this layer's per-example gradients [B, o, p], kept for the sum
+                out[weight] = _cached(cache, weight, torch.bmm(d.transpose(1, 2), a))
         if bias is not None:
             out[bias] = d.sum(1).square().sum(1)
         return out
 
     @staticmethod
     def weighted_grad(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+        layer: nn.Module,
+        activations: list[Tensor],
+        backprops: Tensor,
+        weights: Tensor,
+        cache: Cache | None = None,
     ) -> dict[nn.Parameter, Tensor]:
         assert isinstance(layer, nn.Linear)
-        wd, keep = _fold(weights, backprops)
-        a, wd = _linear_inputs(layer, [_mask(activations[0], keep)], wd)
-        wd2 = wd.reshape(-1, layer.out_features)
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
+        if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
+            out[bias] = materialized_weighted(
+                _linear_inputs(layer, activations, backprops)[1].sum(1), weights
+            )
         if weight is not None:
-            out[weight] = wd2.t() @ a.reshape(-1, layer.in_features)
-        if bias is not None:
-            out[bias] = wd2.sum(0)
+            reused = _reuse(cache, weight, weights)
+            if reused is None:
+                wd, keep = _fold(weights, backprops)
+                a, wd = _linear_inputs(layer, [_mask(activations[0], keep)], wd)
+                reused = wd.reshape(-1, layer.out_features).t() @ a.reshape(-1, layer.in_features)
+            out[weight] = reused
         return out
 
 
@@ -319,53 +364,160 @@ def _conv_inputs(layer: _Conv, x: Tensor, backprops: Tensor) -> tuple[Tensor, Te
     return patches.reshape(B, G, patches.shape[1] // G, L).transpose(2, 3), d.transpose(2, 3)
 
 
+ConvMethod = Literal["gram", "unfold", "grouped"]
+CONV_METHODS: tuple[ConvMethod, ...] = ("gram", "unfold", "grouped")
+_conv_choice: dict[tuple[Any, ...], ConvMethod] = {}
+_forced_conv_method: ConvMethod | None = None
+
+
+@contextlib.contextmanager
+def force_conv_method(method: ConvMethod | None) -> Iterator[None]:
+    """Use one convolution norm method everywhere inside the block (tests, benchmarks)."""
+    global _forced_conv_method
+    if method is not None and method not in CONV_METHODS:
+        raise ValueError(f"conv method must be one of {CONV_METHODS}, got {method!r}")
+    previous, _forced_conv_method = _forced_conv_method, method
+    try:
+        yield
+    finally:
+        _forced_conv_method = previous
+
+
+def _conv_weight_grad(layer: _Conv, x: Tensor, grad_output: Tensor, groups: int, shape: Any) -> Tensor:
+    """The layer's weight-gradient convolution on its fp32 input (zero padding done by the convolution
+    itself, other padding modes and 'same' padded here first)."""
+    conv_weight = nn_grad.conv1d_weight if isinstance(layer, nn.Conv1d) else nn_grad.conv2d_weight
+    padding: Any = layer.padding
+    if layer.padding_mode == "zeros" and not isinstance(padding, str):
+        x = x.float()
+    else:
+        x, padding = _conv_padded_input(layer, x), 0
+    return conv_weight(
+        x, shape, grad_output, stride=layer.stride, padding=padding, dilation=layer.dilation, groups=groups
+    )
+
+
+def _conv_samples_grouped(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example weight gradients [B, *weight.shape] from ONE weight-gradient convolution with the
+    batch folded into the channels (B·groups groups): no unfolded patches, no per-example bmm."""
+    B = backprops.shape[0]
+    if B == 0:
+        return backprops.new_zeros((0, *layer.weight.shape), dtype=torch.float32)
+    xb = x.reshape(1, B * x.shape[1], *x.shape[2:])
+    db = backprops.float().reshape(1, B * backprops.shape[1], *backprops.shape[2:])
+    shape = (B * layer.out_channels, *layer.weight.shape[1:])
+    return _conv_weight_grad(layer, xb, db, B * layer.groups, shape).view(B, *layer.weight.shape)
+
+
+def _conv_samples_unfold(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example weight gradients [B, *weight.shape] as a bmm of unfolded patches and backprops."""
+    a, d = _conv_inputs(layer, x, backprops)
+    B, G = a.shape[0], a.shape[1]
+    g = torch.bmm(d.reshape(B * G, d.shape[2], d.shape[3]).transpose(1, 2), a.reshape(B * G, *a.shape[2:]))
+    return g.reshape(B, *layer.weight.shape)
+
+
+def _conv_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example squared weight-gradient norms by the Gram trick over output positions, per group."""
+    a, d = _conv_inputs(layer, x, backprops)
+    B, G = a.shape[0], a.shape[1]
+    per_group = _gram_sq_norm(a.reshape(B * G, *a.shape[2:]), d.reshape(B * G, *d.shape[2:]))
+    return per_group.reshape(B, G).sum(1)
+
+
+def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
+    """The fastest norm method for this layer and input shape, timed once on the first batch.
+
+    The three methods give the same norms (up to fp32 rounding), so the choice is a pure speed
+    decision; it depends on the hardware (unfold copies are cheap on GPUs, grouped convolutions
+    with many groups are not always), hence measured rather than modelled. Cached per shape
+    excluding the batch size, which Poisson sampling changes every step.
+    """
+    if _forced_conv_method is not None:
+        return _forced_conv_method
+    if backprops.shape[0] == 0:  # nothing to time on an empty batch
+        return "unfold"
+    key = (
+        type(layer), layer.weight.shape, layer.stride, layer.padding, layer.dilation, layer.groups,
+        tuple(x.shape[1:]), x.device.type, x.dtype,
+    )  # fmt: skip
+    choice = _conv_choice.get(key)
+    if choice is None:
+        L = math.prod(backprops.shape[2:])
+        p, o = layer.weight[0].numel(), layer.out_channels // layer.groups
+        candidates: list[ConvMethod] = ["grouped", "unfold"]
+        if use_gram(L, p, o):
+            candidates.append("gram")
+        kernels = {"gram": _conv_gram, "unfold": _conv_samples_unfold, "grouped": _conv_samples_grouped}
+        timings = {m: _time(functools.partial(kernels[m], layer, x, backprops), x.device) for m in candidates}
+        choice = _conv_choice[key] = min(timings, key=timings.__getitem__)
+    return choice
+
+
+def _time(fn: Callable[[], Any], device: torch.device) -> float:
+    """Best of two wall-clock runs (after synchronising a GPU), in seconds."""
+    best = math.inf
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 @register_fast_clipper(nn.Conv1d, nn.Conv2d)
 class _ConvKernels(_Kernels):
-    """Convolution as a Linear layer over unfolded patches (T = output positions), per group."""
+    """Convolution as a Linear layer over unfolded patches (T = output positions), per group.
+
+    Norms by the Gram trick, or from per-example gradients materialised (by unfolding, or by one
+    batch-grouped weight-gradient convolution) and then reused for the clipped sum.
+    """
 
     @staticmethod
     def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
         assert isinstance(layer, nn.Conv1d | nn.Conv2d)
-        a, d = _conv_inputs(layer, activations[0], backprops)
-        B, G, L = a.shape[0], a.shape[1], a.shape[2]
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
+        x = activations[0]
         if weight is not None:
-            gram = use_gram(L, a.shape[3], d.shape[3])
-            per_group = _gram_or_materialized_sq_norm(
-                a.reshape(B * G, L, a.shape[3]), d.reshape(B * G, L, d.shape[3]), gram
-            )
-            out[weight] = per_group.reshape(B, G).sum(1)
+            method = _conv_method(layer, x, backprops)
+            if method == "gram":
+                out[weight] = _conv_gram(layer, x, backprops)
+            elif method == "unfold":
+                out[weight] = _cached(cache, weight, _conv_samples_unfold(layer, x, backprops))
+            else:
+                out[weight] = _cached(cache, weight, _conv_samples_grouped(layer, x, backprops))
         if bias is not None:
-            out[bias] = d.sum(2).square().flatten(1).sum(1)
+            out[bias] = backprops.float().flatten(2).sum(2).square().sum(1)
         return out
 
     @staticmethod
     def weighted_grad(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+        layer: nn.Module,
+        activations: list[Tensor],
+        backprops: Tensor,
+        weights: Tensor,
+        cache: Cache | None = None,
     ) -> dict[nn.Parameter, Tensor]:
         assert isinstance(layer, nn.Conv1d | nn.Conv2d)
-        wd, keep = _fold(weights, backprops)
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
+        if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
+            out[bias] = materialized_weighted(backprops.float().flatten(2).sum(2), weights)
         if weight is not None:
-            # The layer's own weight-gradient convolution with w_i·δ_i as output gradient: one
-            # reduction over batch and positions, the same as a matmul of the unfolded patches.
-            x = _conv_padded_input(layer, _mask(activations[0], keep))
-            conv_weight = nn_grad.conv1d_weight if isinstance(layer, nn.Conv1d) else nn_grad.conv2d_weight
-            out[weight] = conv_weight(
-                x,
-                layer.weight.shape,
-                wd,
-                stride=layer.stride,
-                padding=0,
-                dilation=layer.dilation,
-                groups=layer.groups,
-            )
-        if bias is not None:
-            out[bias] = wd.sum((0, *range(2, wd.dim())))
+            reused = _reuse(cache, weight, weights)
+            if reused is None:
+                # The layer's own weight-gradient convolution with w_i·δ_i as output gradient: one
+                # reduction over batch and positions, the same as a matmul of the unfolded patches.
+                wd, keep = _fold(weights, backprops)
+                x = _mask(activations[0], keep)
+                reused = _conv_weight_grad(layer, x, wd, layer.groups, layer.weight.shape)
+            out[weight] = reused
         return out
 
 
@@ -394,7 +546,7 @@ class _EmbeddingKernels(_Kernels):
 
     @staticmethod
     def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
         assert isinstance(layer, nn.Embedding)
         weight, _ = _weight_bias(layer)
@@ -418,7 +570,11 @@ class _EmbeddingKernels(_Kernels):
 
     @staticmethod
     def weighted_grad(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+        layer: nn.Module,
+        activations: list[Tensor],
+        backprops: Tensor,
+        weights: Tensor,
+        cache: Cache | None = None,
     ) -> dict[nn.Parameter, Tensor]:
         assert isinstance(layer, nn.Embedding)
         weight, _ = _weight_bias(layer)
@@ -468,14 +624,22 @@ class _NormKernels(_Kernels):
 
     @staticmethod
     def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor
+        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
-        return materialized_sq_norms(_norm_layer_grad_samples(layer, activations, backprops))
+        samples = _norm_layer_grad_samples(layer, activations, backprops)
+        return {p: _cached(cache, p, g) for p, g in samples.items()}
 
     @staticmethod
     def weighted_grad(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, weights: Tensor
+        layer: nn.Module,
+        activations: list[Tensor],
+        backprops: Tensor,
+        weights: Tensor,
+        cache: Cache | None = None,
     ) -> dict[nn.Parameter, Tensor]:
-        wd, keep = _fold(weights, backprops)
-        samples = _norm_layer_grad_samples(layer, [_mask(activations[0], keep)], wd)
-        return {p: g.sum(0) for p, g in samples.items()}
+        params = [p for p in _weight_bias(layer) if p is not None]
+        out = {p: g for p in params if (g := _reuse(cache, p, weights)) is not None}
+        if len(out) < len(params):
+            samples = _norm_layer_grad_samples(layer, activations, backprops)
+            out.update(materialized_weighted_grad({p: samples[p] for p in params if p not in out}, weights))
+        return out

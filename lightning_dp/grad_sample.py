@@ -65,10 +65,15 @@ class PerExampleGradients(Sequence[Tensor]):
         batch: int,
         materialized: dict[nn.Parameter, Tensor],
         records: list[Record],
+        scale: float = 1.0,
     ) -> None:
         self.params, self.batch = params, batch
+        self.scale = scale
+        """Records hold the raw output gradients; per-example gradients are ``scale`` times theirs
+        (the batch size under a mean loss), applied to the few scalars that need it, not to every δ."""
         self._materialized = materialized
         self._records = records
+        self._caches: list[fast_clipping.Cache] = [{} for _ in records]
         self._full: list[Tensor] | None = None
 
     def __len__(self) -> int:
@@ -82,7 +87,7 @@ class PerExampleGradients(Sequence[Tensor]):
         if self._full is None:
             grads = dict(self._materialized)
             for module, activations, backprops in self._records:
-                _add_samples(grads, _sampler(module)(module, activations, backprops))
+                _add_samples(grads, _sampler(module)(module, activations, backprops * self.scale))
             self._full = [
                 grads.get(p, torch.zeros((self.batch, *p.shape), device=p.device, dtype=torch.float32))
                 for p in self.params
@@ -97,9 +102,10 @@ class PerExampleGradients(Sequence[Tensor]):
             sources: list[Tensor] = self._full
         else:
             sources = list(self._materialized.values())
-            for module, activations, backprops in self._records:
-                for value in fast_clipping.sq_norms(module, activations, backprops).values():
+            for (module, activations, backprops), cache in zip(self._records, self._caches, strict=True):
+                for value in fast_clipping.sq_norms(module, activations, backprops, cache).values():
                     total += value
+            total *= self.scale**2
         for g in sources:
             total += fast_clipping.materialized_sq_norm(g)
         return total
@@ -109,8 +115,11 @@ class PerExampleGradients(Sequence[Tensor]):
         if self._full is not None:
             return [fast_clipping.materialized_weighted(g, weights) for g in self._full]
         sums = fast_clipping.materialized_weighted_grad(self._materialized, weights)
-        for module, activations, backprops in self._records:
-            for p, value in fast_clipping.weighted_grad(module, activations, backprops, weights).items():
+        weights = weights * self.scale
+        for (module, activations, backprops), cache in zip(self._records, self._caches, strict=True):
+            for p, value in fast_clipping.weighted_grad(
+                module, activations, backprops, weights, cache
+            ).items():
                 sums[p] = value if p not in sums else sums[p] + value
         return [sums.get(p, torch.zeros(p.shape, device=p.device, dtype=torch.float32)) for p in self.params]
 
@@ -137,6 +146,20 @@ def _add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, T
         if param.requires_grad:
             previous = into.get(param)
             into[param] = sample if previous is None else previous + sample
+
+
+class _Graft(torch.autograd.Function):
+    """Identity on ``x`` (a copy, so in-place ops downstream stay legal) that makes it require grad."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, x: Tensor) -> Tensor:
+        del ctx, anchor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
+        del ctx
+        return None, grad
 
 
 class PerSampleGradients:
@@ -166,10 +189,20 @@ class PerSampleGradients:
         for _, module in self.layers:  # Opacus prepares functorch layers before any forward, so do we
             if self.path_of(module) == "functorch":
                 prepare_layer(module)
-        self._handles: list[RemovableHandle] = [
-            module.register_forward_hook(self._capture) for _, module in self.layers
-        ]
         self.params = [p for _, m in self.layers for p in m.parameters() if p.requires_grad]
+        self.skip_param_grads = False
+        """Book-keeping: when True, autograd computes no weight gradients (the engine builds the
+        private gradient from inputs and output gradients alone), which saves a third of the backward."""
+        tracked = set(self.params)
+        self._own: dict[nn.Module, list[nn.Parameter]] = {
+            m: [p for p in m.parameters() if p in tracked] for _, m in self.layers
+        }
+        self._anchor: Tensor | None = None
+        self._handles: list[RemovableHandle] = []
+        for _, module in self.layers:
+            self._handles.append(module.register_forward_pre_hook(self._freeze))
+            self._handles.append(module.register_forward_hook(self._thaw, always_call=True))
+            self._handles.append(module.register_forward_hook(self._capture))
 
     def path_of(self, module: nn.Module) -> str:
         """'fast' (norms from inputs and output gradients), 'formula' or 'functorch' (materialised)."""
@@ -177,21 +210,44 @@ class PerSampleGradients:
             return "fast"
         return layer_method(module)
 
-    def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        if not (self.enabled and module.training and torch.is_grad_enabled()):
-            return
-        if not isinstance(output, Tensor) or not output.requires_grad:
-            return
+    def _active(self, module: nn.Module) -> bool:
+        return self.enabled and module.training and torch.is_grad_enabled()
+
+    def _freeze(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
+        """Book-keeping: the layer's own parameters stop requiring grad for the length of its forward."""
+        if self.skip_param_grads and self._active(module):
+            for p in self._own[module]:
+                p.requires_grad_(False)
+
+    def _thaw(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        """Undo :meth:`_freeze` (also when the forward raised)."""
+        del inputs, output
+        for p in self._own[module]:
+            p.requires_grad_(True)
+
+    def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
+        if not (self._active(module) and isinstance(output, Tensor)):
+            return None
+        if not output.requires_grad:
+            if not (self.skip_param_grads and output.is_floating_point()):
+                return None
+            # A first layer with frozen weights: graft its output onto a dummy leaf so the backward
+            # still reaches it (and only it: no gradient flows to its weights or its input).
+            if self._anchor is None or self._anchor.device != output.device:
+                self._anchor = torch.zeros((), device=output.device, requires_grad=True)
+            output = _Graft.apply(self._anchor, output)
         activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
         output.register_hook(lambda grad: self._accumulate(module, activations, grad))
+        return output
 
     def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor) -> None:
         batch = grad.shape[0]
-        backprops = grad.detach() * batch if self.loss_reduction == "mean" else grad.detach()
         if self.path_of(module) == "fast":
-            self.records.append((module, activations, backprops))
+            self.records.append((module, activations, grad.detach()))
         else:
-            _add_samples(self.grad_samples, _sampler(module)(module, activations, backprops))
+            _add_samples(
+                self.grad_samples, _sampler(module)(module, activations, grad.detach() * self._scale(batch))
+            )
         self.batch_size = batch
 
     def collect(self) -> tuple[PerExampleGradients, int]:
@@ -204,10 +260,14 @@ class PerSampleGradients:
                     f"({sample.shape[0]} vs {batch}): every layer must see the batch on dimension 0."
                 )
         materialized = dict(self.grad_samples)
-        records = self._split_shared(materialized)
-        return PerExampleGradients(self.params, batch, materialized, records), batch
+        records = self._split_shared(materialized, self._scale(batch))
+        return PerExampleGradients(self.params, batch, materialized, records, self._scale(batch)), batch
 
-    def _split_shared(self, materialized: dict[nn.Parameter, Tensor]) -> list[Record]:
+    def _scale(self, batch: int) -> float:
+        """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
+        return float(batch) if self.loss_reduction == "mean" else 1.0
+
+    def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[Record]:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
         norm, so those calls are materialised and summed; the others stay fast."""
         seen: dict[nn.Parameter, int] = {p: 1 for p in materialized}
@@ -218,7 +278,7 @@ class PerSampleGradients:
         for record in self.records:
             module, activations, backprops = record
             if any(seen.get(p, 0) > 1 for p in module.parameters()):
-                _add_samples(materialized, _sampler(module)(module, activations, backprops))
+                _add_samples(materialized, _sampler(module)(module, activations, backprops * scale))
             else:
                 fast.append(record)
         return fast

@@ -58,6 +58,17 @@ def write_report(data: dict[str, Any], ledger: Any, directory: str) -> str:
     return path
 
 
+def add_audit(report_path: str, audit: dict[str, Any]) -> None:
+    """Store an audit summary (lightning_dp/audit.py) as the report's ``"audit"`` field, atomically."""
+    with open(report_path) as f:
+        data = json.load(f)
+    data["audit"] = audit
+    tmp = report_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=float)
+    os.replace(tmp, report_path)
+
+
 def plot_curve(ledger: Any, path: str, data: dict[str, Any]) -> None:
     """ε against step, with the target as a dashed line."""
     import matplotlib

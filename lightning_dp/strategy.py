@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy, Strategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -30,6 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp.accounting import BudgetExceededError
 from lightning_dp.batching import split_batch
+from lightning_dp.checkpointing import atomic_save, checkpoint_problem, is_local_path
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
@@ -79,7 +81,7 @@ class DPStrategyMixin(Strategy):
         delta: float,
         max_grad_norm: float,
         noise_multiplier: float | None,
-        accountant: Literal["rdp", "prv"],
+        accountant: Literal["rdp", "prv", "pure"],
         sampler: Sampler | None,
         clipping: Clipping | None,
         noise: Noise | None,
@@ -227,6 +229,14 @@ class DPStrategyMixin(Strategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         checkpoint[CHECKPOINT_KEY] = self._gather_dp_state()
+        if (
+            type(self.checkpoint_io) is TorchCheckpointIO
+            and storage_options is None
+            and is_local_path(filepath)
+        ):
+            if self.is_global_zero:  # temp file + fsync + rename: a crash never leaves half a checkpoint
+                atomic_save(checkpoint, filepath)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _gather_dp_state(self) -> dict[str, Any]:
@@ -250,7 +260,17 @@ class DPStrategyMixin(Strategy):
         return ranks[self.global_rank] if ranks else state
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except Exception as err:
+            problem = checkpoint_problem(checkpoint_path) if is_local_path(checkpoint_path) else None
+            if problem is None:
+                raise
+            raise DPConfigurationError(
+                f"The checkpoint {checkpoint_path} is damaged: {problem}. It was probably being written when "
+                "the process died. Resume from the previous one: lightning_dp.checkpointing."
+                "latest_valid_checkpoint(folder) returns the newest complete checkpoint."
+            ) from err
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             state = checkpoint.get(CHECKPOINT_KEY)
@@ -292,6 +312,7 @@ class DPStrategyMixin(Strategy):
                 "the sampler and reads batch_size as the expected batch size: pass batch_size=... instead."
             )
         num_samples = len(dataset)  # type: ignore[arg-type]
+        self.engine.train_data = (dataset, _CollateWithEmpty(loader.collate_fn))
         sampler = self.engine.sampler
         world = self.world_size
         logical_batch = loader.batch_size * (world if self.per_device_batch_size else 1)
@@ -437,6 +458,14 @@ class DPStrategyMixin(Strategy):
                 "it unless you removed it) and do not force more steps with min_epochs/min_steps."
             ) from err
 
+    def on_train_end(self) -> None:
+        """Steps that train on a look-ahead point (Nesterov) write their final iterate into the weights."""
+        super().on_train_end()
+        finalize = getattr(self.engine.step_slot, "finalize", None)
+        if callable(finalize):
+            for optimizer in self.optimizers:
+                finalize(optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer)
+
     # -- teardown --------------------------------------------------------------------------------------------------
     def teardown(self) -> None:
         self.engine.detach()
@@ -454,7 +483,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
         max_grad_norm: per-example clipping bound C.
         noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
-        accountant: ``"rdp"`` or ``"prv"``.
+        accountant: ``"rdp"`` or ``"prv"``; ``"pure"`` sums pure ε (basic composition) for Laplace steps.
         sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
             user's optimizer).
         on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
@@ -475,7 +504,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         delta: float = 1e-5,
         max_grad_norm: float = 1.0,
         noise_multiplier: float | None = None,
-        accountant: Literal["rdp", "prv"] = "rdp",
+        accountant: Literal["rdp", "prv", "pure"] = "rdp",
         sampler: Sampler | None = None,
         clipping: Clipping | None = None,
         noise: Noise | None = None,
@@ -553,8 +582,8 @@ def _validate_privacy_arguments(
         raise DPConfigurationError(f"max_grad_norm (the clipping bound C) must be > 0, got {max_grad_norm}.")
     if noise_multiplier is not None and (math.isnan(noise_multiplier) or noise_multiplier < 0):
         raise DPConfigurationError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
-    if accountant not in ("rdp", "prv"):
-        raise DPConfigurationError(f"accountant must be 'rdp' or 'prv', got {accountant!r}.")
+    if accountant not in ("rdp", "prv", "pure"):
+        raise DPConfigurationError(f"accountant must be 'rdp', 'prv' or 'pure', got {accountant!r}.")
     if loss_reduction not in ("mean", "sum"):
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
 

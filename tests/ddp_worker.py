@@ -138,3 +138,16 @@ resumed.fit(resumed_module, ckpt_path=OUT / "ddp.ckpt")
 trainer(DPDDPStrategy(noise_multiplier=1.0, seed=7), max_epochs=2).fit(straight)
 same = all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed_module.parameters()))
 dump("resume", resumed.strategy, same_as_straight=same)
+
+# 7. AdaCliP under DDP: σ = 0, q = 1; the inverse transform and the (m, s) update run after the all-reduce,
+# so both ranks hold the same statistics and training equals the single-process run.
+from lightning_dp import AdaCliP  # noqa: E402
+
+torch.manual_seed(0)
+module = TinyModule(n=64, batch_size=64)
+adaclip = AdaCliP(h2=1.0)
+t = trainer(DPDDPStrategy(noise_multiplier=0.0, clipping=adaclip, seed=0), max_epochs=3)
+t.fit(module)
+if t.global_rank == 0:
+    torch.save({"model": module.state_dict(), "m": adaclip.m, "s": adaclip.s}, OUT / "adaclip.pt")
+dump("adaclip", t.strategy, s_sum=float(sum(s.double().sum() for s in adaclip.s)))

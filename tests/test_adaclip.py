@@ -178,3 +178,185 @@ def test_state_is_checkpointed_and_resumes_exactly(tmp_path):
         torch.testing.assert_close(a, b)
     for a, b in zip(straight_clip.s, resumed_clip.s, strict=True):
         torch.testing.assert_close(a, b)
+
+
+# -- the remaining spec properties (§6: 2, 4 with noise, 9, 10, 11, 13, 14, 17) -----------------------------
+
+
+def test_noise_energy_beats_whitening_and_uniform_clipping():
+    """Property 2: at E‖w‖² = γ, ‖b‖² = (Σ s)² = 81 vs d·Σ s² = 99 for whitening or a uniform clip."""
+    s = torch.tensor([1.0, 4.0, 4.0])
+    assert float(adaclip_scale([s])[0].square().sum()) == pytest.approx(81.0)
+    whitening = math.sqrt(3) * s  # b_i ∝ s_i with Σ s²/b² = 1
+    uniform = torch.full((3,), math.sqrt(float(s.square().sum())))  # b = C with Σ s²/C² = 1
+    assert float(whitening.square().sum()) == pytest.approx(99.0)
+    assert float(uniform.square().sum()) == pytest.approx(99.0)
+    equal = torch.full((3,), 2.0)
+    assert float(adaclip_scale([equal])[0].square().sum()) == pytest.approx(36.0)
+    assert float((math.sqrt(3) * equal).square().sum()) == pytest.approx(36.0)
+
+
+def test_first_step_with_noise_is_dp_sgd_in_the_strategy():
+    """Property 4 with z > 0: m = 0 and s = C/√d make b = C, so one AdaCliP step is DP-SGD's step
+    (same seed, same Poisson batch, same noise draw)."""
+    C, z = 0.5, 1.3
+    reference = TinyModule(n=128, batch_size=32)
+    dpsgd = copy.deepcopy(reference)
+    d = sum(p.numel() for p in reference.parameters())
+    adaclip = DPStrategy(noise_multiplier=z, clipping=AdaCliP(h2=1.0, init_std=C / math.sqrt(d)), seed=7)
+    make_trainer(adaclip, max_steps=1).fit(reference)
+    make_trainer(DPStrategy(noise_multiplier=z, max_grad_norm=C, seed=7), max_steps=1).fit(dpsgd)
+    for a, b in zip(reference.parameters(), dpsgd.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_error_decomposition_for_one_example():
+    """Property 9 (B = 1): E‖g̃ − g‖² = ‖g − a‖²(1 − 1/‖w‖)² + z²‖b‖² = 3.8604 + 20.25 = 24.1104."""
+    clip = with_state([0.0, 0.0, 0.0], [1.0, 4.0, 4.0])  # b = [3, 6, 6]
+    g = torch.tensor([[3.0, 6.0, 0.0]])
+    R = clip.clip_and_sum([g], ctx(1, z=0.5))[0]
+    draws = 0.5 * torch.randn(40_000, 3, generator=torch.Generator().manual_seed(1))
+    g_tilde = adaclip_scale(clip.s)[0] * (R + draws)  # a = 0, B = 1
+    assert float((g_tilde - g).square().sum(1).mean()) == pytest.approx(24.1104, rel=0.03)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 4.0])
+def test_theorem_1_scale_attains_the_constraint(gamma):
+    """Property 10: g ~ N(μ, diag(std²)), a = μ, b from std = [1, 4, 4]: E‖(g − a)/b‖² = γ."""
+    std, mu = torch.tensor([1.0, 4.0, 4.0]), torch.tensor([0.5, -2.0, 1.0])
+    g = mu + std * torch.randn(40_000, 3, generator=torch.Generator().manual_seed(2))
+    b = adaclip_scale([std], gamma=gamma)[0]
+    assert float(((g - mu) / b).square().sum(1).mean()) == pytest.approx(gamma, rel=0.03)
+
+
+def test_variance_estimator_without_clipping():
+    """Property 11: with no clipping, b²(R² − z²)/B² estimates Var(batch mean) and ×B the per-example
+    variance; the h1 clamp's bias constant E[max(Z² − 1, 0)] = 2φ(1) = 0.483941."""
+    B, z, steps = 8, 0.01, 2000
+    std, mu = torch.tensor([1.0, 2.0, 0.5]), torch.tensor([1.0, -1.0, 0.0])
+    gen = torch.Generator().manual_seed(3)
+    clip = with_state(mu.tolist(), [20 / math.sqrt(3)] * 3)  # b = 20: E‖w‖² = 0.013, no clipping
+    b = adaclip_scale(clip.s)[0]
+    samples = []
+    for _ in range(steps):
+        g = mu + std * torch.randn(B, 3, generator=gen)
+        R = clip.clip_and_sum([g], ctx(B, z))[0] + z * torch.randn(3, generator=gen)
+        samples.append(b.square() * (R.square() - z * z) / B)  # per_example mode, before the clamp
+    close(torch.stack(samples).mean(0), std.square().tolist(), tol=0.1)
+    Z = torch.randn(400_000, generator=gen)
+    assert float((Z.square() - 1).clamp(min=0).mean()) == pytest.approx(
+        2 * math.exp(-0.5) / math.sqrt(2 * math.pi), rel=0.01
+    )
+    assert 2 * math.exp(-0.5) / math.sqrt(2 * math.pi) == pytest.approx(0.483941, abs=1e-6)
+
+
+def test_epsilon_ignores_adaclip_hyperparameters_and_matches_the_anchors():
+    """Property 13: the ledger prices (z, q, T) only; Opacus-RDP anchors at q = 0.01, δ = 1e-5."""
+    epsilons = set()
+    for clip in (AdaCliP(h2=1e-2), AdaCliP(h2=1.0, gamma=4.0, beta1=0.5, beta2=0.1)):
+        strategy = DPStrategy(noise_multiplier=1.0, clipping=clip, seed=0)
+        make_trainer(strategy, max_steps=5).fit(TinyModule(n=256, batch_size=32))
+        epsilons.add(strategy.epsilon)
+    assert len(epsilons) == 1
+    anchors = {(1.0, 1000): 2.1014, (2.0, 1000): 0.6862}
+    for (z, steps), eps in anchors.items():
+        assert compute_epsilon(
+            noise_multiplier=z, sample_rate=0.01, steps=steps, delta=1e-5
+        ) == pytest.approx(eps, abs=2e-3)
+
+
+def test_toy_regression_puts_noise_only_on_the_informative_coordinate():
+    """Property 14: x = (±1, 0, …, 0) ⇒ std = [1, 0, …]; the optimal b is ≈ [1, 0, …] (noise energy σ²)
+    where DP-SGD with C = 1 and whitening pay 10σ²."""
+    std = torch.tensor([1.0] + [1e-6] * 9)  # h1-floored stds
+    b = adaclip_scale([std])[0]
+    assert float(b[0]) == pytest.approx(1.0, rel=1e-4)
+    assert float(b[1:].max()) < 1e-2
+    assert float(b.square().sum()) == pytest.approx(1.0, rel=1e-4)
+    assert float(torch.ones(10).square().sum()) == 10.0  # DP-SGD, C = 1
+
+
+def test_only_public_statistics_are_logged():
+    """Property 17: the callback logs ε bookkeeping only, never raw per-example statistics."""
+    module = TinyModule(n=128, batch_size=32)
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, clipping=AdaCliP(h2=1e-2), seed=0), max_steps=3)
+    trainer.fit(module)
+    dp_keys = {k for k in trainer.callback_metrics if k.startswith("dp/")}
+    assert dp_keys <= {"dp/epsilon", "dp/delta", "dp/noise_multiplier", "dp/sample_rate", "dp/steps"}
+
+
+# -- the fast path: transformed norms without per-example gradients --------------------------------------------
+
+
+class _Mixed(torch.nn.Module):
+    """Linear on vectors, Linear on sequences, an Embedding, a LayerNorm, a bias-free Linear and an unused one."""
+
+    def __init__(self, d_in: int, hidden: int, T: int) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(7, hidden)
+        self.seq = torch.nn.Linear(d_in, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.vec = torch.nn.Linear(d_in, hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, 3)
+        self.unused = torch.nn.Linear(2, 2)
+        self.T = T
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.seq(x) + self.emb(tokens)).tanh().mean(1)  # [B, T, hidden] -> [B, hidden]
+        return self.head(h + self.vec(x[:, 0]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_transformed_norms_equal_the_materialised_ones(seed):
+    from lightning_dp.clipping.adaclip import transformed_sq_norms
+    from lightning_dp.grad_sample import PerSampleGradients
+
+    gen = torch.Generator().manual_seed(seed)
+    B, d_in, hidden, T = (int(v) for v in torch.randint(2, 9, (4,), generator=gen))
+    torch.manual_seed(seed)
+    model = _Mixed(d_in, hidden, T)
+    x, tokens = torch.randn(B, T, d_in, generator=gen), torch.randint(0, 7, (B, T), generator=gen)
+    y = torch.randint(0, 3, (B,), generator=gen)
+    hooks = PerSampleGradients(model, mode="fast")
+    torch.nn.functional.cross_entropy(model(x, tokens), y).backward()
+    fast, _ = hooks.collect()
+    assert fast._records, "the fast path must be exercised"
+    shift = [torch.randn(p.shape, generator=gen) * 0.3 for p in hooks.params]
+    inv_b = [torch.rand(p.shape, generator=gen) * 3 + 0.1 for p in hooks.params]
+    got = transformed_sq_norms(fast, shift, inv_b)
+    expected = transformed_sq_norms(fast.materialize(), shift, inv_b)  # a plain list: materialised path
+    assert fast._full is not None
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    # the clipped transformed sum agrees as well (fast weighted sum, shifted and scaled once)
+    clip = AdaCliP(h2=1.0)
+    clip.setup(hooks.params)
+    clip.m = shift
+    hooks.clear()
+    torch.nn.functional.cross_entropy(model(x, tokens), y).backward()
+    lazy, _ = hooks.collect()
+    sums_fast = clip.clip_and_sum(lazy, ctx(B))
+    sums_full = clip.clip_and_sum(lazy.materialize(), ctx(B))
+    for a, b in zip(sums_fast, sums_full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fast_norm_near_the_mean_is_recomputed_exactly():
+    """An example whose gradient is almost a: the expansion's terms are ~1e6 × their sum, so fp32 would
+    lose the norm; those examples are recomputed in fp64 (an underestimate could break sensitivity 1)."""
+    from lightning_dp.clipping.adaclip import transformed_sq_norms
+    from lightning_dp.grad_sample import PerSampleGradients
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(30, 5)
+    hooks = PerSampleGradients(layer, mode="fast")
+    x, y = torch.randn(6, 30), torch.randint(0, 5, (6,))
+    torch.nn.functional.cross_entropy(layer(x), y).backward()
+    grads, _ = hooks.collect()
+    full = [g.double() for g in grads.materialize()]
+    grads._full = None  # back to the lazy (fast) path for the same records
+    shift = [g[0] + 1e-3 * torch.randn_like(g[0]) for g in full]
+    inv_b = [torch.full_like(g[0], 10.0) for g in full]
+    expected = sum(((g - a) * ib).square().flatten(1).sum(1) for g, a, ib in zip(full, shift, inv_b))
+    got = transformed_sq_norms(grads, [a.float() for a in shift], [ib.float() for ib in inv_b])
+    assert float(expected[0]) < 1e-3 * float(expected[1:].min())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=0)

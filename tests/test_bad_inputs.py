@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from conftest import TinyModule, make_trainer
@@ -18,7 +19,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
 
-from lightning_dp import ConstantNoise, DPConfigurationError, DPStrategy, FlatClipping
+from lightning_dp import ConstantNoise, DPConfigurationError, DPStrategy, FlatClipping, Poisson
+from lightning_dp.accounting import PrivacyEvent
 
 
 @dataclass
@@ -123,6 +125,21 @@ def resume_from_plain(tmp_path) -> None:
     )
 
 
+@dataclass(frozen=True)
+class RdpOnly(PrivacyEvent, kind="test_bad_inputs_rdp_only"):
+    """An event with an RDP curve but no PRV form: the PRV accountant cannot price it."""
+
+    noise_multiplier: float
+
+    def rdp(self, orders):
+        return np.asarray(orders) / (2 * self.noise_multiplier**2)
+
+
+class RdpOnlySampler(Poisson):
+    def event(self, noise_multiplier):
+        return RdpOnly(noise_multiplier=noise_multiplier)
+
+
 def scaler_plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
 
@@ -156,7 +173,7 @@ ROWS = [
     Row(
         "unknown accountant",
         lambda _: DPStrategy(accountant="gdp"),
-        "accountant must be 'rdp' or 'prv', got 'gdp'.",
+        "accountant must be 'rdp', 'prv' or 'pure', got 'gdp'.",
     ),
     Row(
         "bad loss reduction",
@@ -248,6 +265,13 @@ ROWS = [
         "more than one device",
         lambda _: fit(DPStrategy(noise_multiplier=1.0), devices=2),
         "DPStrategy trains on one device, but the Trainer asked for 2",
+    ),
+    Row(
+        "unpriceable mechanism combination",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0, accountant="prv", sampler=RdpOnlySampler())),
+        "the PRV accountant cannot price 'test_bad_inputs_rdp_only' events (RdpOnly(noise_multiplier=1.0)); "
+        "use accountant='rdp'",
+        ValueError,
     ),
     Row("resume without privacy state", resume_from_plain, "has no privacy state"),
     Row(

@@ -153,3 +153,23 @@ def test_resume_with_another_world_size_is_refused(ddp_results):
         make_trainer(DPStrategy(noise_multiplier=1.0, seed=7), max_epochs=2).fit(
             TinyModule(n=128, batch_size=32), ckpt_path=out / "ddp.ckpt"
         )
+
+
+@pytest.mark.slow
+def test_adaclip_under_ddp_equals_single_process(ddp_results):
+    """The AdaCliP statistics are updated from the all-reduced release: identical on every rank and
+    equal to the single-process run."""
+    from lightning_dp import AdaCliP
+
+    out, load = ddp_results
+    torch.manual_seed(0)
+    single = TinyModule(n=64, batch_size=64)
+    clip = AdaCliP(h2=1.0)
+    make_trainer(DPStrategy(noise_multiplier=0.0, clipping=clip, seed=0), max_epochs=3).fit(single)
+    ddp = torch.load(out / "adaclip.pt", weights_only=True)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(ddp["model"][key], value, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ddp["s"] + ddp["m"], clip.s + clip.m, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    ranks = load("adaclip")
+    assert ranks[0]["s_sum"] == ranks[1]["s_sum"]

@@ -77,9 +77,17 @@ def assert_rel(got: Tensor, ref: Tensor, rtol: float) -> None:
 
 
 def check_layer(
-    layer: nn.Module, x: Tensor, rtol: float = 1e-5, seed: int = 0, cast: torch.dtype | None = None
+    layer: nn.Module,
+    x: Tensor,
+    rtol: float = 1e-5,
+    seed: int = 0,
+    cast: torch.dtype | None = None,
+    cache: fc.Cache | None = None,
 ) -> None:
-    """sq_norms and weighted_grad (random weights) against materialised fp64 per-example gradients."""
+    """sq_norms and weighted_grad (random weights) against materialised fp64 per-example gradients.
+
+    With ``cache`` the weighted sum reuses whatever per-example gradients the norms materialised.
+    """
     activations, backprops, R = capture(layer, x, seed)
     if cast is not None:  # low-precision inputs: the reference uses the same rounded values
         activations = [a.to(cast) if a.is_floating_point() else a for a in activations]
@@ -90,7 +98,7 @@ def check_layer(
     named = {p: n for n, p in layer.named_parameters() if p.requires_grad}
     B = x.shape[0]
 
-    norms = fc.sq_norms(layer, activations, backprops)
+    norms = fc.sq_norms(layer, activations, backprops, cache)
     assert set(norms) == set(named)
     for p, value in norms.items():
         expected = ref[named[p]].flatten(1).square().sum(1)
@@ -100,12 +108,13 @@ def check_layer(
         torch.testing.assert_close(value.double(), expected, rtol=rtol, atol=1e-9 * scale)
 
     weights = torch.rand(B, generator=torch.Generator().manual_seed(seed + 2))
-    sums = fc.weighted_grad(layer, activations, backprops, weights)
+    sums = fc.weighted_grad(layer, activations, backprops, weights, cache)
     assert set(sums) == set(named)
     for p, value in sums.items():
         expected = torch.einsum("i,i...->...", weights.double(), ref[named[p]])
         assert value.shape == p.shape
         assert_rel(value, expected, rtol)
+    assert not cache, "weighted_grad consumes what sq_norms cached"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,6 +180,50 @@ def test_kernels_match_materialised(case: str, B: int) -> None:
     check_layer(layer, input_factory(B, torch.Generator().manual_seed(B)), seed=B)
 
 
+CONV_CASES = [name for name in CASES if name.startswith("conv")]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
+@pytest.mark.parametrize("method", fc.CONV_METHODS)
+@pytest.mark.parametrize("B", [0, 3])
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_every_conv_method_matches_materialised(case: str, B: int, method: fc.ConvMethod) -> None:
+    """Gram, unfold+bmm and the batch-grouped weight-gradient convolution give the same norms, and
+    the per-example gradients the last two materialise give the same clipped sum when reused."""
+    layer = make_layer(CASES[case][0], seed=B)
+    x = CASES[case][1](B, torch.Generator().manual_seed(B))
+    with fc.force_conv_method(method):
+        check_layer(layer, x, seed=B, cache={})
+
+
+@pytest.mark.parametrize("case", ["linear-seq-materialise", "linear-4d-materialise", "conv2d-materialise"])
+def test_materialised_norms_are_reused_for_the_sum(case: str) -> None:
+    """A layer whose norms materialise its per-example gradients caches them for the weighted sum."""
+    layer = make_layer(CASES[case][0], seed=0)
+    x = CASES[case][1](4, torch.Generator().manual_seed(0))
+    activations, backprops, _ = capture(layer, x)
+    cache: fc.Cache = {}
+    with fc.force_conv_method("unfold"):
+        fc.sq_norms(layer, activations, backprops, cache)
+    assert set(cache) == {layer.weight}
+    assert cache[layer.weight].shape == (4, *layer.weight.shape)
+    with fc.force_conv_method("unfold"):
+        check_layer(layer, x, cache={})
+
+
+def test_conv_method_is_timed_once_per_shape() -> None:
+    """The automatic choice is cached per layer shape, not per batch size (Poisson batches vary)."""
+    layer = nn.Conv2d(3, 4, 3)
+    fc._conv_choice.clear()
+    for B in (2, 5, 3):
+        activations, backprops, _ = capture(layer, torch.randn(B, 3, 8, 8))
+        fc.sq_norms(layer, activations, backprops)
+    assert len(fc._conv_choice) == 1
+    assert next(iter(fc._conv_choice.values())) in fc.CONV_METHODS
+    with pytest.raises(ValueError, match="conv method must be one of"), fc.force_conv_method("im2col"):  # type: ignore[arg-type]
+        pass
+
+
 @pytest.mark.parametrize(
     ("case", "gram"),
     [
@@ -230,6 +283,7 @@ def test_frozen_parameters_are_skipped() -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(
+    method=st.sampled_from(fc.CONV_METHODS),
     B=st.integers(0, 3),
     c_in=st.integers(1, 3),
     c_out=st.integers(1, 3),
@@ -243,6 +297,7 @@ def test_frozen_parameters_are_skipped() -> None:
     bias=st.booleans(),
 )
 def test_conv_random_shapes(
+    method: fc.ConvMethod,
     B: int,
     c_in: int,
     c_out: int,
@@ -260,7 +315,8 @@ def test_conv_random_shapes(
         lambda: conv(c_in * groups, c_out * groups, k, stride, padding, dilation, groups=groups, bias=bias), B
     )
     shape = (size, size + 1) if two_d else (size,)
-    check_layer(layer, torch.randn(B, c_in * groups, *shape), seed=B)
+    with fc.force_conv_method(method):
+        check_layer(layer, torch.randn(B, c_in * groups, *shape), seed=B, cache={})
 
 
 @settings(max_examples=15, deadline=None)

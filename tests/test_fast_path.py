@@ -12,6 +12,7 @@ from opacus.grad_sample import GradSampleHooks
 from torch import nn
 
 from lightning_dp import DPStrategy
+from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.grad_sample import PerSampleGradients
 
 
@@ -151,3 +152,46 @@ def test_both_paths_respect_embedding_padding_idx(mode):
     after = model.net["emb"].weight.detach()
     assert not torch.equal(before[1:], after[1:])
     torch.testing.assert_close(after[0], before[0])
+
+
+class InPlaceAfterFirstLayer(TinyModule):
+    """A first layer followed by an in-place ReLU (torchvision's ResNet stem), then a frozen-weight path."""
+
+    def __init__(self):
+        super().__init__(n=64, batch_size=16)
+        self.x = torch.randn(64, 1, 8, 8, generator=torch.Generator().manual_seed(4))
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 4, 3),
+            nn.ReLU(inplace=True),
+            nn.Flatten(),
+            nn.Linear(4 * 6 * 6, 3),
+        )
+
+
+@pytest.mark.parametrize("name", ["mlp", "sequence", "conv", "inplace"])
+def test_book_keeping_skips_weight_gradients_and_changes_nothing(name, monkeypatch):
+    """After the first step's consistency check, autograd computes no weight gradient (the private
+    one is built from layer inputs and output gradients); the weights trained are the same."""
+    factory = {**MODELS, "inplace": InPlaceAfterFirstLayer}[name]
+    torch.manual_seed(0)
+    skipping = factory()
+    reference = copy.deepcopy(skipping)
+    no_autograd_grad: list[bool] = []
+    original = PrivateStepEngine.privatize
+
+    def spy(self):
+        no_autograd_grad.append(all(p.grad is None for p in self.params))
+        return original(self)
+
+    monkeypatch.setattr(PrivateStepEngine, "privatize", spy)
+    make_trainer(DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3), max_epochs=2).fit(skipping)
+    assert no_autograd_grad[0] is False, "the first step computes autograd's gradient for the check"
+    assert len(no_autograd_grad) > 2
+    assert all(no_autograd_grad[1:])
+    monkeypatch.setattr(
+        PerSampleGradients, "skip_param_grads", property(lambda s: False, lambda s, v: None), raising=False
+    )
+    make_trainer(DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3), max_epochs=2).fit(reference)
+    for a, b in zip(skipping.parameters(), reference.parameters(), strict=True):
+        assert a.requires_grad
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

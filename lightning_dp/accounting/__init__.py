@@ -14,6 +14,7 @@ from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .filter import PrivacyFilter
 from .ledger import BudgetExceededError, PrivacyLedger
 from .prv import PRVNumericalError
+from .pure_laplace import SubsampledLaplace
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from .zcdp import (
     ZCDP,
@@ -42,6 +43,7 @@ __all__ = [
     "PrivacyFilter",
     "PrivacyLedger",
     "PureDP",
+    "SubsampledLaplace",
     "calibrate_noise",
     "compute_epsilon",
     "epsilon_from_rdp",

@@ -84,6 +84,10 @@ class PrivacyEvent(abc.ABC):
         """
         return None
 
+    def pure_epsilon(self) -> float | None:
+        """ε of one occurrence if this event is pure ε-DP (priced by ``accountant="pure"``), else ``None``."""
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-python description (``kind`` plus the dataclass fields) for checkpoints."""
         out: dict[str, Any] = {"kind": self.kind}

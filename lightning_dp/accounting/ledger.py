@@ -16,8 +16,10 @@ from .rdp import DEFAULT_ORDERS, check_delta, check_orders, epsilon_from_rdp, ev
 
 __all__ = ["Accountant", "BudgetExceededError", "PrivacyLedger"]
 
-Accountant = Literal["rdp", "prv"]
-_ACCOUNTANTS = ("rdp", "prv")
+Accountant = Literal["rdp", "prv", "pure"]
+#: ``"pure"``: basic composition of pure ε-DP events (ε adds up, holds for every δ); it prices only events
+#: whose ``pure_epsilon()`` is not None, and the RDP/PRV accountants refuse those (different neighbours).
+_ACCOUNTANTS = ("rdp", "prv", "pure")
 _STATE_VERSION = 1
 #: Upper end of the search in ``affordable_count``; an event that stays under target this many times
 #: is treated as affordable "forever".
@@ -149,6 +151,17 @@ class PrivacyLedger:
             raise ValueError(
                 f"the PRV accountant cannot price {event.kind!r} events ({event!r}); use accountant='rdp'"
             )
+        if self._accountant == "pure" and event.pure_epsilon() is None:
+            raise ValueError(
+                f"the pure accountant (basic composition of pure ε-DP) cannot price {event.kind!r} events "
+                f"({event!r}); use accountant='rdp'"
+            )
+
+    def _event_rdp(self, event: PrivacyEvent) -> np.ndarray:
+        """The event's RDP vector, or zeros under the pure accountant (which never composes RDP)."""
+        if self._accountant == "pure":
+            return np.zeros(len(self._orders))
+        return event_rdp(event, self._orders)
 
     def record(self, event: PrivacyEvent, count: int = 1) -> None:
         """Append ``count`` occurrences of ``event`` (merged into the last segment when equal)."""
@@ -157,13 +170,13 @@ class PrivacyLedger:
         self._check_priceable(event)
         if count == 0:
             return
-        event_rdp(event, self._orders)  # validates (and caches) the event's RDP before it enters the history
+        self._event_rdp(event)  # validates (and caches) the event's RDP before it enters the history
         if self._history and self._history[-1][0] == event:
             self._history[-1] = (event, self._history[-1][1] + count)
         else:
             if self._history:
                 last_event, last_count = self._history[-1]
-                self._closed_rdp = self._closed_rdp + last_count * event_rdp(last_event, self._orders)
+                self._closed_rdp = self._closed_rdp + last_count * self._event_rdp(last_event)
             self._history.append((event, count))
             self._generation += 1
         self._steps += count
@@ -175,16 +188,16 @@ class PrivacyLedger:
         if event is not None and count > 0:
             if self._history and self._history[-1][0] == event:
                 last_event, last_count = self._history[-1]
-                return self._closed_rdp + (last_count + count) * event_rdp(last_event, self._orders)
+                return self._closed_rdp + (last_count + count) * self._event_rdp(last_event)
             closed = self._closed_rdp
             if self._history:
                 last_event, last_count = self._history[-1]
-                closed = closed + last_count * event_rdp(last_event, self._orders)
-            return closed + count * event_rdp(event, self._orders)
+                closed = closed + last_count * self._event_rdp(last_event)
+            return closed + count * self._event_rdp(event)
         if not self._history:
             return self._closed_rdp
         last_event, last_count = self._history[-1]
-        return self._closed_rdp + last_count * event_rdp(last_event, self._orders)
+        return self._closed_rdp + last_count * self._event_rdp(last_event)
 
     def _history_with(self, event: PrivacyEvent | None, count: int) -> list[tuple[PrivacyEvent, int]]:
         """The history as it would be after recording ``count`` × ``event``."""
@@ -203,6 +216,9 @@ class PrivacyLedger:
         """(ε, best RDP order or None) after adding ``count`` × ``event`` to the history."""
         if self._accountant == "prv":
             return prv_epsilon(self._history_with(event, count), delta), None
+        if self._accountant == "pure":
+            costs = [n * float(e.pure_epsilon() or 0.0) for e, n in self._history_with(event, count)]
+            return math.fsum(costs), None
         total = self._total_rdp_with(event, count)
         if not total.any():  # zero RDP at every order: the mechanism is perfectly private
             return 0.0, None
@@ -311,7 +327,18 @@ class PrivacyLedger:
 
         if self.epsilon() > target:
             return 0
-        if not event_rdp(event, self._orders).any():
+        if self._accountant == "pure":
+            cost = float(event.pure_epsilon() or 0.0)
+            if cost == 0.0:
+                return _MAX_COUNT
+            # Costs add: start at the quotient and correct the floating-point rounding exactly.
+            guess = min(_MAX_COUNT, int((target - self.epsilon()) / cost)) if math.isfinite(cost) else 0
+            while guess > 0 and not fits(guess):
+                guess -= 1
+            while guess < _MAX_COUNT and fits(guess + 1):
+                guess += 1
+            return guess
+        if not self._event_rdp(event).any():
             return _MAX_COUNT
         if self._accountant == "prv":
             # Start near the (cheap) RDP answer: PRV evaluations cost ~0.1-1 s each.
@@ -424,7 +451,7 @@ class PrivacyLedger:
             entries.append((PrivacyEvent.from_dict(item["event"]), _check_count(item["count"])))
         for event, _ in entries:  # validate everything before touching the current history
             self._check_priceable(event)
-            event_rdp(event, self._orders)
+            self._event_rdp(event)
         self._reset()
         for event, count in entries:
             self.record(event, count)

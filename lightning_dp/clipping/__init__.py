@@ -2,5 +2,14 @@
 
 from lightning_dp.clipping.adaclip import AdaCliP, adaclip_scale
 from lightning_dp.clipping.flat import FlatClipping, clip_factors, per_sample_norms, weighted_sum
+from lightning_dp.clipping.l1 import L1Clipping
 
-__all__ = ["AdaCliP", "FlatClipping", "adaclip_scale", "clip_factors", "per_sample_norms", "weighted_sum"]
+__all__ = [
+    "AdaCliP",
+    "FlatClipping",
+    "L1Clipping",
+    "adaclip_scale",
+    "clip_factors",
+    "per_sample_norms",
+    "weighted_sum",
+]

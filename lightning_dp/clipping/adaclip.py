@@ -15,9 +15,11 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_dp.clipping.flat import clip_factors, per_sample_norms, weighted_sum
+from lightning_dp.clipping.flat import clip_factors, weighted_sum
+from lightning_dp.fast_clipping import materialized_sq_norm
+from lightning_dp.grad_sample import PerExampleGradients, _sampler
 from lightning_dp.slots import Clipping, StepContext
 
 VarianceMode = Literal["per_example", "literal"]
@@ -27,6 +29,106 @@ def adaclip_scale(s: Sequence[Tensor], gamma: float = 1.0) -> list[Tensor]:
     """Theorem 1's optimal per-coordinate scale b = sqrt(s · S / γ), S = Σ over all coordinates of s."""
     total = sum(float(t.sum()) for t in s)
     return [torch.sqrt(t * total / gamma) for t in s]
+
+
+def transformed_sq_norms(
+    grad_samples: Sequence[Tensor], shift: Sequence[Tensor], inv_scale: Sequence[Tensor]
+) -> Tensor:
+    """Each example's ‖(g_i − a)/b‖² over all parameters (fp32, [B]), given a and 1/b per parameter.
+
+    On the fast path a Linear layer with one input vector per example never materialises its
+    per-example gradient g_i = δ_i x_iᵀ: with P = 1/b² and Q = a/b²,
+    ‖(g_i − a)/b‖² = Σ_jk δ_ij² P_jk x_ik² − 2 Σ_jk δ_ij Q_jk x_ik + Σ a²/b², i.e. two matrix products
+    ``(δ²) @ P`` and ``δ @ Q`` contracted with x² and x. For sequence inputs the squared term couples
+    positions (T² products of the full weight size), so those layers, and layers of other types,
+    materialise their own per-example gradients only (one layer at a time). Parameters that received no
+    gradient count as g_i = 0.
+    """
+    if not isinstance(grad_samples, PerExampleGradients) or grad_samples._full is not None:
+        return _materialized_transformed(list(grad_samples), shift, inv_scale)
+    index = {p: j for j, p in enumerate(grad_samples.params)}
+    total = torch.zeros(grad_samples.batch, dtype=torch.float32, device=grad_samples.params[0].device)
+    seen: set[int] = set()
+
+    def add_materialized(samples: dict[nn.Parameter, Tensor]) -> None:
+        for p, g in samples.items():
+            if p in index:
+                j = index[p]
+                seen.add(j)
+                total.add_(_transformed_sq_norm(g, shift[j], inv_scale[j]))
+
+    add_materialized(grad_samples._materialized)
+    for module, activations, raw in grad_samples._records:
+        backprops = raw * grad_samples.scale  # records keep raw output gradients
+        if type(module) is nn.Linear and math.prod(backprops.shape[1:-1]) == 1:
+            for p, value in _linear_transformed_sq_norms(
+                module, activations[0], backprops, index, shift, inv_scale
+            ).items():
+                seen.add(index[p])
+                total.add_(value)
+        else:
+            add_materialized(_sampler(module)(module, activations, backprops))
+    for j in set(range(len(grad_samples.params))) - seen:  # no gradient: (0 − a)/b for every example
+        total.add_(float((shift[j].float() * inv_scale[j]).square().sum()))
+    return total
+
+
+def _transformed_sq_norm(g: Tensor, a: Tensor, inv_b: Tensor) -> Tensor:
+    """‖(g_i − a)/b‖² per example of one materialised [B, *shape] per-example gradient."""
+    return materialized_sq_norm((g.float() - a) * inv_b)
+
+
+def _materialized_transformed(
+    grads: list[Tensor], shift: Sequence[Tensor], inv_scale: Sequence[Tensor]
+) -> Tensor:
+    return sum(
+        (_transformed_sq_norm(g, a, ib) for g, a, ib in zip(grads, shift, inv_scale, strict=True)),
+        torch.zeros(grads[0].shape[0] if grads else 0, dtype=torch.float32),
+    )
+
+
+def _linear_transformed_sq_norms(
+    layer: nn.Linear,
+    x: Tensor,
+    d: Tensor,
+    index: dict[nn.Parameter, int],
+    shift: Sequence[Tensor],
+    inv_scale: Sequence[Tensor],
+) -> dict[nn.Parameter, Tensor]:
+    """‖(g_i − a)/b‖² of a Linear layer's weight and bias from its input x_i and output gradient δ_i."""
+    batch = d.shape[0]
+    out: dict[nn.Parameter, Tensor] = {}
+    weight, bias = layer.weight, layer.bias
+    assert isinstance(weight, nn.Parameter)
+    if weight in index:
+        j = index[weight]
+        x2, d2 = x.float().reshape(batch, layer.in_features), d.float().reshape(batch, layer.out_features)
+        norms, magnitude = _expanded_sq_norms(x2, d2, shift[j].float(), inv_scale[j].float())
+        # The terms can be much larger than their sum (an example near the mean a): where fp32
+        # cancellation could exceed clip_factors' 1e-5 margin, recompute those examples in fp64, so an
+        # underestimated norm never lets a clipped contribution exceed the sensitivity 1.
+        risky = norms < 0.5 * magnitude
+        if bool(risky.any()):
+            f64 = torch.float64
+            exact, _ = _expanded_sq_norms(
+                x2[risky].to(f64), d2[risky].to(f64), shift[j].to(f64), inv_scale[j].to(f64)
+            )
+            norms = norms.masked_scatter(risky, exact.float())
+        out[weight] = norms.clamp(min=0)
+    if isinstance(bias, nn.Parameter) and bias in index:
+        j = index[bias]
+        out[bias] = _transformed_sq_norm(d.reshape(batch, layer.out_features), shift[j], inv_scale[j])
+    return out
+
+
+def _expanded_sq_norms(x: Tensor, d: Tensor, a: Tensor, inv_b: Tensor) -> tuple[Tensor, Tensor]:
+    """‖(δ_i x_iᵀ − a)/b‖² = (δ_i²)ᵀP x_i² − 2 δ_iᵀQ x_i + Σ a²P (P = 1/b², Q = a·P), and the size of the
+    terms (square + const), which bounds the rounding error of the result."""
+    p_mat = inv_b.square()  # [out, in]
+    square = ((d.square() @ p_mat) * x.square()).sum(1)
+    cross = ((d @ (a * p_mat)) * x).sum(1)
+    const = (a.square() * p_mat).sum()
+    return square - 2 * cross + const, square + const
 
 
 class AdaCliP(Clipping):
@@ -81,8 +183,15 @@ class AdaCliP(Clipping):
     def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
         """Σ_k clip_1((g_k − a)/b): the transformed, clipped sum that the noise is added to."""
         self._b = adaclip_scale(self.s, self.gamma)
-        transformed = [(g.float() - a) / b for g, a, b in zip(grad_samples, self.m, self._b, strict=True)]
-        return weighted_sum(transformed, clip_factors(per_sample_norms(transformed), 1.0))
+        inv_b = [1.0 / b for b in self._b]
+        factors = clip_factors(transformed_sq_norms(grad_samples, self.m, inv_b).sqrt(), 1.0)
+        # Σ_i c_i (g_i − a)/b = (Σ_i c_i g_i − (Σ_i c_i)·a)/b: the ordinary weighted sum (fast path
+        # included), shifted and scaled once.
+        total = factors.sum()
+        return [
+            (s - total * a) * ib
+            for s, a, ib in zip(weighted_sum(grad_samples, factors), self.m, inv_b, strict=True)
+        ]
 
     def sensitivity(self, ctx: StepContext) -> float:
         return 1.0

@@ -1,5 +1,6 @@
 """Noise slot: the noise multiplier of each step."""
 
 from lightning_dp.noise.constant import ConstantNoise
+from lightning_dp.noise.noise_dividing import NoiseDividing
 
-__all__ = ["ConstantNoise"]
+__all__ = ["ConstantNoise", "NoiseDividing"]

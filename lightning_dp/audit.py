@@ -1,0 +1,372 @@
+"""Empirical privacy audit from one training run (Steinke, Nasr & Jagielski, NeurIPS 2023).
+
+m canaries are each included independently with probability 1/2; after training the auditor scores
+them, guesses the k₊ highest as included and the k₋ lowest as excluded (abstaining on the rest), and
+counts the correct guesses. Under (ε, δ)-DP the number of correct guesses is stochastically dominated
+by Binomial(r, e^ε/(1+e^ε)) up to a δ term (their Theorem 3), so a count that is too large for an ε at
+the stated confidence rejects that ε: the largest rejected ε is an empirical *lower* bound.
+
+Two kinds of canary:
+
+* ``"gradient"`` (white-box): each included canary is Poisson-sampled at the sampler's rate at every
+  step, like a real example, and then contributes a vector of norm equal to the clipping sensitivity
+  to the sum the noise is added to. By default (``placement="isolated"``) canary i owns coordinate i
+  of an extra block released with the step, so real gradients do not blur the scores; with
+  ``placement="model"`` it owns one random coordinate of the model's gradient instead. The score is
+  the sum over steps of the released (noisy) coordinate. This checks the noise and its pricing.
+* ``"input"`` (black-box): m random out-of-distribution inputs with random labels; the included ones
+  are appended to the training set and go through the real sampler and clipping. The score is the
+  logit margin of the canary's label under the final model (classifiers with ``forward`` → logits and
+  ``(x, y)`` batches), minus its margin under the initial weights.
+
+A lower bound that stays below the claimed ε is what a correct implementation must show; it is not a
+proof of privacy (see docs/audit.md).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from scipy import stats
+from torch import Tensor
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
+
+from lightning_dp.engine import PrivateStepEngine, ReleaseHook
+from lightning_dp.rng import make_generator
+from lightning_dp.slots import StepContext
+
+CanaryKind = Literal["gradient", "input"]
+Placement = Literal["isolated", "model"]
+AUDIT_PLOT_NAME = "privacy_audit.png"
+
+
+# -- the bound (Theorem 3) ------------------------------------------------------------------------
+def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
+    """Upper bound on P[≥ v of r guesses correct] for an (ε, δ)-DP run with m canaries (Theorem 3).
+
+    P[W ≥ v] + 2mδ · max_{i=1..v} P[v−i ≤ W < v] / i with W ~ Binomial(r, e^ε/(1+e^ε)).
+    """
+    if not 0 <= v <= r <= m:
+        raise ValueError(f"need 0 ≤ v ≤ r ≤ m, got v={v}, r={r}, m={m}")
+    q = 1.0 / (1.0 + math.exp(-epsilon))
+    tail = float(stats.binom.sf(v - 1, r, q))
+    if delta == 0 or v == 0:
+        return min(1.0, tail)
+    i = np.arange(1, v + 1)
+    window = np.cumsum(stats.binom.pmf(v - i, r, q))  # P[v−i ≤ W < v] for i = 1..v
+    return min(1.0, tail + 2.0 * m * delta * float((window / i).max()))
+
+
+def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float = 0.95) -> float:
+    """Largest ε that ``v`` correct of ``r`` guesses rejects at ``confidence`` (0 when none is rejected).
+
+    The p-value grows with ε, so bisection on [0, ε_max] finds the boundary to 1e-6.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    alpha = 1.0 - confidence
+    if r == 0 or p_value(m, r, v, 0.0, delta) >= alpha:
+        return 0.0
+    high = 1.0
+    while p_value(m, r, v, high, delta) < alpha:
+        high *= 2.0
+        if high > 1e3:  # only reachable with δ = 0 and absurd counts; the bound is then vacuous
+            return high
+    low = 0.0
+    while high - low > 1e-6:
+        mid = (low + high) / 2
+        if p_value(m, r, v, mid, delta) < alpha:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def default_guesses(m: int) -> list[tuple[int, int]]:
+    """(k₊, k₋) pairs tried by default: top-only and symmetric, at 1/16 … 1/2 of the canaries."""
+    ks = sorted({max(1, m // d) for d in (16, 8, 4, 2)})
+    return [(k, 0) for k in ks] + [(k, k) for k in ks]
+
+
+@dataclass
+class AuditResult:
+    """What the audit found; ``epsilon_lower_bound`` holds at ``confidence`` (Bonferroni over guesses)."""
+
+    claimed_epsilon: float
+    epsilon_lower_bound: float
+    confidence: float
+    delta: float
+    canary: str
+    num_canaries: int
+    num_included: int
+    num_guesses: int
+    num_correct: int
+    guesses_tried: list[tuple[int, int]]
+    steps: int
+    scores: list[float] = field(repr=False)
+    included: list[bool] = field(repr=False)
+
+    @property
+    def passed(self) -> bool:
+        """The audit found no evidence against the claim (it never proves the claim)."""
+        return self.epsilon_lower_bound <= self.claimed_epsilon
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able figures without the per-canary arrays (what the privacy report stores)."""
+        data = asdict(self)
+        del data["scores"], data["included"]
+        data["guesses_tried"] = [list(g) for g in self.guesses_tried]
+        data["passed"] = self.passed
+        return data
+
+
+def evaluate_guesses(
+    scores: Tensor,
+    included: Tensor,
+    delta: float,
+    confidence: float = 0.95,
+    guesses: Sequence[tuple[int, int]] | None = None,
+) -> tuple[float, int, int]:
+    """Best (ε lower bound, guesses, correct) over the (k₊, k₋) choices, each at (1−confidence)/len.
+
+    Trying several k and keeping the best is paid for by a union bound, so the result still holds
+    at ``confidence``.
+    """
+    m = int(scores.numel())
+    candidates = list(guesses) if guesses is not None else default_guesses(m)
+    per_test = 1.0 - (1.0 - confidence) / len(candidates)
+    order = torch.argsort(scores.double(), descending=True, stable=True)
+    ranked = included[order].bool()
+    best = (0.0, 0, 0)
+    for k_plus, k_minus in candidates:
+        if k_plus < 0 or k_minus < 0 or k_plus + k_minus > m:
+            raise ValueError(f"guess counts ({k_plus}, {k_minus}) do not fit {m} canaries")
+        correct = int(ranked[:k_plus].sum()) + int((~ranked[m - k_minus :]).sum() if k_minus else 0)
+        r = k_plus + k_minus
+        eps = epsilon_lower_bound(m, r, correct, delta, per_test)
+        if eps > best[0] or best[1] == 0:
+            best = (eps, r, correct)
+    return best
+
+
+# -- white-box canaries -------------------------------------------------------------------------------
+class GradientCanaries(ReleaseHook):
+    """Canary gradients of norm = the clipping sensitivity, Poisson-sampled like a real example."""
+
+    def __init__(
+        self,
+        engine: PrivateStepEngine,
+        included: Tensor,
+        seed: int | None = None,
+        placement: Placement = "isolated",
+    ) -> None:
+        if placement not in ("isolated", "model"):
+            raise ValueError(f"placement must be 'isolated' or 'model', got {placement!r}")
+        self.engine, self.placement = engine, placement
+        self.included = included.bool().cpu()
+        self.m = int(self.included.numel())
+        self.scores = torch.zeros(self.m, dtype=torch.float64)
+        self.generator = make_generator(seed, stream="audit/canary-sampling")
+        self._coords_generator = make_generator(seed, stream="audit/canary-coordinates")
+        self.coordinates: Tensor | None = None  # flat model coordinates (placement="model")
+
+    def _flat_coordinates(self, sums: list[Tensor]) -> Tensor:
+        if self.coordinates is None:
+            total = sum(s.numel() for s in sums)
+            if total < self.m:
+                raise ValueError(
+                    f"placement='model' needs ≤ {total} canaries (one coordinate each), got {self.m}"
+                )
+            self.coordinates = torch.randperm(total, generator=self._coords_generator)[: self.m]
+        return self.coordinates
+
+    def before_noise(self, sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        rate = self.engine.sampler.sample_rate
+        sampled = self.included & (torch.rand(self.m, generator=self.generator) < rate)
+        if self.engine.rank != 0:  # canaries live on rank 0; the others keep the shapes aligned
+            sampled = torch.zeros_like(sampled)
+        ctx.batch_size += int(sampled.sum())
+        device = sums[0].device
+        contribution = sampled.to(device=device, dtype=torch.float32) * self.engine.clipping.sensitivity(ctx)
+        if self.placement == "isolated":
+            return [*sums, contribution]
+        flat = torch.cat([s.reshape(-1) for s in sums])
+        flat[self._flat_coordinates(sums).to(device)] += contribution
+        return _unflatten(flat, sums)
+
+    def after_release(self, noisy: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        if self.placement == "isolated":
+            self.scores += noisy[-1].detach().double().cpu()
+            return noisy[:-1]
+        flat = torch.cat([s.reshape(-1) for s in noisy])
+        self.scores += flat[self._flat_coordinates(noisy).to(flat.device)].detach().double().cpu()
+        return noisy
+
+
+def _unflatten(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    out, start = [], 0
+    for t in like:
+        out.append(flat[start : start + t.numel()].view_as(t))
+        start += t.numel()
+    return out
+
+
+# -- black-box canaries -----------------------------------------------------------------------------
+def make_input_canaries(
+    dataset: Dataset, num_canaries: int, num_classes: int, seed: int | None
+) -> TensorDataset:
+    """Out-of-distribution inputs with random labels, in the directions the data barely varies along.
+
+    Each canary is the data mean plus a random vector in the span of the lower half of the principal
+    directions of (a sample of) the inputs, scaled to the data's typical distance from its mean: real
+    examples hardly move the model along those directions, so a canary's own influence stands out.
+    """
+    g = make_generator(seed, stream="audit/input-canaries")
+    n = len(dataset)  # type: ignore[arg-type]
+    probe = torch.randperm(n, generator=g)[: min(n, 1024)]
+    xs = torch.stack([torch.as_tensor(dataset[int(i)][0]).float() for i in probe])
+    shape = xs.shape[1:]
+    flat = xs.reshape(len(xs), -1).double()
+    mean = flat.mean(0)
+    centred = flat - mean
+    _, _, vh = torch.linalg.svd(centred, full_matrices=True)
+    low = vh[vh.shape[0] // 2 :]  # the lower half of the principal directions (incl. the null space)
+    radius = centred.norm(dim=1).median()
+    noise = torch.randn((num_canaries, low.shape[0]), generator=g, dtype=torch.float64) @ low
+    x = mean + radius * noise / noise.norm(dim=1, keepdim=True)
+    y = torch.randint(num_classes, (num_canaries,), generator=g)
+    return TensorDataset(x.float().reshape(num_canaries, *shape), y)
+
+
+@torch.no_grad()
+def logit_margins(model: torch.nn.Module, canaries: TensorDataset) -> Tensor:
+    """logit[label] − max other logit for each canary: high when the model memorised it."""
+    was_training = model.training
+    model.eval()
+    x, y = canaries.tensors
+    device = next(model.parameters()).device
+    logits = model(x.to(device)).float().cpu()
+    model.train(was_training)
+    own = logits.gather(1, y[:, None]).squeeze(1)
+    others = logits.scatter(1, y[:, None], float("-inf")).max(1).values
+    return own - others
+
+
+# -- the entry point ---------------------------------------------------------------------------------
+def audit(
+    trainer: Any,
+    model: Any,
+    datamodule: Any = None,
+    *,
+    canary: CanaryKind = "gradient",
+    num_canaries: int = 256,
+    confidence: float = 0.95,
+    guesses: Sequence[tuple[int, int]] | None = None,
+    placement: Placement = "isolated",
+    seed: int | None = None,
+    write_report: bool = True,
+) -> AuditResult:
+    """Train ``model`` once with canaries under ``trainer`` (a DP strategy) and audit the claimed ε.
+
+    ``seed`` fixes which canaries are included (and the canaries themselves); by default it comes
+    from ``os.urandom``. The result is also written into ``privacy_report.json`` (field ``"audit"``)
+    next to a ``privacy_audit.png`` score plot, when the run writes a report.
+    """
+    from lightning_dp.callbacks import PrivacyCallback, dp_strategy_of
+
+    if canary not in ("gradient", "input"):
+        raise ValueError(f"canary must be 'gradient' or 'input', got {canary!r}")
+    if num_canaries < 2:
+        raise ValueError(f"num_canaries must be ≥ 2, got {num_canaries}")
+    strategy = dp_strategy_of(trainer)
+    engine = strategy.engine
+    included = torch.rand(num_canaries, generator=make_generator(seed, stream="audit/included")) < 0.5
+    if canary == "gradient":
+        hook = GradientCanaries(engine, included, seed=seed, placement=placement)
+        engine.release_hooks.append(hook)
+        try:
+            trainer.fit(model, datamodule=datamodule)
+        finally:
+            engine.release_hooks.remove(hook)
+        scores = hook.scores
+    else:
+        loader = _train_loader(model, datamodule)
+        with torch.no_grad():
+            num_classes = int(model(torch.as_tensor(loader.dataset[0][0])[None].float()).shape[-1])
+        canaries = make_input_canaries(loader.dataset, num_canaries, num_classes, seed)
+        before = logit_margins(model, canaries).double()  # initial weights: fixed before seeing data
+        chosen = Subset(canaries, [int(i) for i in torch.nonzero(included).flatten()])
+        train: DataLoader[Any] = DataLoader(
+            ConcatDataset([loader.dataset, chosen]),
+            batch_size=loader.batch_size,
+            collate_fn=loader.collate_fn,
+        )
+        trainer.fit(model, train_dataloaders=train)
+        scores = logit_margins(model, canaries).double() - before
+    eps, r, v = evaluate_guesses(scores, included, engine.delta, confidence, guesses)
+    result = AuditResult(
+        claimed_epsilon=float(engine.ledger.epsilon()),
+        epsilon_lower_bound=eps,
+        confidence=confidence,
+        delta=engine.delta,
+        canary=canary,
+        num_canaries=num_canaries,
+        num_included=int(included.sum()),
+        num_guesses=r,
+        num_correct=v,
+        guesses_tried=list(guesses) if guesses is not None else default_guesses(num_canaries),
+        steps=engine.steps,
+        scores=[float(s) for s in scores],
+        included=[bool(b) for b in included],
+    )
+    callback = next((c for c in trainer.callbacks if isinstance(c, PrivacyCallback)), None)
+    if write_report and callback is not None and callback.report_path and trainer.is_global_zero:
+        from lightning_dp.report import add_audit
+
+        directory = os.path.dirname(callback.report_path)
+        add_audit(callback.report_path, result.summary())
+        plot_audit(result, os.path.join(directory, AUDIT_PLOT_NAME))
+    return result
+
+
+def _train_loader(model: Any, datamodule: Any) -> DataLoader:
+    source = datamodule if datamodule is not None else model
+    if datamodule is not None:
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+    loader = source.train_dataloader()
+    if not isinstance(loader, DataLoader) or loader.batch_size is None:
+        raise ValueError("canary='input' needs a train DataLoader over a map-style dataset with a batch_size")
+    return loader
+
+
+def plot_audit(result: AuditResult, path: str) -> None:
+    """Histogram of canary scores, included against excluded, with claimed and audited ε in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    scores = torch.tensor(result.scores)
+    mask = torch.tensor(result.included)
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    bins = torch.linspace(float(scores.min()), float(scores.max()) + 1e-9, 31).tolist()
+    ax.hist(scores[mask].tolist(), bins=bins, alpha=0.6, label=f"included ({int(mask.sum())})")
+    ax.hist(scores[~mask].tolist(), bins=bins, alpha=0.6, label=f"excluded ({int((~mask).sum())})")
+    ax.set_xlabel(f"canary score ({result.canary})")
+    ax.set_ylabel("canaries")
+    ax.set_title(
+        f"claimed ε={result.claimed_epsilon:.3g}, audited ε ≥ {result.epsilon_lower_bound:.3g} "
+        f"({result.confidence:.0%})",
+        fontsize=9,
+    )
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

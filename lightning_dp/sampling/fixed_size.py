@@ -1,0 +1,95 @@
+"""Fixed-size sampling without replacement: every step draws an independent uniform m-subset of the n examples.
+
+This is the sampling of Kuru et al. (2020), whose amplification theorem (Balle et al. 2018, Thm 9) needs a
+fresh uniform subset every step (epoch-wise shuffling does not qualify). It releases Laplace steps only
+(:class:`~lightning_dp.accounting.pure_laplace.SubsampledLaplace`), priced with ``accountant="pure"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lightning_dp.accounting import PrivacyEvent
+from lightning_dp.accounting.pure_laplace import SubsampledLaplace
+from lightning_dp.rng import make_generator
+from lightning_dp.slots import Sampler
+
+
+class FixedSizeBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """Yields ``num_batches`` independent uniform m-subsets of range(n) per epoch."""
+
+    def __init__(self, sampler: FixedSize, num_batches: int) -> None:
+        self.sampler = sampler
+        self.num_batches = num_batches
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_batches):
+            yield self.sampler.sample_indices().tolist()
+
+
+class FixedSize(Sampler):
+    """A uniform subset of exactly ``batch_size`` examples per step, drawn without replacement (paper mode).
+
+    The sample rate q = m/n is exact and the batch size is public, so the mean divides by m.
+    Single-process only: the Laplace noise cannot be split into per-rank shares.
+    """
+
+    mechanism = "laplace"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        self._pending_state: torch.Tensor | None = None
+        self.batch_size = 0
+        self.restored_shape: tuple[int | None, float | None] = (None, None)
+
+    def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
+        if world_size != 1:
+            raise ValueError(
+                "FixedSize sampling with Laplace noise runs in one process: a sum of per-rank Laplace shares "
+                "is not Laplace. Use DPStrategy (one device)."
+            )
+        if num_samples <= 0:
+            raise ValueError("The training set is empty: DP training needs at least one example.")
+        if not 0 < batch_size <= num_samples:
+            raise ValueError(f"batch_size must be in [1, N={num_samples}], got {batch_size}.")
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.sample_rate = batch_size / num_samples
+        if self.generator is None:
+            self.generator = make_generator(self.seed, stream="fixed_size/0")
+        if self._pending_state is not None:
+            self.generator.set_state(self._pending_state)
+            self._pending_state = None
+
+    def sample_indices(self) -> torch.Tensor:
+        """One step's batch: ``batch_size`` distinct indices, uniformly at random."""
+        assert self.generator is not None, "bind() first"
+        if self.batch_size == self.num_samples:
+            return torch.arange(self.num_samples)
+        return torch.randperm(self.num_samples, generator=self.generator)[: self.batch_size]
+
+    def batch_sampler(self, num_batches: int) -> FixedSizeBatchSampler:
+        return FixedSizeBatchSampler(self, num_batches)
+
+    def event(self, noise_multiplier: float) -> PrivacyEvent:
+        return SubsampledLaplace(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            if self.generator is not None:
+                self.generator.set_state(state["generator"])
+            else:
+                self._pending_state = state["generator"]
+        self.restored_shape = (state.get("num_samples"), state.get("sample_rate"))
