@@ -10,7 +10,7 @@ from lightning_dp.clipping import AdaCliP, FlatClipping
 from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
-from lightning_dp.sampling import Poisson
+from lightning_dp.sampling import DPIS, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.strategy import DPStrategy, EmptyBatch
 
@@ -29,6 +29,7 @@ def register() -> None:
 register()
 
 __all__ = [
+    "DPIS",
     "AdaCliP",
     "Clipping",
     "ConstantNoise",

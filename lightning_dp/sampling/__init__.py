@@ -1,5 +1,6 @@
 """Sampler slot: which examples form each batch."""
 
+from lightning_dp.sampling.dpis import DPIS
 from lightning_dp.sampling.poisson import Poisson, PoissonBatchSampler
 
-__all__ = ["Poisson", "PoissonBatchSampler"]
+__all__ = ["DPIS", "Poisson", "PoissonBatchSampler"]
