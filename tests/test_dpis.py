@@ -302,3 +302,32 @@ def test_empty_candidate_sets_are_noise_only_steps(tmp_path):
     assert steps == 200
     norm_pass_calls = 8  # 400 examples in chunks of 50
     assert norm_pass_calls < len(module.seen_batch_sizes) < 200 + norm_pass_calls - 10
+
+
+def test_dpis_from_yaml_config(tmp_path):
+    """``sampler: class_path: lightning_dp.DPIS`` in a LightningCLI config trains privately."""
+    import json
+    from pathlib import Path
+
+    from lightning_dp.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    main(
+        [
+            "fit",
+            "--config",
+            str(root / "configs" / "digits_dpis.yaml"),
+            "--trainer.max_steps",
+            "4",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+            "--test_after_fit",
+            "false",
+        ]
+    )
+    report = json.loads(next(tmp_path.rglob("privacy_report.json")).read_text())
+    assert report["sampler"] == "DPIS"
+    assert report["steps"] == 4
+    assert 0 < report["epsilon"] <= 3.0
