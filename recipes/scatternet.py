@@ -101,8 +101,9 @@ class Scattering2D(nn.Module):
         """Subsample by ``k`` in space = average of the ``k``×``k`` periodised blocks of the spectrum."""
         if k == 1:
             return x
-        *lead, m, n = x.shape
-        return x.reshape(*lead, k, m // k, k, n // k).mean(dim=(-4, -2))
+        m, n = x.shape[-2] // k, x.shape[-1] // k
+        out = sum(x[..., i * m : (i + 1) * m, j * n : (j + 1) * n] for i in range(k) for j in range(k))
+        return out / (k * k)  # type: ignore[operator]
 
     def _low_pass(self, x_hat: Tensor, res: int) -> Tensor:
         out = self._subsample(x_hat * self._phi(res), 2 ** (self.J - res))
