@@ -98,43 +98,52 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=float, default=3)
     parser.add_argument("--a-E", dest="a_E", type=float, default=0.8)
     parser.add_argument("--json", help="append one JSON line per run to this file")
+    parser.add_argument("--summarize", help="print the table from a --json file instead of training")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 
-    data = ScatterNetDataModule("mnist", root=args.root, download=args.download, batch_size=args.batch_size)
-    data.setup()
     results = []
-    for epsilon in args.epsilons:
-        for seed in args.seeds:
-            for method in args.methods:
-                result = run_one(method, epsilon, seed, args, data)
-                results.append(result)
-                if args.json:
-                    with open(args.json, "a") as fh:
-                        fh.write(json.dumps(result) + "\n")
+    if args.summarize:  # only print the table of earlier runs (one JSON line each)
+        with open(args.summarize) as fh:
+            results = [json.loads(line) for line in fh if line.strip()]
+        args.epsilons = sorted({r["epsilon"] for r in results})
+        args.seeds = sorted({r["seed"] for r in results})
+    else:
+        data = ScatterNetDataModule(
+            "mnist", root=args.root, download=args.download, batch_size=args.batch_size
+        )
+        data.setup()
+        for seed in args.seeds:  # seed outermost: an interrupted grid still covers every ε
+            for epsilon in args.epsilons:
+                for method in args.methods:
+                    result = run_one(method, epsilon, seed, args, data)
+                    results.append(result)
+                    if args.json:
+                        with open(args.json, "a") as fh:
+                            fh.write(json.dumps(result) + "\n")
 
     def cell(method: str, epsilon: float) -> str:
         accs = [r["accuracy"] for r in results if r["method"] == method and r["epsilon"] == epsilon]
         if not accs:
             return "-"
         std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        return f"{statistics.mean(accs):.2f} ± {std:.2f}"
+        return f"{statistics.mean(accs):.2f} ± {std:.2f} (n={len(accs)})"
 
     print(
         f"\nMNIST ScatterNet+CNN, {args.epochs} epochs, b={args.batch_size}, C={args.clip}, lr={args.lr}, "
         f"k={args.k:g}, a_E={args.a_E:g}, seeds={args.seeds}, δ=1e-5"
     )
     print(
-        f"{'ε':>5} | {'DPIS (ours)':>14} | {'DPIS (paper)':>12} | {'DP-SGD (ours)':>14} | {'DP-SGD-HF (paper)':>17}"
+        f"{'ε':>5} | {'DPIS (ours)':>20} | {'DPIS (paper)':>12} | {'DP-SGD (ours)':>20} | {'DP-SGD-HF (paper)':>17}"
     )
     for epsilon in args.epsilons:
         print(
-            f"{epsilon:>5g} | {cell('dpis', epsilon):>14} | {PAPER_DPIS.get(epsilon, float('nan')):>12.1f} | "
-            f"{cell('dpsgd', epsilon):>14} | {PAPER_HF.get(epsilon, float('nan')):>17.1f}"
+            f"{epsilon:>5g} | {cell('dpis', epsilon):>20} | {PAPER_DPIS.get(epsilon, float('nan')):>12.1f} | "
+            f"{cell('dpsgd', epsilon):>20} | {PAPER_HF.get(epsilon, float('nan')):>17.1f}"
         )
-    per_step = {m: [r["seconds_per_step"] for r in results if r["method"] == m] for m in args.methods}
+    per_step = {m: [r["seconds_per_step"] for r in results if r["method"] == m] for m in ("dpsgd", "dpis")}
     if all(per_step.get(m) for m in ("dpis", "dpsgd")):
         ratio = statistics.mean(per_step["dpis"]) / statistics.mean(per_step["dpsgd"])
         print(
