@@ -68,6 +68,8 @@ class SamplerRuntime:
     fixed_noise_multiplier: float | None
     """σ given by the user (noise slot already set), else None: the sampler schedules σ itself."""
     clipping: Any
+    all_reduce: Callable[[list[Tensor]], list[Tensor]] | None = None
+    """Sum CPU tensors over all ranks (None on one process)."""
 
 
 class Sampler(_Stateful, ABC):

@@ -343,8 +343,13 @@ class DPStrategyMixin(Strategy):
                 max_grad_norm=self.engine.max_grad_norm,
                 fixed_noise_multiplier=noise.noise_multiplier(0) if noise.is_set else None,
                 clipping=self.engine.clipping,
+                all_reduce=self._cpu_all_reduce if self.engine.all_reduce is not None else None,
             )
         )
+
+    def _cpu_all_reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        assert self.engine.all_reduce is not None
+        return [t.cpu() for t in self.engine.all_reduce([t.to(self.root_device) for t in tensors])]
 
     @staticmethod
     def _steps_per_epoch(trainer: Trainer, num_batches: int) -> int:

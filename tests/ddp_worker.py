@@ -138,3 +138,24 @@ resumed.fit(resumed_module, ckpt_path=OUT / "ddp.ckpt")
 trainer(DPDDPStrategy(noise_multiplier=1.0, seed=7), max_epochs=2).fit(straight)
 same = all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed_module.parameters()))
 dump("resume", resumed.strategy, same_as_straight=same)
+
+# 7. DPIS under DDP: each rank samples and accepts its share; N~ and K~ are one release (all-reduced).
+from dataclasses import asdict  # noqa: E402
+
+from lightning_dp import DPIS  # noqa: E402
+
+torch.manual_seed(0)
+t = trainer(
+    DPDDPStrategy(
+        target_epsilon=1.0, max_grad_norm=0.5, sampler=DPIS(k=3, seed=3, sigma_N=50, sigma_K=50), seed=0
+    ),
+    max_epochs=2,
+)
+t.fit(TinyModule(n=256, batch_size=16))
+dump(
+    "dpis",
+    t.strategy,
+    epochs=[asdict(e) for e in t.strategy.engine.sampler.epochs],
+    history=[[e.to_dict(), c] for e, c in t.strategy.engine.ledger.history],
+    share=len(t.strategy.engine.sampler.share),
+)

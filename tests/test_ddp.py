@@ -153,3 +153,16 @@ def test_resume_with_another_world_size_is_refused(ddp_results):
         make_trainer(DPStrategy(noise_multiplier=1.0, seed=7), max_epochs=2).fit(
             TinyModule(n=128, batch_size=32), ckpt_path=out / "ddp.ckpt"
         )
+
+
+@pytest.mark.slow
+def test_dpis_under_ddp_releases_once_and_keeps_ranks_in_lock_step(ddp_results):
+    """Candidates split across ranks; N~, K~, σ_G and the ledger identical on both; ε meets the target."""
+    _, load = ddp_results
+    rank0, rank1 = load("dpis")
+    assert rank0["share"] == rank1["share"] == 128
+    assert rank0["steps"] == rank1["steps"] == 2 * 16
+    assert rank0["epochs"] == rank1["epochs"]
+    assert len(rank0["epochs"]) == 2
+    assert rank0["history"] == rank1["history"]
+    assert 0.99 <= rank0["epsilon"] == rank1["epsilon"] <= 1.0

@@ -211,6 +211,8 @@ class DPIS(Sampler):
         self._cursor = 0
         self._resume_mid_epoch = False
         self.restored_shape: tuple[int | None, float | None] = (None, None)
+        self.rank, self.world_size = 0, 1
+        self.share = torch.zeros(0, dtype=torch.long)
 
     # -- set-up ------------------------------------------------------------------------------------
     @property
@@ -222,11 +224,6 @@ class DPIS(Sampler):
         return self.sigma_K_arg if self.sigma_K_arg is not None else 0.02 * self.num_samples
 
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
-        if world_size > 1:
-            raise ValueError(
-                "DPIS does not support multi-process training yet (its envelopes and released statistics "
-                "are kept on one process): use DPStrategy on one device."
-            )
         if num_samples <= 0 or batch_size <= 0:
             raise ValueError(f"DPIS needs N > 0 and batch_size > 0, got {num_samples}, {batch_size}.")
         if self.k * batch_size >= num_samples:
@@ -235,6 +232,8 @@ class DPIS(Sampler):
                 "first round would sample every example. Lower k or batch_size."
             )
         self.num_samples, self.batch_size = num_samples, batch_size
+        self.rank, self.world_size = rank, world_size
+        self.share = torch.arange(rank, num_samples, world_size)  # this rank's candidates (DDP)
         if self.ghat.numel() != num_samples:
             self.ghat = torch.zeros(num_samples, dtype=torch.float64)
             self.gstar = torch.zeros(num_samples, dtype=torch.float64)
@@ -279,15 +278,22 @@ class DPIS(Sampler):
         assert self.current is not None
         select = self.generators["select"]
         for _ in range(remaining):
-            q = first_round_probabilities(self.ghat, self.batch_size, self.current.k_tilde)
-            chosen = torch.nonzero(torch.rand(self.num_samples, generator=select, dtype=torch.float64) < q)
-            indices = chosen.flatten()
+            q = first_round_probabilities(self.ghat[self.share], self.batch_size, self.current.k_tilde)
+            indices = self.share[torch.rand(len(self.share), generator=select, dtype=torch.float64) < q]
             yield IndicesWithInfo(
                 indices.tolist(), _StepInfo(indices, self.ghat[indices].clone(), self.current)
             )
 
-    def _gaussian(self, std: float) -> float:
-        return float(torch.randn(1, generator=self.generators["stats"], dtype=torch.float64)) * std
+    def _release(self, local_sum: float, std: float) -> float:
+        """Σ over all ranks of ``local_sum`` plus one Gaussian draw (rank 0's): the same value everywhere."""
+        noise = float(torch.randn(1, generator=self.generators["stats"], dtype=torch.float64)) * std
+        value = torch.tensor([local_sum + (noise if self.rank == 0 else 0.0)], dtype=torch.float64)
+        if self.world_size > 1:
+            assert self.runtime is not None
+            if self.runtime.all_reduce is None:
+                raise RuntimeError("DPIS under DDP needs the strategy's all-reduce.")
+            value = self.runtime.all_reduce([value])[0]
+        return float(value)
 
     def _start_epoch(self) -> None:
         """Full norm pass, release K~ (and N~ once, K~* with AC), then solve σ_G for this epoch."""
@@ -298,22 +304,23 @@ class DPIS(Sampler):
         if self.n_tilde is None:
             self._check_aux_affordable()
             runtime.ledger.record(Gaussian(self.sigma_n))
-            self.n_tilde = max(float(n + self._gaussian(self.sigma_n)), self.k * self.batch_size + 1.0)
+            n_tilde = self._release(float(n) if self.rank == 0 else 0.0, self.sigma_n)
+            self.n_tilde = max(n_tilde, self.k * self.batch_size + 1.0)
         assert self.clip is not None
         c_star = self.C_star_arg if self.C_star_arg is not None else 4 * runtime.max_grad_norm
         if self.adaptive_clipping and self.epochs:
             runtime.ledger.record(Gaussian(self.sigma_k))
-            k_star = float(self.gstar.sum()) + self._gaussian(self.sigma_k * c_star)
+            k_star = self._release(float(self.gstar[self.share].sum()), self.sigma_k * c_star)
             k_star = min(max(k_star, 0.0), self.n_tilde * c_star)
             self.clip = max(self.lam * k_star / self.n_tilde, 1e-3 * runtime.max_grad_norm)
         clip = self.clip
-        norms = runtime.norms(torch.arange(n))
+        norms = runtime.norms(self.share)  # this rank's share only (all of D on one process)
         norms = torch.where(torch.isfinite(norms), norms, torch.zeros_like(norms))
         c = norms.clamp(max=clip)
-        self.ghat = self.k * c.clamp(min=self.g_L * clip)
-        self.gstar = norms.clamp(max=c_star)
+        self.ghat[self.share] = self.k * c.clamp(min=self.g_L * clip)
+        self.gstar[self.share] = norms.clamp(max=c_star)
         runtime.ledger.record(Gaussian(self.sigma_k))
-        k_noisy = float(c.sum()) + self._gaussian(self.sigma_k * clip)
+        k_noisy = self._release(float(c.sum()), self.sigma_k * clip)
         lower = self.k * self.batch_size * clip + self.xi * clip
         k_tilde = min(max(k_noisy, lower), self.n_tilde * clip)
         epoch = len(self.epochs) + 1
