@@ -327,5 +327,6 @@ def test_dpis_from_yaml_config(tmp_path):
     )
     report = json.loads(next(tmp_path.rglob("privacy_report.json")).read_text())
     assert report["sampler"] == "DPIS"
+    assert report["noise_multiplier"] > 0  # the scheduled σ_G/r of the last step, not the unset noise slot
     assert report["steps"] == 4
     assert 0 < report["epsilon"] <= 3.0
