@@ -73,6 +73,14 @@ def run_one(
         "steps": strategy.engine.steps,
         "seconds": seconds,
         "seconds_per_step": seconds / max(1, strategy.engine.steps),
+        "config": {
+            "epochs": args.epochs,
+            "batch_size": data.batch_size,
+            "lr": args.lr,
+            "clip": args.clip,
+            "k": args.k,
+            "a_E": args.a_E,
+        },
     }
     if method == "dpis":
         epochs = strategy.engine.sampler.epochs
@@ -110,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
             results = [json.loads(line) for line in fh if line.strip()]
         args.epsilons = sorted({r["epsilon"] for r in results})
         args.seeds = sorted({r["seed"] for r in results})
+        for key, value in results[0].get("config", {}).items():
+            setattr(args, key, value)
+        args.batch_size = results[0].get("config", {}).get("batch_size", args.batch_size)
     else:
         data = ScatterNetDataModule(
             "mnist", root=args.root, download=args.download, batch_size=args.batch_size
