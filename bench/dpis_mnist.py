@@ -114,8 +114,12 @@ def main(argv: list[str] | None = None) -> None:
 
     results = []
     if args.summarize:  # only print the table of earlier runs (one JSON line each)
+        seen: dict[tuple, dict] = {}
         with open(args.summarize) as fh:
-            results = [json.loads(line) for line in fh if line.strip()]
+            for line in filter(str.strip, fh):  # a repeated (method, ε, seed) counts once
+                run = json.loads(line)
+                seen.setdefault((run["method"], run["epsilon"], run["seed"]), run)
+        results = list(seen.values())
         args.epsilons = sorted({r["epsilon"] for r in results})
         args.seeds = sorted({r["seed"] for r in results})
         for key, value in results[0].get("config", {}).items():
@@ -155,6 +159,15 @@ def main(argv: list[str] | None = None) -> None:
             f"{cell('dpsgd', epsilon):>20} | {PAPER_HF.get(epsilon, float('nan')):>17.1f}"
         )
     per_step = {m: [r["seconds_per_step"] for r in results if r["method"] == m] for m in ("dpsgd", "dpis")}
+    pairs = {(r["epsilon"], r["seed"]): {} for r in results}
+    for r in results:
+        pairs[(r["epsilon"], r["seed"])][r["method"]] = r["seconds_per_step"]
+    ratios = [p["dpis"] / p["dpsgd"] for p in pairs.values() if len(p) == 2]
+    if ratios:
+        print(
+            f"DPIS/DP-SGD time per step, paired (same ε and seed): median {statistics.median(ratios):.2f}x, "
+            f"range {min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} pairs"
+        )
     if all(per_step.get(m) for m in ("dpis", "dpsgd")):
         ratio = statistics.mean(per_step["dpis"]) / statistics.mean(per_step["dpsgd"])
         print(
