@@ -11,7 +11,7 @@ from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise, NoiseDividing
-from lightning_dp.sampling import FixedSize, Poisson
+from lightning_dp.sampling import DPIS, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.dp_line_search import LineSearch
@@ -32,6 +32,7 @@ def register() -> None:
 register()
 
 __all__ = [
+    "DPIS",
     "AdaCliP",
     "AdaptiveGD",
     "AuditResult",

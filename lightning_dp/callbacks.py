@@ -47,6 +47,8 @@ class PrivacyCallback(Callback):
         sigma = (
             engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else float("nan")
         )
+        if engine.sampler.schedules_noise:  # e.g. DPIS: the sampler's own σ of its current step
+            sigma = engine.noise_multiplier() or float("nan")
         out = {
             "dp/epsilon": float(engine.ledger.epsilon()),
             "dp/delta": float(engine.delta),

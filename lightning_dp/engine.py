@@ -140,15 +140,45 @@ class PrivateStepEngine:
         return self.generator
 
     # -- pricing --------------------------------------------------------------------------------
+    def noise_multiplier(self) -> float | None:
+        """σ of the next step: the sampler's own when it schedules noise (None until it knows), else the noise slot's."""
+        if self.sampler.schedules_noise:
+            return self.sampler.step_noise_multiplier()
+        return self.noise.noise_multiplier(self.steps)
+
     def next_event(self) -> Any:
-        """The ledger event the next step would release."""
-        return self.step_slot.gradient_event(self.sampler, self.noise.noise_multiplier(self.steps))
+        """The ledger event the next step would release (None while a noise-scheduling sampler has no σ yet)."""
+        sigma = self.noise_multiplier()
+        return None if sigma is None else self.step_slot.gradient_event(self.sampler, sigma)
 
     def affordable_steps(self) -> int | None:
         """How many more steps fit under ``target_epsilon`` (None when there is no target)."""
-        if self.target_epsilon is None:
+        event = self.next_event() if self.target_epsilon is not None else None
+        if event is None or self.target_epsilon is None:
             return None
-        return int(self.ledger.affordable_count(self.next_event(), self.target_epsilon))
+        return int(self.ledger.affordable_count(event, self.target_epsilon))
+
+    def example_norms(self, batches: Any, loss_fn: Callable[[Any], Tensor]) -> Tensor:
+        """Per-example gradient norms (fp64, CPU) over ``batches`` at the current weights.
+
+        Norms come from the same hooks as clipping (without materialising where the layer allows);
+        nothing is released, priced or stepped, and the parameters' ``.grad`` is left as it was.
+        """
+        assert self.grads is not None, "attach() first"
+        saved = [p.grad for p in self.params]
+        out: list[Tensor] = []
+        try:
+            for batch in batches:
+                self.grads.clear()
+                with torch.enable_grad():
+                    loss_fn(batch).backward()
+                grad_samples, _ = self.grads.collect()
+                out.append(grad_samples.sq_norms().sqrt().double().cpu())
+        finally:
+            self.grads.clear()
+            for p, g in zip(self.params, saved, strict=True):
+                p.grad = g
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
     # -- the private step ---------------------------------------------------------------------------
     def _context(self, batch: int) -> StepContext:
@@ -158,7 +188,7 @@ class PrivateStepEngine:
             batch_size=batch,
             expected_batch_size=self.sampler.expected_batch_size,
             max_grad_norm=self.max_grad_norm,
-            noise_multiplier=self.noise.noise_multiplier(self.steps),
+            noise_multiplier=float(self.noise_multiplier() or 0.0),
             generator=self._noise_generator(self.grads.params[0].device),
         )
 
@@ -172,7 +202,12 @@ class PrivateStepEngine:
             # (it would be discarded anyway: privatize builds p.grad from per-example terms alone).
             self.grads.skip_param_grads = True
         ctx = self._context(batch)
-        sums = self.clipping.clip_and_sum(grad_samples, ctx)
+        weighed = self.sampler.weigh(grad_samples, ctx)
+        if weighed is None:
+            sums = self.clipping.clip_and_sum(grad_samples, ctx)
+        else:  # the sampler bounds each contribution itself (importance sampling)
+            sums = weighted_sum(grad_samples, weighed[0])
+            ctx.extras["sensitivity"] = weighed[1]
         self.grads.clear()
         return sums, ctx
 
@@ -201,6 +236,8 @@ class PrivateStepEngine:
                 "not gradient accumulation."
             )
         event = self.next_event()
+        if event is None:
+            raise RuntimeError(f"{self.sampler.name} has not set the noise multiplier of this step.")
         self._check_affordable(event)
         sums, ctx = self._clipped_sums()
         if self._partial is not None:
@@ -221,7 +258,10 @@ class PrivateStepEngine:
         if self.step_slot.needs_sums:  # the noise is added in place: keep the clipped sums apart
             ctx.extras["clipped_sums"] = [s.clone() for s in sums]
         sigma = ctx.noise_multiplier
-        std = 0.0 if sigma == 0 else sigma * self.clipping.sensitivity(ctx)
+        sensitivity = ctx.extras.get("sensitivity", None)
+        if sensitivity is None:
+            sensitivity = self.clipping.sensitivity(ctx)
+        std = 0.0 if sigma == 0 else sigma * sensitivity
         # Under DDP each rank adds an independent share σC/√W, so the all-reduced sum carries
         # noise of std σC exactly once; one collective, identical result on every rank.
         noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)

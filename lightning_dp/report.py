@@ -19,6 +19,8 @@ def privacy_report(
     engine = strategy.engine
     epsilon, order = engine.ledger.epsilon_and_order()
     sigma = engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else None
+    if engine.sampler.schedules_noise:  # e.g. DPIS: the sampler's own σ of its current step
+        sigma = engine.noise_multiplier()
     data: dict[str, Any] = {
         "epsilon": float(epsilon),
         "delta": engine.delta,

@@ -7,7 +7,7 @@ the ledger to price what they release; a slot never touches Lightning itself.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,10 +48,58 @@ class _Stateful:
         return type(self).__name__
 
 
+@dataclass
+class SamplerRuntime:
+    """What the strategy lends a sampler whose probabilities depend on the model (DPIS).
+
+    Handed over once the data and the training length are known (``Sampler.attach_runtime``).
+    """
+
+    norms: Callable[[Tensor], Tensor]
+    """Per-example gradient L2 norms (fp64, CPU) of the given dataset indices at the current weights.
+    Nothing is released and the weights do not move: the caller must price whatever it derives."""
+    ledger: Any
+    """The run's :class:`~lightning_dp.accounting.PrivacyLedger` (for auxiliary releases)."""
+    target_epsilon: float | None
+    delta: float
+    planned_steps: int
+    steps_per_epoch: int
+    max_grad_norm: float
+    fixed_noise_multiplier: float | None
+    """σ given by the user (noise slot already set), else None: the sampler schedules σ itself."""
+    clipping: Any
+    all_reduce: Callable[[list[Tensor]], list[Tensor]] | None = None
+    """Sum CPU tensors over all ranks (None on one process)."""
+
+
 class Sampler(_Stateful, ABC):
     """Which examples form each batch, and with what probability (drives the sample rate q)."""
 
     sample_rate: float = 0.0
+    schedules_noise: bool = False
+    """True for samplers that set σ themselves (``step_noise_multiplier``); the strategy then skips
+    the noise slot's calibration."""
+    carries_batch_info: bool = False
+    """True when the batch sampler yields :class:`~lightning_dp.batch_info.IndicesWithInfo`: the info
+    travels with the batch through DataLoader prefetching and is handed back via ``begin_step``."""
+
+    def attach_runtime(self, runtime: SamplerRuntime) -> None:
+        """Called by the strategy before every epoch's loader is built; default: nothing to keep."""
+        del runtime
+
+    def begin_step(self, info: Any) -> None:
+        """The info snapshot that the batch of the step about to run carried (``carries_batch_info``)."""
+        del info
+
+    def step_noise_multiplier(self) -> float | None:
+        """σ of the next step for samplers with ``schedules_noise`` (None: not known yet)."""
+        return None
+
+    def weigh(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> tuple[Tensor, float] | None:
+        """Per-example weights w and the L2 sensitivity of Σ w_i g_i, for samplers whose inclusion
+        probabilities depend on the gradients (DPIS). None (default): the clipping slot bounds them."""
+        del grad_samples, ctx
+        return None
 
     @abstractmethod
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:

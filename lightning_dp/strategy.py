@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp.accounting import BudgetExceededError
+from lightning_dp.batch_info import BatchWithInfo, InfoDataset
 from lightning_dp.batching import split_batch
 from lightning_dp.checkpointing import atomic_save, checkpoint_problem, is_local_path
 from lightning_dp.clipping import FlatClipping
@@ -40,7 +41,7 @@ from lightning_dp.noise import ConstantNoise
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.sampling import Poisson
-from lightning_dp.slots import Clipping, Noise, Sampler, Step
+from lightning_dp.slots import Clipping, Noise, Sampler, SamplerRuntime, Step
 
 DEFAULT_TARGET_EPSILON = 3.0
 CHECKPOINT_KEY = "lightning_dp"
@@ -60,7 +61,9 @@ class _CollateWithEmpty:
         self.collate_fn = collate_fn
 
     def __call__(self, samples: list[Any]) -> Any:
-        return EmptyBatch() if len(samples) == 0 else self.collate_fn(samples)
+        batch = EmptyBatch() if len(samples) == 0 else self.collate_fn(list(samples))
+        info = getattr(samples, "info", None)
+        return batch if info is None else BatchWithInfo(batch, info)
 
 
 class DPStrategyMixin(Strategy):
@@ -328,11 +331,13 @@ class DPStrategyMixin(Strategy):
                 "publishes one random example outright would meet this δ. Use delta well below 1/N.",
                 stacklevel=2,
             )
-        if not self.engine.noise.is_set:
+        if sampler.carries_batch_info or sampler.schedules_noise:
+            self._attach_sampler_runtime(trainer, sampler, dataset, loader, num_batches)
+        if not self.engine.noise.is_set and not sampler.schedules_noise:
             self._calibrate(trainer, num_batches)
         self._check_first_step_affordable()
         return DataLoader(
-            dataset,
+            InfoDataset(dataset) if sampler.carries_batch_info else dataset,
             batch_sampler=sampler.batch_sampler(num_batches),
             collate_fn=_CollateWithEmpty(loader.collate_fn),
             num_workers=loader.num_workers,
@@ -343,6 +348,77 @@ class DPStrategyMixin(Strategy):
             persistent_workers=loader.persistent_workers,
             prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         )
+
+    def _attach_sampler_runtime(
+        self, trainer: Trainer, sampler: Sampler, dataset: Any, loader: DataLoader, num_batches: int
+    ) -> None:
+        """Lend a model-dependent sampler (DPIS) a norm pass over the data, the ledger and the plan."""
+        noise = self.engine.noise
+        sampler.attach_runtime(
+            SamplerRuntime(
+                norms=lambda indices: self._example_norms(dataset, loader, indices),
+                ledger=self.engine.ledger,
+                target_epsilon=self.engine.target_epsilon,
+                delta=self.engine.delta,
+                planned_steps=self.planned_steps(trainer, num_batches),
+                steps_per_epoch=self._steps_per_epoch(trainer, num_batches),
+                max_grad_norm=self.engine.max_grad_norm,
+                fixed_noise_multiplier=noise.noise_multiplier(0) if noise.is_set else None,
+                clipping=self.engine.clipping,
+                all_reduce=self._cpu_all_reduce if self.engine.all_reduce is not None else None,
+            )
+        )
+
+    def _cpu_all_reduce(self, tensors: list[Tensor]) -> list[Tensor]:
+        assert self.engine.all_reduce is not None
+        return [t.cpu() for t in self.engine.all_reduce([t.to(self.root_device) for t in tensors])]
+
+    @staticmethod
+    def _steps_per_epoch(trainer: Trainer, num_batches: int) -> int:
+        limit = trainer.limit_train_batches
+        if isinstance(limit, int):
+            return max(1, min(num_batches, limit))
+        return max(1, int(num_batches * float(limit))) if limit is not None else num_batches
+
+    def _example_norms(self, dataset: Any, loader: DataLoader, indices: Tensor) -> Tensor:
+        """Per-example gradient norms of ``dataset[indices]`` at the current weights (nothing released).
+
+        The loss is the module's ``dp_per_sample_loss(batch)`` when it has one, else its
+        ``training_step`` (with logging detached, so the pass leaves no trace in the metrics).
+        """
+        module = self.lightning_module
+        assert module is not None
+        chunk = self.max_physical_batch_size or loader.batch_size or 256
+        per_sample = getattr(module, "dp_per_sample_loss", None)
+        mean = self.engine.loss_reduction == "mean"
+
+        def batches() -> Any:
+            for start in range(0, len(indices), chunk):
+                samples = [dataset[int(i)] for i in indices[start : start + chunk]]
+                yield self.batch_to_device(loader.collate_fn(samples), self.root_device)
+
+        def loss_fn(batch: Any) -> Tensor:
+            if per_sample is not None:
+                losses = per_sample(batch)
+                return losses.mean() if mean else losses.sum()
+            trainer, module._trainer = module._trainer, None  # self.log becomes a no-op
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    out = module.training_step(batch, 0)
+            finally:
+                module._trainer = trainer
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            if not isinstance(loss, Tensor):
+                raise DPConfigurationError("DPIS's norm pass needs training_step to return the loss.")
+            return loss
+
+        was_training = module.training
+        module.train()
+        try:
+            return self.engine.example_norms(batches(), loss_fn)
+        finally:
+            module.train(was_training)
 
     def _check_resumed_data(self, sampler: Sampler) -> None:
         saved = getattr(sampler, "restored_shape", (None, None))
@@ -401,12 +477,20 @@ class DPStrategyMixin(Strategy):
 
     # -- 5. training step --------------------------------------------------------------------------------------------------
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if isinstance(batch, BatchWithInfo):
+            return BatchWithInfo(self.batch_to_device(batch.batch, device, dataloader_idx), batch.info)
         if isinstance(batch, EmptyBatch):
             return batch
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch = args[0] if args else kwargs.get("batch")
+        if isinstance(batch, BatchWithInfo):  # the sampler's snapshot for this batch, then the user's batch
+            self.engine.sampler.begin_step(batch.info)
+            batch = batch.batch
+            args = (batch, *args[1:]) if args else args
+            if not args:
+                kwargs["batch"] = batch
         self.engine.batch = batch
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step()

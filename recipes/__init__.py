@@ -10,6 +10,7 @@ from recipes.data import DigitsDataModule, MNISTDataModule, TabularDataModule, r
 from recipes.dp_pca import ComposedNoise, DPPCAClassifier, dp_pca_projection
 from recipes.linear import LinearClassifier
 from recipes.models import logistic_regression, mlp, small_cnn_digits, tramer_boneh_cnn
+from recipes.scatternet import Scattering2D, ScatterNetDataModule, scatternet_cnn
 
 __all__ = [
     "ComposedNoise",
@@ -19,6 +20,8 @@ __all__ = [
     "LinearClassifier",
     "MNISTDataModule",
     "PaperLogisticRegression",
+    "ScatterNetDataModule",
+    "Scattering2D",
     "SyntheticLogRegDataModule",
     "TabularDataModule",
     "build_model",
@@ -27,6 +30,7 @@ __all__ = [
     "mlp",
     "paper_logreg_problem",
     "resolve_mnist_root",
+    "scatternet_cnn",
     "small_cnn_digits",
     "tramer_boneh_cnn",
 ]

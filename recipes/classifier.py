@@ -11,7 +11,7 @@ from recipes.models import logistic_regression, mlp, small_cnn_digits, tramer_bo
 
 __all__ = ["ARCHITECTURES", "ImageClassifier", "build_model"]
 
-ARCHITECTURES = ("mlp", "logreg", "tramer_boneh_cnn", "digits_cnn")
+ARCHITECTURES = ("mlp", "logreg", "tramer_boneh_cnn", "digits_cnn", "scatternet_cnn")
 
 
 def build_model(
@@ -30,6 +30,10 @@ def build_model(
         return tramer_boneh_cnn(num_classes, activation)
     if arch == "digits_cnn":
         return small_cnn_digits(num_classes)
+    if arch == "scatternet_cnn":  # in_features = ScatterNet channels (81 gray, 243 colour)
+        from recipes.scatternet import scatternet_cnn
+
+        return scatternet_cnn(in_features, num_classes, activation)
     raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
 
 

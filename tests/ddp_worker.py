@@ -151,3 +151,24 @@ t.fit(module)
 if t.global_rank == 0:
     torch.save({"model": module.state_dict(), "m": adaclip.m, "s": adaclip.s}, OUT / "adaclip.pt")
 dump("adaclip", t.strategy, s_sum=float(sum(s.double().sum() for s in adaclip.s)))
+
+# 8. DPIS under DDP: each rank samples and accepts its share; N~ and K~ are one release (all-reduced).
+from dataclasses import asdict  # noqa: E402
+
+from lightning_dp import DPIS  # noqa: E402
+
+torch.manual_seed(0)
+t = trainer(
+    DPDDPStrategy(
+        target_epsilon=1.0, max_grad_norm=0.5, sampler=DPIS(k=3, seed=3, sigma_N=50, sigma_K=50), seed=0
+    ),
+    max_epochs=2,
+)
+t.fit(TinyModule(n=256, batch_size=16))
+dump(
+    "dpis",
+    t.strategy,
+    epochs=[asdict(e) for e in t.strategy.engine.sampler.epochs],
+    history=[[e.to_dict(), c] for e, c in t.strategy.engine.ledger.history],
+    share=len(t.strategy.engine.sampler.share),
+)

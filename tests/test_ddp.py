@@ -173,3 +173,15 @@ def test_adaclip_under_ddp_equals_single_process(ddp_results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
     ranks = load("adaclip")
     assert ranks[0]["s_sum"] == ranks[1]["s_sum"]
+
+
+def test_dpis_under_ddp_releases_once_and_keeps_ranks_in_lock_step(ddp_results):
+    """Candidates split across ranks; N~, K~, σ_G and the ledger identical on both; ε meets the target."""
+    _, load = ddp_results
+    rank0, rank1 = load("dpis")
+    assert rank0["share"] == rank1["share"] == 128
+    assert rank0["steps"] == rank1["steps"] == 2 * 16
+    assert rank0["epochs"] == rank1["epochs"]
+    assert len(rank0["epochs"]) == 2
+    assert rank0["history"] == rank1["history"]
+    assert 0.99 <= rank0["epsilon"] == rank1["epsilon"] <= 1.0

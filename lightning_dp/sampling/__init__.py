@@ -1,6 +1,7 @@
 """Sampler slot: which examples form each batch."""
 
+from lightning_dp.sampling.dpis import DPIS
 from lightning_dp.sampling.fixed_size import FixedSize
 from lightning_dp.sampling.poisson import Poisson, PoissonBatchSampler
 
-__all__ = ["FixedSize", "Poisson", "PoissonBatchSampler"]
+__all__ = ["DPIS", "FixedSize", "Poisson", "PoissonBatchSampler"]
