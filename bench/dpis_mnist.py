@@ -26,7 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from lightning_dp import DPIS, DPStrategy, Poisson
+from lightning_dp import DPIS, DPStrategy, Poisson, PrivacyCallback
 from recipes import ImageClassifier, ScatterNetDataModule
 
 PAPER_DPIS = {0.5: 96.8, 1.0: 97.7, 2.0: 98.6, 3.0: 98.8, 4.0: 98.9}
@@ -54,6 +54,7 @@ def run_one(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
+        callbacks=[PrivacyCallback(report=False)],
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
