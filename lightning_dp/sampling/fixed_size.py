@@ -8,14 +8,12 @@ fresh uniform subset every step (epoch-wise shuffling does not qualify). It rele
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.pure_laplace import SubsampledLaplace
-from lightning_dp.rng import make_generator
-from lightning_dp.slots import Sampler
+from lightning_dp.sampling.seeded import SeededSampler
 
 
 class FixedSizeBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -33,7 +31,7 @@ class FixedSizeBatchSampler(torch.utils.data.Sampler[list[int]]):
             yield self.sampler.sample_indices().tolist()
 
 
-class FixedSize(Sampler):
+class FixedSize(SeededSampler):
     """A uniform subset of exactly ``batch_size`` examples per step, drawn without replacement (paper mode).
 
     The sample rate q = m/n is exact and the batch size is public, so the mean divides by m.
@@ -43,11 +41,8 @@ class FixedSize(Sampler):
     mechanism = "laplace"
 
     def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
-        self.generator: torch.Generator | None = None
-        self._pending_state: torch.Tensor | None = None
+        super().__init__(seed)
         self.batch_size = 0
-        self.restored_shape: tuple[int | None, float | None] = (None, None)
 
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         if world_size != 1:
@@ -61,11 +56,7 @@ class FixedSize(Sampler):
             raise ValueError(f"batch_size must be in [1, N={num_samples}], got {batch_size}.")
         self.num_samples, self.batch_size = num_samples, batch_size
         self.sample_rate = batch_size / num_samples
-        if self.generator is None:
-            self.generator = make_generator(self.seed, stream="fixed_size/0")
-        if self._pending_state is not None:
-            self.generator.set_state(self._pending_state)
-            self._pending_state = None
+        self._start_stream("fixed_size/0")
 
     def sample_indices(self) -> torch.Tensor:
         """One step's batch: ``batch_size`` distinct indices, uniformly at random."""
@@ -79,17 +70,3 @@ class FixedSize(Sampler):
 
     def event(self, noise_multiplier: float) -> PrivacyEvent:
         return SubsampledLaplace(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "generator" in state:
-            if self.generator is not None:
-                self.generator.set_state(state["generator"])
-            else:
-                self._pending_state = state["generator"]
-        self.restored_shape = (state.get("num_samples"), state.get("sample_rate"))

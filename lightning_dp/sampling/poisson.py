@@ -8,13 +8,11 @@ make the batches predictable and every rank draws its own stream.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
-from lightning_dp.rng import make_generator
-from lightning_dp.slots import Sampler
+from lightning_dp.sampling.seeded import SeededSampler
 
 
 class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -37,7 +35,7 @@ class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
             yield self.indices[mask].tolist()
 
 
-class Poisson(Sampler):
+class Poisson(SeededSampler):
     """DP-SGD's default sampler: q = batch_size / N, one subsampled Gaussian per step in the ledger.
 
     ``seed`` makes the batches reproducible (tests, debugging); by default the stream is seeded from
@@ -46,12 +44,9 @@ class Poisson(Sampler):
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
-        self.generator: torch.Generator | None = None
-        self._pending_state: torch.Tensor | None = None
+        super().__init__(seed)
         self.rank = 0
         self.world_size = 1
-        self.restored_shape: tuple[int | None, float | None] = (None, None)
 
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         if num_samples <= 0:
@@ -66,11 +61,7 @@ class Poisson(Sampler):
         self.num_samples = num_samples
         self.sample_rate = batch_size / num_samples
         self.rank, self.world_size = rank, world_size
-        if self.generator is None:
-            self.generator = make_generator(self.seed, stream=f"poisson/{rank}")
-        if self._pending_state is not None:
-            self.generator.set_state(self._pending_state)
-            self._pending_state = None
+        self._start_stream(f"poisson/{rank}")
 
     def batch_sampler(self, num_batches: int) -> PoissonBatchSampler:
         assert self.generator is not None, "bind() first"
@@ -79,17 +70,3 @@ class Poisson(Sampler):
 
     def event(self, noise_multiplier: float) -> PrivacyEvent:
         return PoissonGaussian(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if "generator" in state:
-            if self.generator is not None:
-                self.generator.set_state(state["generator"])
-            else:
-                self._pending_state = state["generator"]
-        self.restored_shape = (state.get("num_samples"), state.get("sample_rate"))

@@ -1,0 +1,47 @@
+"""The piece every single-stream sampler shares: its own generator, saved and restored with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_dp.rng import make_generator
+from lightning_dp.slots import Sampler
+
+
+class SeededSampler(Sampler):
+    """A sampler with one RNG stream of its own, seeded from ``os.urandom`` unless ``seed`` is given.
+
+    A checkpoint may be loaded before ``bind`` creates the generator; its state then waits until
+    :meth:`_start_stream`. ``restored_shape`` lets the strategy refuse a resume on other data.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self.generator: torch.Generator | None = None
+        self._pending_state: torch.Tensor | None = None
+        self.restored_shape: tuple[int | None, float | None] = (None, None)
+
+    def _start_stream(self, stream: str) -> torch.Generator:
+        """Create the generator once (named ``stream``) and apply a state loaded before it existed."""
+        if self.generator is None:
+            self.generator = make_generator(self.seed, stream=stream)
+        if self._pending_state is not None:
+            self.generator.set_state(self._pending_state)
+            self._pending_state = None
+        return self.generator
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "generator" in state:
+            if self.generator is not None:
+                self.generator.set_state(state["generator"])
+            else:
+                self._pending_state = state["generator"]
+        self.restored_shape = (state.get("num_samples"), state.get("sample_rate"))
