@@ -803,34 +803,31 @@ class LineSearch(Step):
             sums = probe.along(batch, direction, [0.0, *grid])
             sums = engine.all_reduce([sums])[0] if engine.all_reduce is not None else sums
             values = [float(v) / m + reg(eta) for v, eta in zip(sums.tolist(), [0.0, *grid], strict=True)]
-            result = noisy_backtracking(
-                values[0],
-                lambda i, eta: values[i + 1],
-                d_sq,
-                eta0=self.eta0,
-                beta=self.beta,
-                max_it=self.max_it,
-                c=self.armijo,
-                calibration=calibration,
-                generator=self._generator("svt"),
-                on_fail=on_fail,
-            )
-            eta, index = self._broadcast([result.eta, float(result.index)])
-            result = SearchResult(eta, int(index), self.max_it + 1)
+            f0 = values[0]
+
+            def loss_at(i: int, eta: float) -> float:
+                return values[i + 1]
         else:
             f0 = float(probe.along(batch, direction, [0.0])[0]) / m + reg(0.0)
-            result = noisy_backtracking(
-                f0,
-                lambda i, eta: float(probe.along(batch, direction, [eta])[0]) / m + reg(eta),
-                d_sq,
-                eta0=self.eta0,
-                beta=self.beta,
-                max_it=self.max_it,
-                c=self.armijo,
-                calibration=calibration,
-                generator=self._generator("svt"),
-                on_fail=on_fail,
-            )
+
+            def loss_at(i: int, eta: float) -> float:  # one forward per candidate the search asks for
+                return float(probe.along(batch, direction, [eta])[0]) / m + reg(eta)
+
+        result = noisy_backtracking(
+            f0,
+            loss_at,
+            d_sq,
+            eta0=self.eta0,
+            beta=self.beta,
+            max_it=self.max_it,
+            c=self.armijo,
+            calibration=calibration,
+            generator=self._generator("svt"),
+            on_fail=on_fail,
+        )
+        if engine.world_size > 1:
+            eta, index = self._broadcast([result.eta, float(result.index)])
+            result = SearchResult(eta, int(index), self.max_it + 1)
         if event is not None:
             engine.ledger.record(event)
         self.stats["searches"] += 1
