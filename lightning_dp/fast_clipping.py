@@ -43,7 +43,6 @@ __all__ = [
     "is_supported",
     "materialized_sq_norm",
     "materialized_sq_norms",
-    "materialized_sq_norms_and_weighted",
     "materialized_weighted",
     "materialized_weighted_grad",
     "register_fast_clipper",
@@ -189,16 +188,6 @@ def materialized_weighted_grad(
 ) -> dict[nn.Parameter, Tensor]:
     """Σ_i w_i g_i in fp32 from materialised per-example gradients (weight-0 examples masked out)."""
     return {p: materialized_weighted(g, weights) for p, g in grad_samples.items()}
-
-
-def materialized_sq_norms_and_weighted(
-    grad_samples: dict[nn.Parameter, Tensor],
-) -> tuple[dict[nn.Parameter, Tensor], Callable[[Tensor], dict[nn.Parameter, Tensor]]]:
-    """Fallback for layers without fast kernels: their squared norms now, and a function of the
-    clip weights (known only once every layer's norm is) giving Σ_i w_i g_i."""
-    return materialized_sq_norms(grad_samples), lambda weights: materialized_weighted_grad(
-        grad_samples, weights
-    )
 
 
 # --------------------------------------------------------------------------------------------------
