@@ -269,8 +269,8 @@ class PrivateStepEngine:
             noisy = self.all_reduce(noisy)
         for hook in reversed(self.release_hooks):
             noisy = hook.after_release(noisy, ctx)
-        if self.step_slot.needs_sums:
-            ctx.extras["noisy_sums"] = noisy
+        if self.step_slot.needs_sums:  # finalize may scale in place
+            ctx.extras["noisy_sums"] = [s.clone() for s in noisy]
         return self.clipping.finalize(noisy, ctx)
 
     def private_gradient(self, event: PrivacyEvent) -> list[Tensor]:

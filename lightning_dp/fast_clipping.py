@@ -24,7 +24,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -158,24 +158,34 @@ def embedding_use_gram(T: int, embedding_dim: int) -> bool:
 
 
 def materialized_sq_norm(g: Tensor) -> Tensor:
-    """Per-example squared norms [B] in fp32 of one materialised [B, *shape] per-example gradient."""
+    """Per-example squared norms [B] in fp32 of one materialised [B, *shape] per-example gradient
+    (any memory layout: the reduction runs over the dims as stored, no copy)."""
     if g.numel() == 0:
         return torch.zeros(g.shape[0], dtype=torch.float32, device=g.device)
-    return (
-        torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
-        .square()
-        .float()
-    )
+    dims = tuple(range(1, g.dim()))
+    if not dims:  # one scalar per example
+        return g.float().square()
+    dtype = torch.promote_types(g.dtype, torch.float32)
+    return torch.linalg.vector_norm(g, dim=dims, dtype=dtype).square().float()
 
 
 def materialized_weighted(g: Tensor, weights: Tensor) -> Tensor:
-    """Σ_i w_i g_i in fp32 of one materialised per-example gradient; weight-0 examples masked out."""
+    """Σ_i w_i g_i in fp32 of one materialised per-example gradient; weight-0 examples masked out.
+
+    A per-example gradient stored in another layout (a permuted view, e.g. the convolution kernels'
+    channel-last one) is summed in its memory order and only the small result is permuted back.
+    """
     w = weights.float()
     g32 = g.float()
     keep = w != 0
     if not bool(keep.all()):
         g32 = torch.where(keep.view(-1, *([1] * (g32.dim() - 1))), g32, 0.0)
-    return torch.tensordot(w, g32, dims=1)
+    order = sorted(range(1, g32.dim()), key=lambda i: -g32.stride()[i])
+    stored = g32.permute(0, *order)
+    if order == sorted(order) or not stored.is_contiguous():
+        return torch.tensordot(w, g32, dims=1)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return torch.tensordot(w, stored, dims=1).permute(*inverse).contiguous()
 
 
 def materialized_sq_norms(grad_samples: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
@@ -250,6 +260,14 @@ def _reuse(cache: Cache | None, param: nn.Parameter | None, weights: Tensor) -> 
     return materialized_weighted(samples, weights.to(samples.device))
 
 
+def _bias_sum(
+    cache: Cache | None, bias: nn.Parameter, weights: Tensor, samples: Callable[[], Tensor]
+) -> Tensor:
+    """Σ_i w_i g_i of a bias whose per-example gradients [B, O] ``sq_norms`` cached, else ``samples()``."""
+    reused = _reuse(cache, bias, weights)
+    return materialized_weighted(samples(), weights) if reused is None else reused
+
+
 # --------------------------------------------------------------------------------------------------
 # Linear
 # --------------------------------------------------------------------------------------------------
@@ -282,8 +300,8 @@ class _LinearKernels(_Kernels):
                 out[weight] = _gram_sq_norm(a, d)
             else:  # materialise this layer's per-example gradients [B, o, p], kept for the sum
                 out[weight] = _cached(cache, weight, torch.bmm(d.transpose(1, 2), a))
-        if bias is not None:
-            out[bias] = d.sum(1).square().sum(1)
+        if bias is not None:  # per-example bias gradients [B, O]: position sums, kept for the sum
+            out[bias] = _cached(cache, bias, d.sum(1))
         return out
 
     @staticmethod
@@ -298,8 +316,8 @@ class _LinearKernels(_Kernels):
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
         if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
-            out[bias] = materialized_weighted(
-                _linear_inputs(layer, activations, backprops)[1].sum(1), weights
+            out[bias] = _bias_sum(
+                cache, bias, weights, lambda: _linear_inputs(layer, activations, backprops)[1].sum(1)
             )
         if weight is not None:
             reused = _reuse(cache, weight, weights)
@@ -327,30 +345,40 @@ def _conv_padded_input(layer: _Conv, x: Tensor) -> Tensor:
     return F.pad(x, pad, mode="constant" if layer.padding_mode == "zeros" else layer.padding_mode)
 
 
-def _conv_patches(layer: _Conv, x: Tensor) -> Tensor:
-    """Unfolded input patches [B, C_in·prod(kernel), L] in fp32, i.e. ``F.unfold``'s layout.
+def _channel_last(layer: _Conv, x: Tensor) -> Tensor:
+    """The fp32 input [B, *spatial, C], contiguous, padded exactly as the layer pads it."""
+    pad = list(layer._reversed_padding_repeated_twice)
+    if any(pad) and layer.padding_mode == "zeros":  # one copy: pad the channel-last view directly
+        return F.pad(x.float().movedim(1, -1), [0, 0, *pad]).contiguous()
+    return _conv_padded_input(layer, x).movedim(1, -1).contiguous()
 
-    Built from strided ``Tensor.unfold`` views and one copy (about twice as fast as ``F.unfold`` on CPU);
-    dilation is a window of span (k-1)·d+1 sampled every d.
+
+def _conv_patches(layer: _Conv, x: Tensor) -> Tensor:
+    """Unfolded input patches [B, G, L, prod(kernel)·C_in/G] in fp32, columns in (kernel, channel) order.
+
+    Gathered from strided ``Tensor.unfold`` views of the channel-last input with one copy: each
+    kernel row is then a contiguous run of k·C floats, 2–3× faster than ``F.unfold``'s (channel,
+    kernel) order on CPU. Dilation is a window of span (k-1)·d+1 sampled every d.
     """
-    x = _conv_padded_input(layer, x)
-    n = len(layer.kernel_size)
+    n, G = len(layer.kernel_size), layer.groups
+    x = _channel_last(layer, x)
     for i, (k, s, d) in enumerate(zip(layer.kernel_size, layer.stride, layer.dilation)):
-        x = x.unfold(2 + i, (k - 1) * d + 1, s)
+        x = x.unfold(1 + i, (k - 1) * d + 1, s)  # [B, *out, C, *window]
     if any(d > 1 for d in layer.dilation):
         every_d: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in layer.dilation))
         x = x[every_d]
-    # [B, C, *out, *kernel] -> [B, C, *kernel, *out] -> [B, C·prod(kernel), L]
-    x = x.permute(0, 1, *range(2 + n, 2 + 2 * n), *range(2, 2 + n))
-    return x.reshape(x.shape[0], math.prod(x.shape[1 : 2 + n]), math.prod(x.shape[2 + n :]))
+    B, out, C = x.shape[0], x.shape[1 : 1 + n], x.shape[1 + n]
+    # [B, *out, G, C/G, *kernel] -> [B, G, *out, *kernel, C/G] -> [B, G, L, prod(kernel)·C/G]
+    x = x.unflatten(1 + n, (G, C // G))
+    x = x.permute(0, 1 + n, *range(1, 1 + n), *range(3 + n, 3 + 2 * n), 2 + n)
+    return x.reshape(B, G, math.prod(out), math.prod(layer.kernel_size) * (C // G))
 
 
 def _conv_inputs(layer: _Conv, x: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
-    """Patches [B, G, L, p/G] and backprops [B, G, L, o/G] per group (L output positions), in fp32."""
+    """Patches [B, G, L, p/G] (see :func:`_conv_patches`) and backprops [B, G, L, o/G] per group, fp32."""
     B, G, L = backprops.shape[0], layer.groups, math.prod(backprops.shape[2:])
     d = backprops.float().reshape(B, G, layer.out_channels // G, L)
-    patches = _conv_patches(layer, x)
-    return patches.reshape(B, G, patches.shape[1] // G, L).transpose(2, 3), d.transpose(2, 3)
+    return _conv_patches(layer, x), d.transpose(2, 3)
 
 
 ConvMethod = Literal["gram", "unfold", "grouped"]
@@ -399,28 +427,64 @@ def _conv_samples_grouped(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
 
 
 def _conv_samples_unfold(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
-    """Per-example weight gradients [B, *weight.shape] as a bmm of unfolded patches and backprops."""
-    a, d = _conv_inputs(layer, x, backprops)
-    B, G = a.shape[0], a.shape[1]
-    g = torch.bmm(d.reshape(B * G, d.shape[2], d.shape[3]).transpose(1, 2), a.reshape(B * G, *a.shape[2:]))
-    return g.reshape(B, *layer.weight.shape)
+    """Per-example weight gradients [B, *weight.shape] as bmms of unfolded patches and backprops.
+
+    Written into one channel-last buffer [B, O, *kernel, C/G] and returned as a permuted view of it:
+    the norm and the weighted sum read it in that order, so it is never copied into the weight's layout.
+    The patches are unfolded a chunk of examples at a time (see :func:`_chunks`).
+    """
+    B, G, n = backprops.shape[0], layer.groups, len(layer.kernel_size)
+    o, c = layer.out_channels, layer.in_channels // G
+    out = backprops.new_empty((B, o, *layer.kernel_size, c), dtype=torch.float32)
+    for rows in _chunks(layer, x, backprops):
+        a, d = _conv_inputs(layer, x[rows], backprops[rows])
+        b = a.shape[0] * G
+        torch.bmm(
+            d.reshape(b, *d.shape[2:]).transpose(1, 2),
+            a.reshape(b, *a.shape[2:]),
+            out=out[rows].view(b, o // G, -1),
+        )
+    return out.permute(0, 1, 2 + n, *range(2, 2 + n))
 
 
 def _conv_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
     """Per-example squared weight-gradient norms by the Gram trick over output positions, per group."""
-    a, d = _conv_inputs(layer, x, backprops)
-    B, G = a.shape[0], a.shape[1]
-    per_group = _gram_sq_norm(a.reshape(B * G, *a.shape[2:]), d.reshape(B * G, *d.shape[2:]))
-    return per_group.reshape(B, G).sum(1)
+    norms = backprops.new_zeros(backprops.shape[0], dtype=torch.float32)
+    for rows in _chunks(layer, x, backprops, gram=True):
+        a, d = _conv_inputs(layer, x[rows], backprops[rows])
+        b, G = a.shape[0], a.shape[1]
+        norms[rows] = (
+            _gram_sq_norm(a.reshape(b * G, *a.shape[2:]), d.reshape(b * G, *d.shape[2:])).view(b, G).sum(1)
+        )
+    return norms
+
+
+def _saved_per_example(x: Tensor, backprops: Tensor) -> int:
+    """Floats per example the layer's record already holds (its input and output gradient): the
+    memory budget of its norm method, which keeps the clipping pass's peak near a plain step's."""
+    return max(1, (x.numel() + backprops.numel()) // max(1, backprops.shape[0]))
+
+
+def _chunks(layer: _Conv, x: Tensor, backprops: Tensor, gram: bool = False) -> Iterator[slice]:
+    """Slices of the batch whose unfolded patches (and Gram matrices) fit in the layer's budget (at
+    least one example per slice)."""
+    B, L = backprops.shape[0], math.prod(backprops.shape[2:])
+    temporary = L * layer.groups * (layer.weight[0].numel() + (2 * L if gram else 0))
+    step = max(1, _saved_per_example(x, backprops) * B // temporary)
+    for start in range(0, B, step):
+        yield slice(start, min(B, start + step))
 
 
 def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
-    """The fastest norm method for this layer and input shape, timed once on the first batch.
+    """The fastest norm method for this layer and input shape within its memory budget, timed once.
 
-    The three methods give the same norms (up to fp32 rounding), so the choice is a pure speed
-    decision; it depends on the hardware (unfold copies are cheap on GPUs, grouped convolutions
-    with many groups are not always), hence measured rather than modelled. Cached per shape
-    excluding the batch size, which Poisson sampling changes every step.
+    The three methods give the same norms (up to fp32 rounding), so the choice is a speed decision
+    under a memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped",
+    "unfold") are candidates only when those fit in what the layer's record already holds
+    (:func:`_saved_per_example`); "gram" works a chunk of examples at a time and is a candidate when
+    it needs fewer FLOPs (:func:`use_gram`), or when nothing else fits. Which of the candidates is fastest depends on the hardware (unfold copies are cheap on GPUs, grouped
+    convolutions with many groups are not always), hence measured rather than modelled. Cached
+    per shape excluding the batch size, which Poisson sampling changes every step.
     """
     if _forced_conv_method is not None:
         return _forced_conv_method
@@ -434,27 +498,34 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     if choice is None:
         L = math.prod(backprops.shape[2:])
         p, o = layer.weight[0].numel(), layer.out_channels // layer.groups
-        candidates: list[ConvMethod] = ["grouped", "unfold"]
-        if use_gram(L, p, o):
+        fits = layer.weight.numel() <= _saved_per_example(x, backprops)
+        candidates: list[ConvMethod] = ["grouped", "unfold"] if fits else []
+        if use_gram(L, p, o) or not candidates:
             candidates.append("gram")
         kernels = {"gram": _conv_gram, "unfold": _conv_samples_unfold, "grouped": _conv_samples_grouped}
-        timings = {m: _time(functools.partial(kernels[m], layer, x, backprops), x.device) for m in candidates}
-        choice = _conv_choice[key] = min(timings, key=timings.__getitem__)
+        runs = {m: functools.partial(kernels[m], layer, x, backprops) for m in candidates}
+        choice = _conv_choice[key] = runs.popitem()[0] if len(runs) == 1 else _fastest(runs, x.device)
     return choice
 
 
-def _time(fn: Callable[[], Any], device: torch.device) -> float:
-    """Best of two wall-clock runs (after synchronising a GPU), in seconds."""
-    best = math.inf
-    for _ in range(2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+def _fastest(
+    runs: Mapping[ConvMethod, Callable[[], Any]], device: torch.device, rounds: int = 3
+) -> ConvMethod:
+    """The run with the best wall-clock time: each warmed up once, then timed in interleaved rounds
+    (so a slow moment of the machine does not decide the choice for the whole training)."""
+    best = dict.fromkeys(runs, math.inf)
+    for fn in runs.values():
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    for _ in range(rounds):
+        for method, fn in runs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[method] = min(best[method], time.perf_counter() - start)
+    return min(best, key=best.__getitem__)
 
 
 @register_fast_clipper(nn.Conv1d, nn.Conv2d)
@@ -481,8 +552,8 @@ class _ConvKernels(_Kernels):
                 out[weight] = _cached(cache, weight, _conv_samples_unfold(layer, x, backprops))
             else:
                 out[weight] = _cached(cache, weight, _conv_samples_grouped(layer, x, backprops))
-        if bias is not None:
-            out[bias] = backprops.float().flatten(2).sum(2).square().sum(1)
+        if bias is not None:  # per-example bias gradients [B, O]: position sums, kept for the sum
+            out[bias] = _cached(cache, bias, backprops.float().flatten(2).sum(2))
         return out
 
     @staticmethod
@@ -497,7 +568,7 @@ class _ConvKernels(_Kernels):
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
         if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
-            out[bias] = materialized_weighted(backprops.float().flatten(2).sum(2), weights)
+            out[bias] = _bias_sum(cache, bias, weights, lambda: backprops.float().flatten(2).sum(2))
         if weight is not None:
             reused = _reuse(cache, weight, weights)
             if reused is None:

@@ -89,7 +89,7 @@ class PerExampleGradients(Sequence[Tensor]):
             for module, activations, backprops in self._records:
                 _add_samples(grads, _sampler(module)(module, activations, backprops * self.scale))
             self._full = [
-                grads.get(p, torch.zeros((self.batch, *p.shape), device=p.device, dtype=torch.float32))
+                grads[p] if p in grads else torch.zeros((self.batch, *p.shape), device=p.device)
                 for p in self.params
             ]
         return self._full
@@ -121,7 +121,10 @@ class PerExampleGradients(Sequence[Tensor]):
                 module, activations, backprops, weights, cache
             ).items():
                 sums[p] = value if p not in sums else sums[p] + value
-        return [sums.get(p, torch.zeros(p.shape, device=p.device, dtype=torch.float32)) for p in self.params]
+        return [
+            sums[p] if p in sums else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
+            for p in self.params
+        ]
 
 
 def _sampler(module: nn.Module) -> GradSampler:

@@ -141,8 +141,16 @@ class Clipping(_Stateful, ABC):
         return ctx.max_grad_norm
 
     def finalize(self, noisy_sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
-        """Turn the released noisy sums into the gradient the step uses (post-processing only)."""
-        return [s / ctx.expected_batch_size for s in noisy_sums]
+        """Turn the released noisy sums into the gradient the step uses (post-processing only).
+
+        May work in place: the engine hands over buffers nothing else holds (it copies them first
+        for steps that keep the noisy sums).
+        """
+        return [s.div_(ctx.expected_batch_size) for s in noisy_sums]
+
+
+NOISE_SLICE = 1 << 16
+"""Largest number of Gaussians drawn at once by :meth:`Noise.add_noise` (256 KiB of fp32)."""
 
 
 class Noise(_Stateful, ABC):
@@ -171,10 +179,14 @@ class Noise(_Stateful, ABC):
         """
         if std == 0.0:
             return sums
-        return [
-            s.add_(torch.randn(s.shape, generator=generator, device=s.device, dtype=s.dtype), alpha=std)
-            for s in sums
-        ]
+        for s in sums:
+            # Drawn a slice at a time: no parameter-sized noise buffer, and the slice is still in cache
+            # when it is added (as fast as one draw on CPU; the stream differs from one draw's).
+            for part in s.view(-1).split(NOISE_SLICE) if s.is_contiguous() else [s]:
+                part.add_(
+                    torch.randn(part.shape, generator=generator, device=s.device, dtype=s.dtype), alpha=std
+                )
+        return sums
 
 
 class Step(_Stateful):

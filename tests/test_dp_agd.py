@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -160,8 +161,20 @@ def test_rejections_refine_the_same_gradient_and_cost_t6(monkeypatch):
     assert rho_ng0 == pytest.approx(9.311990306e-07, rel=1e-9)
     script = iter([0, 0, 0, 5])
     monkeypatch.setattr(step, "_select", lambda scores, gen: next(script))
+    measure, measured = step._measure, []
+
+    def spy(sums: list[torch.Tensor], rho: float, ctx: Any) -> list[torch.Tensor]:
+        """Each re-measurement is fresh noise on the clipped sums: they are not noised in place."""
+        snapshot = [s.clone() for s in sums]
+        out = measure(sums, rho, ctx)
+        assert all(torch.equal(a, b) for a, b in zip(snapshot, sums, strict=True))
+        measured.append(out)
+        return out
+
+    monkeypatch.setattr(step, "_measure", spy)
     before = [p.detach().clone() for p in module.parameters()]
     assert _iterate(engine, module, (x, y), torch.optim.SGD(module.parameters(), lr=0.1))
+    assert len(measured) == 3
     moved = math.sqrt(
         sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(module.parameters(), before, strict=True))
     )

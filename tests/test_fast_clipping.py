@@ -205,7 +205,8 @@ def test_materialised_norms_are_reused_for_the_sum(case: str) -> None:
     cache: fc.Cache = {}
     with fc.force_conv_method("unfold"):
         fc.sq_norms(layer, activations, backprops, cache)
-    assert set(cache) == {layer.weight}
+    assert layer.weight in cache
+    assert set(cache) <= {layer.weight, layer.bias}
     assert cache[layer.weight].shape == (4, *layer.weight.shape)
     with fc.force_conv_method("unfold"):
         check_layer(layer, x, cache={})
@@ -259,9 +260,14 @@ def test_cases_cover_both_branches(case: str, gram: bool) -> None:
     ],
 )
 def test_patches_equal_f_unfold(conv: nn.Conv2d) -> None:
+    """Our channel-last patches [B, G, L, (kernel, C/G)] hold exactly F.unfold's [B, (C, kernel), L]."""
     x = torch.randn(2, conv.in_channels, 9, 8)
-    expected = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
-    torch.testing.assert_close(fc._conv_patches(conv, x), expected, rtol=0, atol=0)
+    unfolded = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+    G, (kh, kw) = conv.groups, conv.kernel_size
+    expected = unfolded.view(2, G, conv.in_channels // G, kh, kw, -1).permute(0, 1, 5, 3, 4, 2)
+    torch.testing.assert_close(
+        fc._conv_patches(conv, x), expected.reshape(2, G, -1, kh * kw * conv.in_channels // G), rtol=0, atol=0
+    )
 
 
 def test_embedding_branches() -> None:
@@ -375,6 +381,28 @@ def test_zero_weight_examples_are_dropped_even_if_not_finite(case: str) -> None:
         torch.testing.assert_close(dirty[p], clean[p])
 
 
+@pytest.mark.parametrize("method", fc.CONV_METHODS)
+@pytest.mark.parametrize("case", ["conv2d-groups", "conv1d-stride-pad-dil-nobias", "linear-seq-materialise"])
+def test_reused_samples_drop_zero_weight_examples_even_if_not_finite(
+    case: str, method: fc.ConvMethod
+) -> None:
+    """The sums that reuse what the norms materialised (weights, biases, channel-last views) mask too."""
+    layer = make_layer(CASES[case][0], 0)
+    activations, backprops, _ = capture(layer, CASES[case][1](3, torch.Generator().manual_seed(0)))
+    bad_acts, bad_bp = [a.clone() for a in activations], backprops.clone()
+    bad_acts[0][1], bad_bp[1] = float("nan"), float("inf")
+    weights = torch.tensor([0.5, 0.0, 2.0])
+    with fc.force_conv_method(method):
+        clean = fc.weighted_grad(layer, activations, backprops, weights)
+        cache: fc.Cache = {}
+        norms = fc.sq_norms(layer, bad_acts, bad_bp, cache)
+        dirty = fc.weighted_grad(layer, bad_acts, bad_bp, weights, cache)
+    assert all(not torch.isfinite(n[1]) for n in norms.values())
+    for p in clean:
+        assert torch.isfinite(dirty[p]).all()
+        torch.testing.assert_close(dirty[p], clean[p], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "case", ["linear-seq-materialise", "conv2d-stride-pad-dil", "embedding-gram-padding"]
 )
@@ -428,6 +456,20 @@ def test_materialized_fallback() -> None:
         assert_rel(sums[param], expected_sum, 1e-5)
     empty = fc.materialized_sq_norms({p: torch.zeros(0, 3, 2)})
     assert empty[p].shape == (0,)
+
+
+def test_materialized_reductions_read_permuted_layouts_in_place() -> None:
+    """A per-example gradient stored channel-last and viewed in the weight's layout: same norms and
+    sums as its contiguous copy, result contiguous in the weight's layout."""
+    stored = torch.randn(5, 4, 3, 2, 6)  # [B, O, kh, kw, C]
+    g = stored.permute(0, 1, 4, 2, 3)  # [B, O, C, kh, kw], not contiguous
+    weights = torch.tensor([1.0, 0.0, 0.5, 2.0, 0.25])
+    total = fc.materialized_weighted(g, weights)
+    assert total.shape == (4, 6, 3, 2)
+    assert total.is_contiguous()
+    torch.testing.assert_close(total, torch.tensordot(weights, g.contiguous(), dims=1))
+    torch.testing.assert_close(fc.materialized_sq_norm(g), g.contiguous().flatten(1).square().sum(1))
+    assert fc.materialized_sq_norm(torch.randn(3)).shape == (3,)
 
 
 def test_linear_weighted_grad_is_much_faster_than_materialising() -> None:

@@ -293,7 +293,9 @@ class AdaptiveGD(Step):
         """One more Gaussian measurement of the same clipped sum at cost ρ (each rank adds its share)."""
         engine = self._engine
         std = engine.clipping.sensitivity(ctx) / math.sqrt(2.0 * rho)
-        noisy = engine.noise.add_noise(sums, std / math.sqrt(engine.world_size), ctx.generator)
+        # add_noise works in place, and a rejected step measures the same clipped sums again: copy them.
+        fresh = [s.clone() for s in sums]
+        noisy = engine.noise.add_noise(fresh, std / math.sqrt(engine.world_size), ctx.generator)
         if engine.all_reduce is not None:
             noisy = engine.all_reduce(noisy)
         return [n.double() for n in noisy]
