@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -381,8 +382,8 @@ def _conv_inputs(layer: _Conv, x: Tensor, backprops: Tensor) -> tuple[Tensor, Te
     return _conv_patches(layer, x), d.transpose(2, 3)
 
 
-ConvMethod = Literal["gram", "unfold", "grouped"]
-CONV_METHODS: tuple[ConvMethod, ...] = ("gram", "unfold", "grouped")
+ConvMethod = Literal["gram", "position-gram", "unfold", "grouped"]
+CONV_METHODS: tuple[ConvMethod, ...] = ("gram", "position-gram", "unfold", "grouped")
 _conv_choice: dict[tuple[Any, ...], ConvMethod] = {}
 _forced_conv_method: ConvMethod | None = None
 
@@ -459,32 +460,95 @@ def _conv_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
     return norms
 
 
+def _conv_position_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example squared weight-gradient norms by the Gram trick, without unfolding any patch.
+
+    Two patches overlap kernel offset by kernel offset: a_t·a_s = Σ_k M[P_t + k·dil, P_s + k·dil], with
+    M = XᵀX the channel-contracted Gram matrix of the padded input positions and P_t the corner of
+    output t. So the [L, L] patch Gram is a sum of prod(kernel) strided views of M. It costs
+    (H·W)²·C/G per group instead of L²·C·k²/G plus the patch copy: far cheaper on small, deep inputs
+    (ResNet's last stage, ScatterNet features), far dearer on large ones (the timer decides).
+    """
+    G = layer.groups
+    zero_padded = layer.padding_mode == "zeros"
+    out = backprops.shape[2:]
+    L = math.prod(out)
+    norms = backprops.new_zeros(backprops.shape[0], dtype=torch.float32)
+    for rows in _chunks(layer, x, backprops, gram=True, positions=True):
+        xs = x[rows].float() if zero_padded else _conv_padded_input(layer, x[rows])
+        b, spatial = xs.shape[0], xs.shape[2:]
+        X = xs.reshape(b * G, xs.shape[1] // G, math.prod(spatial))
+        M = torch.bmm(X.transpose(1, 2), X).view(b * G, *spatial, *spatial)
+        if zero_padded and any(layer._reversed_padding_repeated_twice):
+            M = F.pad(M, list(layer._reversed_padding_repeated_twice) * 2)  # zero rows/columns
+        aa = M.new_zeros((b * G, *out, *out))
+        for offset in itertools.product(*(range(k) for k in layer.kernel_size)):
+            window = tuple(
+                slice(k * d, k * d + s * (o - 1) + 1, s)
+                for k, d, s, o in zip(offset, layer.dilation, layer.stride, out, strict=True)
+            )
+            aa += M[(slice(None), *window, *window)]
+        d = backprops[rows].float().reshape(b * G, layer.out_channels // G, L)
+        dd = torch.bmm(d.transpose(1, 2), d)
+        norms[rows] = (aa.view(b * G, L, L) * dd).sum((1, 2)).view(b, G).sum(1)
+    return norms
+
+
 def _saved_per_example(x: Tensor, backprops: Tensor) -> int:
     """Floats per example the layer's record already holds (its input and output gradient): the
     memory budget of its norm method, which keeps the clipping pass's peak near a plain step's."""
     return max(1, (x.numel() + backprops.numel()) // max(1, backprops.shape[0]))
 
 
-def _chunks(layer: _Conv, x: Tensor, backprops: Tensor, gram: bool = False) -> Iterator[slice]:
-    """Slices of the batch whose unfolded patches (and Gram matrices) fit in the layer's budget (at
-    least one example per slice)."""
-    B, L = backprops.shape[0], math.prod(backprops.shape[2:])
-    temporary = L * layer.groups * (layer.weight[0].numel() + (2 * L if gram else 0))
+def _chunks(
+    layer: _Conv, x: Tensor, backprops: Tensor, gram: bool = False, positions: bool = False
+) -> Iterator[slice]:
+    """Slices of the batch whose temporaries fit in the layer's budget (at least one example per
+    slice): unfolded patches, or with ``positions`` the (padded) input-position Gram matrix; plus the
+    two [L, L] Gram matrices with ``gram``."""
+    B, L, G = backprops.shape[0], math.prod(backprops.shape[2:]), layer.groups
+    if positions:
+        temporary = G * _padded_positions(layer, x) ** 2
+    else:
+        temporary = L * G * layer.weight[0].numel()
+    temporary += 2 * G * L * L if gram else 0
     step = max(1, _saved_per_example(x, backprops) * B // temporary)
     for start in range(0, B, step):
         yield slice(start, min(B, start + step))
 
 
+def _padded_positions(layer: _Conv, x: Tensor) -> int:
+    """Number of input positions after the layer's padding."""
+    pad = layer._reversed_padding_repeated_twice
+    return math.prod(size + pad[2 * i] + pad[2 * i + 1] for i, size in enumerate(reversed(x.shape[2:])))
+
+
+def _conv_costs(layer: _Conv, x: Tensor, backprops: Tensor) -> dict[ConvMethod, int]:
+    """Rough multiply-adds (and copied floats) per example of each norm method."""
+    G, L, K = layer.groups, math.prod(backprops.shape[2:]), math.prod(layer.kernel_size)
+    p, o = layer.weight[0].numel(), layer.out_channels // G
+    per_example = G * L * p * o
+    # XᵀX over the unpadded input when zero padding is added to M afterwards
+    positions = math.prod(x.shape[2:]) if layer.padding_mode == "zeros" else _padded_positions(layer, x)
+    return {
+        "grouped": per_example,
+        "unfold": per_example + G * L * p,
+        "gram": G * L * L * (p + o) + G * L * p,
+        "position-gram": positions**2 * layer.in_channels + G * L * L * (K + o),
+    }
+
+
 def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     """The fastest norm method for this layer and input shape within its memory budget, timed once.
 
-    The three methods give the same norms (up to fp32 rounding), so the choice is a speed decision
-    under a memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped",
-    "unfold") are candidates only when those fit in what the layer's record already holds
-    (:func:`_saved_per_example`); "gram" works a chunk of examples at a time and is a candidate when
-    it needs fewer FLOPs (:func:`use_gram`), or when nothing else fits. Which of the candidates is fastest depends on the hardware (unfold copies are cheap on GPUs, grouped
-    convolutions with many groups are not always), hence measured rather than modelled. Cached
-    per shape excluding the batch size, which Poisson sampling changes every step.
+    The methods give the same norms (up to fp32 rounding), so the choice is a speed decision under a
+    memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold")
+    are allowed only when those fit in what the layer's record already holds
+    (:func:`_saved_per_example`); the two Gram methods work a chunk of examples at a time and are
+    always allowed. Of the allowed methods, those within 2× of the cheapest by
+    :func:`_conv_costs` are timed; which wins depends on the hardware (unfold copies are cheap on
+    GPUs, grouped convolutions with many groups are not always), hence measured rather than
+    modelled. Cached per shape excluding the batch size, which Poisson sampling changes every step.
     """
     if _forced_conv_method is not None:
         return _forced_conv_method
@@ -496,16 +560,25 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     )  # fmt: skip
     choice = _conv_choice.get(key)
     if choice is None:
-        L = math.prod(backprops.shape[2:])
-        p, o = layer.weight[0].numel(), layer.out_channels // layer.groups
-        fits = layer.weight.numel() <= _saved_per_example(x, backprops)
-        candidates: list[ConvMethod] = ["grouped", "unfold"] if fits else []
-        if use_gram(L, p, o) or not candidates:
-            candidates.append("gram")
-        kernels = {"gram": _conv_gram, "unfold": _conv_samples_unfold, "grouped": _conv_samples_grouped}
-        runs = {m: functools.partial(kernels[m], layer, x, backprops) for m in candidates}
+        costs = _conv_costs(layer, x, backprops)
+        if layer.weight.numel() > _saved_per_example(x, backprops):
+            del costs["grouped"], costs["unfold"]
+        cheapest = min(costs.values())
+        runs = {
+            m: functools.partial(_CONV_NORMS[m], layer, x, backprops)
+            for m, cost in costs.items()
+            if cost <= 2 * cheapest
+        }
         choice = _conv_choice[key] = runs.popitem()[0] if len(runs) == 1 else _fastest(runs, x.device)
     return choice
+
+
+_CONV_NORMS: dict[ConvMethod, Callable[[_Conv, Tensor, Tensor], Tensor]] = {
+    "gram": _conv_gram,
+    "position-gram": _conv_position_gram,
+    "unfold": _conv_samples_unfold,
+    "grouped": _conv_samples_grouped,
+}
 
 
 def _fastest(
@@ -548,6 +621,8 @@ class _ConvKernels(_Kernels):
             method = _conv_method(layer, x, backprops)
             if method == "gram":
                 out[weight] = _conv_gram(layer, x, backprops)
+            elif method == "position-gram":
+                out[weight] = _conv_position_gram(layer, x, backprops)
             elif method == "unfold":
                 out[weight] = _cached(cache, weight, _conv_samples_unfold(layer, x, backprops))
             else:

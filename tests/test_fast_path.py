@@ -195,3 +195,27 @@ def test_book_keeping_skips_weight_gradients_and_changes_nothing(name, monkeypat
     for a, b in zip(skipping.parameters(), reference.parameters(), strict=True):
         assert a.requires_grad
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sequence", "conv", "mixed", "reused"])
+@pytest.mark.parametrize("kept", [0, 1, 5])
+@pytest.mark.parametrize("norms_first", [True, False])
+def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, norms_first):
+    """With few nonzero weights (DPIS's rejected candidates), the weighted sum reduces over those rows
+    only; it equals the sum over the materialised per-example gradients, whatever the other rows hold."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    grads = PerSampleGradients(model.net, loss_reduction="mean", mode="auto")
+    x, y = model.x[:16], model.y[:16]
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    per_example, batch = grads.collect()
+    if norms_first:  # as in a step: the norms may cache per-example gradients for some layers
+        per_example.sq_norms()
+    weights = torch.zeros(batch)
+    weights[torch.randperm(batch, generator=torch.Generator().manual_seed(1))[:kept]] = torch.rand(kept) + 0.5
+    sparse = per_example.weighted_sum(weights)
+    full = per_example.materialize()
+    for total, samples in zip(sparse, full, strict=True):
+        expected = torch.einsum("i,i...->...", weights.double(), samples.double())
+        torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-7)
+    grads.remove()
