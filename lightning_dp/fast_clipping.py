@@ -500,19 +500,24 @@ def _saved_per_example(x: Tensor, backprops: Tensor) -> int:
     return max(1, (x.numel() + backprops.numel()) // max(1, backprops.shape[0]))
 
 
+CHUNK_FLOATS = 1 << 20
+"""Most floats of temporaries per chunk of examples (4 MiB): bigger chunks fall out of the CPU caches
+and ran 2× slower on ScatterNet's first convolution at 3,072 candidates."""
+
+
 def _chunks(
     layer: _Conv, x: Tensor, backprops: Tensor, gram: bool = False, positions: bool = False
 ) -> Iterator[slice]:
-    """Slices of the batch whose temporaries fit in the layer's budget (at least one example per
-    slice): unfolded patches, or with ``positions`` the (padded) input-position Gram matrix; plus the
-    two [L, L] Gram matrices with ``gram``."""
+    """Slices of the batch whose temporaries fit in the layer's budget and in :data:`CHUNK_FLOATS`
+    (at least one example per slice): unfolded patches, or with ``positions`` the (padded)
+    input-position Gram matrix; plus the two [L, L] Gram matrices with ``gram``."""
     B, L, G = backprops.shape[0], math.prod(backprops.shape[2:]), layer.groups
     if positions:
         temporary = G * _padded_positions(layer, x) ** 2
     else:
         temporary = L * G * layer.weight[0].numel()
     temporary += 2 * G * L * L if gram else 0
-    step = max(1, _saved_per_example(x, backprops) * B // temporary)
+    step = max(1, min(_saved_per_example(x, backprops) * B, CHUNK_FLOATS) // temporary)
     for start in range(0, B, step):
         yield slice(start, min(B, start + step))
 
@@ -523,18 +528,26 @@ def _padded_positions(layer: _Conv, x: Tensor) -> int:
     return math.prod(size + pad[2 * i] + pad[2 * i + 1] for i, size in enumerate(reversed(x.shape[2:])))
 
 
+COPY_COST = 40
+"""Multiply-adds one copied or gathered float costs, roughly (CPU, one thread: a ``bmm`` does about
+40 multiply-adds in the time a patch copy moves one float)."""
+STRIDED_ADD_COST = 100
+"""Same for one element of the position Gram's strided accumulation (small inner dimensions)."""
+
+
 def _conv_costs(layer: _Conv, x: Tensor, backprops: Tensor) -> dict[ConvMethod, int]:
-    """Rough multiply-adds (and copied floats) per example of each norm method."""
+    """Rough cost per example of each norm method, in multiply-adds (copies weighted as above)."""
     G, L, K = layer.groups, math.prod(backprops.shape[2:]), math.prod(layer.kernel_size)
     p, o = layer.weight[0].numel(), layer.out_channels // G
     per_example = G * L * p * o
+    patches = COPY_COST * G * L * p
     # XᵀX over the unpadded input when zero padding is added to M afterwards
     positions = math.prod(x.shape[2:]) if layer.padding_mode == "zeros" else _padded_positions(layer, x)
     return {
         "grouped": per_example,
-        "unfold": per_example + G * L * p,
-        "gram": G * L * L * (p + o) + G * L * p,
-        "position-gram": positions**2 * layer.in_channels + G * L * L * (K + o),
+        "unfold": per_example + patches,
+        "gram": G * L * L * (p + o) + patches,
+        "position-gram": positions**2 * layer.in_channels + G * L * L * (STRIDED_ADD_COST * K + o),
     }
 
 
@@ -545,7 +558,7 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold")
     are allowed only when those fit in what the layer's record already holds
     (:func:`_saved_per_example`); the two Gram methods work a chunk of examples at a time and are
-    always allowed. Of the allowed methods, those within 2× of the cheapest by
+    always allowed. Of the allowed methods, those within 3× of the cheapest by the rough estimate of
     :func:`_conv_costs` are timed; which wins depends on the hardware (unfold copies are cheap on
     GPUs, grouped convolutions with many groups are not always), hence measured rather than
     modelled. Cached per shape excluding the batch size, which Poisson sampling changes every step.
@@ -567,7 +580,7 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
         runs = {
             m: functools.partial(_CONV_NORMS[m], layer, x, backprops)
             for m, cost in costs.items()
-            if cost <= 2 * cheapest
+            if cost <= 3 * cheapest
         }
         choice = _conv_choice[key] = runs.popitem()[0] if len(runs) == 1 else _fastest(runs, x.device)
     return choice
