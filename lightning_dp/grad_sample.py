@@ -118,10 +118,10 @@ class PerExampleGradients(Sequence[Tensor]):
         weights = weights * self.scale
         rows = _sparse_rows(weights)
         for (module, activations, backprops), cache in zip(self._records, self._caches, strict=True):
-            if rows is not None and not cache:  # reductions over the weighted rows only
-                args = ([_take(a, rows) for a in activations], backprops.index_select(0, rows), weights[rows])
-            else:
-                args = (activations, backprops, weights)
+            args = (activations, backprops, weights)
+            if rows is not None:  # reductions over the weighted rows only
+                args = ([_take(a, rows) for a in activations], _take(backprops, rows), weights[rows])
+                cache = {p: _take(g, rows) for p, g in cache.items()}
             for p, value in fast_clipping.weighted_grad(module, *args, cache).items():
                 sums[p] = value if p not in sums else sums[p] + value
         return [

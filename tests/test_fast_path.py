@@ -200,9 +200,20 @@ def test_book_keeping_skips_weight_gradients_and_changes_nothing(name, monkeypat
 @pytest.mark.parametrize("name", ["sequence", "conv", "mixed", "reused"])
 @pytest.mark.parametrize("kept", [0, 1, 5])
 @pytest.mark.parametrize("norms_first", [True, False])
-def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, norms_first):
+def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, norms_first, monkeypatch):
     """With few nonzero weights (DPIS's rejected candidates), the weighted sum reduces over those rows
     only; it equals the sum over the materialised per-example gradients, whatever the other rows hold."""
+    from lightning_dp import fast_clipping
+
+    rows_seen: list[int] = []
+    kernel = fast_clipping.weighted_grad
+
+    def spy(layer, activations, backprops, weights, cache=None):
+        rows_seen.append(backprops.shape[0])
+        assert cache is None or all(g.shape[0] == backprops.shape[0] for g in cache.values())
+        return kernel(layer, activations, backprops, weights, cache)
+
+    monkeypatch.setattr(fast_clipping, "weighted_grad", spy)
     torch.manual_seed(0)
     model = MODELS[name]()
     grads = PerSampleGradients(model.net, loss_reduction="mean", mode="auto")
@@ -214,6 +225,9 @@ def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, 
     weights = torch.zeros(batch)
     weights[torch.randperm(batch, generator=torch.Generator().manual_seed(1))[:kept]] = torch.rand(kept) + 0.5
     sparse = per_example.weighted_sum(weights)
+    if name in ("sequence", "conv"):  # every layer has a fast kernel (the others materialise)
+        assert rows_seen
+    assert set(rows_seen) <= {kept}, "every fast layer reduces over the weighted rows only"
     full = per_example.materialize()
     for total, samples in zip(sparse, full, strict=True):
         expected = torch.einsum("i,i...->...", weights.double(), samples.double())
