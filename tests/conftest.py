@@ -119,3 +119,13 @@ def tiny() -> TinyModule:
 def _run_in_tmp(tmp_path, monkeypatch):
     """Every test runs in its own folder, so reports and logs never land in the repository."""
     monkeypatch.chdir(tmp_path)
+
+
+def finish_distributed() -> None:
+    """End of a DDP worker script: destroy the process group while the interpreter is alive.
+
+    Otherwise Gloo's worker threads can abort the exit with SIGABRT ("terminate called without an
+    active exception") after the run itself succeeded (pytorch/pytorch#190489).
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -12,10 +12,12 @@ import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from conftest import finish_distributed  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -54,3 +56,5 @@ record = {
     "noisy_min_calls": step.noisy_min_calls,
 }
 (OUT / f"agd.rank{strategy.global_rank}.json").write_text(json.dumps(record))
+
+finish_distributed()

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from conftest import TinyModule  # noqa: E402
+from conftest import TinyModule, finish_distributed  # noqa: E402
 from lightning.pytorch import Trainer  # noqa: E402
 
 from lightning_dp import DPDDPStrategy, DPStrategy, LineSearch  # noqa: E402
@@ -60,3 +60,5 @@ torch.save(module.state_dict(), OUT / f"weights.{DEVICES}.rank{rank}.pt")
 (OUT / f"stats.{DEVICES}.rank{rank}.json").write_text(
     json.dumps({"steps": strategy.engine.steps, **step.metrics()})
 )
+
+finish_distributed()

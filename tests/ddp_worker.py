@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from conftest import TinyModule  # noqa: E402
+from conftest import TinyModule, finish_distributed  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 
 from lightning_dp import DPDDPStrategy  # noqa: E402
@@ -172,3 +172,5 @@ dump(
     history=[[e.to_dict(), c] for e, c in t.strategy.engine.ledger.history],
     share=len(t.strategy.engine.sampler.share),
 )
+
+finish_distributed()

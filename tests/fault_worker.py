@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-from conftest import TinyModule  # noqa: E402
+from conftest import TinyModule, finish_distributed  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
@@ -125,3 +125,4 @@ elif MODE == "ddp_resume":
     path = latest_valid_checkpoint(OUT / "ckpt")
     t = trainer(DPDDPStrategy(noise_multiplier=SIGMA, seed=0), every=2, devices=2, callbacks=[Record()])
     t.fit(TinyModule(n=128, batch_size=16), ckpt_path=path)
+    finish_distributed()
