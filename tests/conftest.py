@@ -7,7 +7,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import logging
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +132,20 @@ def finish_distributed() -> None:
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def run_worker(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run ``tests/<script> OUT ARGS...`` in a fresh interpreter (one thread, the repository on the
+    path) and require it to succeed; multi-process workers launch their other ranks themselves."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
+    run = subprocess.run(
+        [sys.executable, str(here / script), str(out), *args],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+    return run

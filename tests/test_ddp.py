@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from conftest import TinyModule, make_trainer, run_worker
 
 from lightning_dp import DPStrategy
 from lightning_dp.accounting import compute_epsilon
@@ -22,16 +22,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    run = subprocess.run(
-        [sys.executable, str(HERE / "ddp_worker.py"), str(out)],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-5000:]
+    run_worker("ddp_worker.py", out)
 
     def load(name: str) -> list[dict]:
         return [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]

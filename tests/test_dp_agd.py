@@ -6,15 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from conftest import run_worker
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import AdaptiveGD, DPConfigurationError, DPStrategy
@@ -27,7 +24,6 @@ from lightning_dp.steps.dp_agd import grad_avg, initial_budgets, noisy_min, step
 from recipes.linear import LinearClassifier
 
 L8 = math.log(1e8)
-HERE = Path(__file__).resolve().parent
 
 
 def _data(n: int = 300, d: int = 6, seed: int = 0):
@@ -315,16 +311,7 @@ def test_refuses_bad_configurations():
 def test_two_processes_agree_on_every_decision(tmp_path):
     """DDP (gloo, 2 ranks): candidate losses all-reduced, NoisyMin drawn on rank 0 and broadcast, so both
     ranks take the same steps, spend the same budget and end with identical weights."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
-    run = subprocess.run(
-        [sys.executable, str(HERE / "ddp_agd_worker.py"), str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-5000:]
+    run_worker("ddp_agd_worker.py", tmp_path)
     r0, r1 = (json.loads((tmp_path / f"agd.rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1
     assert r0["iterations"] >= 3

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from conftest import TinyModule, make_trainer, run_worker
 from opacus.accountants.analysis.rdp import compute_rdp
 
 from lightning_dp import DPConfigurationError, DPStrategy
@@ -634,21 +634,8 @@ def test_p24_checkpoint_resume_is_exact(tmp_path):
 @pytest.mark.slow
 def test_p25_ddp_two_ranks_match_each_other_and_one_process(tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
 
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
-    run = subprocess.run(
-        [sys.executable, str(here / "ddp_line_search_worker.py"), str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-5000:]
+    run_worker("ddp_line_search_worker.py", tmp_path)
     # the same run on one process (the worker's settings)
     torch.manual_seed(0)
     single = LossModule(n=64, batch_size=64)
