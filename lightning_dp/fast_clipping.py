@@ -575,7 +575,8 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     if choice is None:
         costs = _conv_costs(layer, x, backprops)
         if layer.weight.numel() > _saved_per_example(x, backprops):
-            del costs["grouped"], costs["unfold"]
+            for method in _MATERIALISING:
+                del costs[method]
         cheapest = min(costs.values())
         runs = {
             m: functools.partial(_CONV_NORMS[m], layer, x, backprops)
@@ -586,6 +587,8 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     return choice
 
 
+_MATERIALISING: tuple[ConvMethod, ...] = ("unfold", "grouped")
+"""Methods returning per-example gradients [B, *weight.shape] (kept for the sum); the others return norms."""
 _CONV_NORMS: dict[ConvMethod, Callable[[_Conv, Tensor, Tensor], Tensor]] = {
     "gram": _conv_gram,
     "position-gram": _conv_position_gram,
@@ -632,14 +635,8 @@ class _ConvKernels(_Kernels):
         x = activations[0]
         if weight is not None:
             method = _conv_method(layer, x, backprops)
-            if method == "gram":
-                out[weight] = _conv_gram(layer, x, backprops)
-            elif method == "position-gram":
-                out[weight] = _conv_position_gram(layer, x, backprops)
-            elif method == "unfold":
-                out[weight] = _cached(cache, weight, _conv_samples_unfold(layer, x, backprops))
-            else:
-                out[weight] = _cached(cache, weight, _conv_samples_grouped(layer, x, backprops))
+            result = _CONV_NORMS[method](layer, x, backprops)  # per-example gradients or norms
+            out[weight] = _cached(cache, weight, result) if method in _MATERIALISING else result
         if bias is not None:  # per-example bias gradients [B, O]: position sums, kept for the sum
             out[bias] = _cached(cache, bias, backprops.float().flatten(2).sum(2))
         return out
