@@ -257,7 +257,7 @@ def _reuse(cache: Cache | None, param: nn.Parameter | None, weights: Tensor) -> 
     """Σ_i w_i g_i from a per-example gradient ``sq_norms`` materialised, if it did."""
     if cache is None or param is None or param not in cache:
         return None
-    samples = cache.pop(param)
+    samples = cache[param]
     return materialized_weighted(samples, weights.to(samples.device))
 
 
@@ -495,8 +495,9 @@ def _conv_position_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
 
 
 def _saved_per_example(x: Tensor, backprops: Tensor) -> int:
-    """Floats per example the layer's record already holds (its input and output gradient): the
-    memory budget of its norm method, which keeps the clipping pass's peak near a plain step's."""
+    """Floats per example the layer's record holds (its input and output gradient): the memory budget
+    of its norm method. Per-example gradients within it are kept instead of the record (released in
+    the backward hook, see ``grad_sample.Record``), so the clipping pass's peak stays near a plain step's."""
     return max(1, (x.numel() + backprops.numel()) // max(1, backprops.shape[0]))
 
 

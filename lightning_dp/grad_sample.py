@@ -4,12 +4,15 @@ A forward hook keeps each layer's input; a hook on the layer's *output tensor* r
 of that output during backward, and Opacus's registered grad sampler (or its functorch fallback for
 unknown layers) turns the pair into per-example gradients. Tensor hooks, unlike module full-backward
 hooks, survive in-place operations on a layer's output (torchvision's ResNet ``out += identity`` and
-``ReLU(inplace=True)``), and leave ``state_dict`` keys untouched.
+``ReLU(inplace=True)``), and leave ``state_dict`` keys untouched. On the fast path the same hook
+computes the layer's per-example norms (``fast_clipping``) and keeps only what the clipped sum needs.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -46,8 +49,59 @@ def layer_method(module: nn.Module) -> str:
     return "formula" if type(module) in GradSampleHooks.GRAD_SAMPLERS else "functorch"
 
 
-Record = tuple[nn.Module, list[Any], Tensor]
 GradMode = Literal["auto", "fast", "materialize"]
+
+
+@dataclass(eq=False)
+class Record:
+    """One call of a fast-path layer: its inputs and raw output gradient until they are released.
+
+    The backward hook computes the per-example squared norms at once (``norms``). When the kernels
+    materialised every per-example gradient of the layer on the way (``cache``, [B, *param.shape]
+    each, no larger than the inputs and output gradient they come from), the clipped sum needs
+    nothing else, so the inputs and output gradient are dropped there and then (``released``): the
+    backward pass frees them as it would in a plain step. Norms and cache are raw, i.e. per-example
+    values are ``scale`` (resp. ``scale²``) times them.
+    """
+
+    module: nn.Module
+    activations: list[Any]
+    backprops: Tensor | None
+    norms: dict[nn.Parameter, Tensor] | None = None
+    cache: fast_clipping.Cache = field(default_factory=dict)
+
+    @property
+    def released(self) -> bool:
+        return self.backprops is None
+
+    def sq_norms(self) -> dict[nn.Parameter, Tensor]:
+        """Raw per-example squared norms of each parameter (computed once, cached materialisations kept)."""
+        if self.norms is None:
+            assert self.backprops is not None
+            self.norms = fast_clipping.sq_norms(self.module, self.activations, self.backprops, self.cache)
+        return self.norms
+
+    def release_if_cached(self, params: Sequence[nn.Parameter]) -> None:
+        """Drop the inputs and output gradient when ``cache`` holds every one of ``params``."""
+        if all(p in self.cache for p in params):
+            self.activations, self.backprops = [], None
+
+    def samples(self, scale: float) -> dict[nn.Parameter, Tensor]:
+        """The layer's per-example gradients [B, *shape] (scaled), from the cache or Opacus's formula."""
+        if self.released:
+            return {p: g * scale for p, g in self.cache.items()}
+        assert self.backprops is not None
+        return _sampler(self.module)(self.module, self.activations, self.backprops * scale)
+
+    def take(self, rows: Tensor) -> Record:
+        """The same record restricted to batch rows ``rows``."""
+        return Record(
+            self.module,
+            [_take(a, rows) for a in self.activations],
+            None if self.backprops is None else _take(self.backprops, rows),
+            None if self.norms is None else {p: _take(v, rows) for p, v in self.norms.items()},
+            {p: _take(g, rows) for p, g in self.cache.items()},
+        )
 
 
 class PerExampleGradients(Sequence[Tensor]):
@@ -73,7 +127,6 @@ class PerExampleGradients(Sequence[Tensor]):
         (the batch size under a mean loss), applied to the few scalars that need it, not to every δ."""
         self._materialized = materialized
         self._records = records
-        self._caches: list[fast_clipping.Cache] = [{} for _ in records]
         self._full: list[Tensor] | None = None
 
     def __len__(self) -> int:
@@ -86,8 +139,8 @@ class PerExampleGradients(Sequence[Tensor]):
         """Every parameter's [B, *shape] per-example gradients (zeros for unused parameters)."""
         if self._full is None:
             grads = dict(self._materialized)
-            for module, activations, backprops in self._records:
-                _add_samples(grads, _sampler(module)(module, activations, backprops * self.scale))
+            for record in self._records:
+                _add_samples(grads, record.samples(self.scale))
             self._full = [
                 grads[p] if p in grads else torch.zeros((self.batch, *p.shape), device=p.device)
                 for p in self.params
@@ -102,8 +155,8 @@ class PerExampleGradients(Sequence[Tensor]):
             sources: list[Tensor] = self._full
         else:
             sources = list(self._materialized.values())
-            for (module, activations, backprops), cache in zip(self._records, self._caches, strict=True):
-                for value in fast_clipping.sq_norms(module, activations, backprops, cache).values():
+            for record in self._records:
+                for value in record.sq_norms().values():
                     total += value
             total *= self.scale**2
         for g in sources:
@@ -117,12 +170,19 @@ class PerExampleGradients(Sequence[Tensor]):
         sums = fast_clipping.materialized_weighted_grad(self._materialized, weights)
         weights = weights * self.scale
         rows = _sparse_rows(weights)
-        for (module, activations, backprops), cache in zip(self._records, self._caches, strict=True):
-            args = (activations, backprops, weights)
+        for record in self._records:
             if rows is not None:  # reductions over the weighted rows only
-                args = ([_take(a, rows) for a in activations], _take(backprops, rows), weights[rows])
-                cache = {p: _take(g, rows) for p, g in cache.items()}
-            for p, value in fast_clipping.weighted_grad(module, *args, cache).items():
+                record, w = record.take(rows), weights[rows]
+            else:
+                w = weights
+            if record.released:  # the cache holds every per-example gradient of the layer
+                layer_sums = fast_clipping.materialized_weighted_grad(record.cache, w)
+            else:
+                assert record.backprops is not None
+                layer_sums = fast_clipping.weighted_grad(
+                    record.module, record.activations, record.backprops, w, record.cache
+                )
+            for p, value in layer_sums.items():
                 sums[p] = value if p not in sums else sums[p] + value
         return [
             sums[p] if p in sums else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
@@ -175,12 +235,14 @@ def _add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, T
 
 
 class _Graft(torch.autograd.Function):
-    """Identity on ``x`` (a copy, so in-place ops downstream stay legal) that makes it require grad."""
+    """Identity on ``x`` that makes it require grad, with no copy: ``x`` is returned marked dirty (as
+    if modified in place), so it becomes a non-leaf and in-place ops downstream stay legal."""
 
     @staticmethod
     def forward(ctx: Any, anchor: Tensor, x: Tensor) -> Tensor:
-        del ctx, anchor
-        return x.clone()
+        del anchor
+        ctx.mark_dirty(x)
+        return x
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
@@ -224,6 +286,8 @@ class PerSampleGradients:
             m: [p for p in m.parameters() if p in tracked] for _, m in self.layers
         }
         self._anchor: Tensor | None = None
+        self._uses: Counter[nn.Parameter] = Counter()
+        """How many captured layer calls use each parameter since the last ``clear`` (shared if > 1)."""
         self._handles: list[RemovableHandle] = []
         for _, module in self.layers:
             self._handles.append(module.register_forward_pre_hook(self._freeze))
@@ -262,14 +326,22 @@ class PerSampleGradients:
             if self._anchor is None or self._anchor.device != output.device:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
-        activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
-        output.register_hook(lambda grad: self._accumulate(module, activations, grad))
+        self._uses.update(self._own[module])
+        # The hook lives on the autograd graph, which the loss keeps alive after backward: hand the
+        # inputs over through a box the hook empties, so a released record really frees them.
+        box = [[t.detach() if isinstance(t, Tensor) else t for t in inputs]]
+        output.register_hook(lambda grad: self._accumulate(module, box.pop() if box else [], grad))
         return output
 
     def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor) -> None:
         batch = grad.shape[0]
         if self.path_of(module) == "fast":
-            self.records.append((module, activations, grad.detach()))
+            record = Record(module, activations, grad.detach())
+            own = self._own[module]
+            if all(self._uses[p] == 1 for p in own):  # a shared parameter's norm has cross terms
+                record.sq_norms()  # now, while the output gradient is in cache
+                record.release_if_cached(own)
+            self.records.append(record)
         else:
             _add_samples(
                 self.grad_samples, _sampler(module)(module, activations, grad.detach() * self._scale(batch))
@@ -297,14 +369,13 @@ class PerSampleGradients:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
         norm, so those calls are materialised and summed; the others stay fast."""
         seen: dict[nn.Parameter, int] = {p: 1 for p in materialized}
-        for module, _, _ in self.records:
-            for p in module.parameters():
+        for record in self.records:
+            for p in record.module.parameters():
                 seen[p] = seen.get(p, 0) + 1
         fast = []
         for record in self.records:
-            module, activations, backprops = record
-            if any(seen.get(p, 0) > 1 for p in module.parameters()):
-                _add_samples(materialized, _sampler(module)(module, activations, backprops * scale))
+            if any(seen.get(p, 0) > 1 for p in record.module.parameters()):
+                _add_samples(materialized, record.samples(scale))
             else:
                 fast.append(record)
         return fast
@@ -313,6 +384,7 @@ class PerSampleGradients:
         self.grad_samples = {}
         self.records = []
         self.batch_size = None
+        self._uses = Counter()
 
     def remove(self) -> None:
         for handle in self._handles:

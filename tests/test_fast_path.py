@@ -206,14 +206,19 @@ def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, 
     from lightning_dp import fast_clipping
 
     rows_seen: list[int] = []
-    kernel = fast_clipping.weighted_grad
+    kernel, from_cache = fast_clipping.weighted_grad, fast_clipping.materialized_weighted_grad
 
     def spy(layer, activations, backprops, weights, cache=None):
         rows_seen.append(backprops.shape[0])
         assert cache is None or all(g.shape[0] == backprops.shape[0] for g in cache.values())
         return kernel(layer, activations, backprops, weights, cache)
 
+    def spy_cached(samples, weights):  # released records (and non-fast layers) sum their cache
+        rows_seen.extend(g.shape[0] for g in samples.values() if name in ("sequence", "conv"))
+        return from_cache(samples, weights)
+
     monkeypatch.setattr(fast_clipping, "weighted_grad", spy)
+    monkeypatch.setattr(fast_clipping, "materialized_weighted_grad", spy_cached)
     torch.manual_seed(0)
     model = MODELS[name]()
     grads = PerSampleGradients(model.net, loss_reduction="mean", mode="auto")
@@ -233,3 +238,78 @@ def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, 
         expected = torch.einsum("i,i...->...", weights.double(), samples.double())
         torch.testing.assert_close(total.double(), expected, rtol=1e-5, atol=1e-7)
     grads.remove()
+
+
+class SequenceStack(nn.Module):
+    """Sequence Linears and a LayerNorm (per-example gradients materialised, records released), then
+    a Linear on pooled vectors (norm from input and output gradient, record kept for the sum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.norm, self.mix, self.out = (
+            nn.Linear(6, 8),
+            nn.LayerNorm(8),
+            nn.Linear(8, 8),
+            nn.Linear(8, 3),
+        )
+
+    def forward(self, x):
+        h = torch.tanh(self.mix(self.norm(self.first(x))))
+        return self.out(h.mean(1))
+
+
+def test_materialised_layers_release_their_inputs_during_the_backward():
+    """A layer whose kernels materialise every per-example gradient keeps only those (no larger than
+    its inputs and output gradient): its record drops the rest in the backward hook, so the memory is
+    freed as in a plain backward; a layer that still needs its inputs for the sum keeps them."""
+    torch.manual_seed(0)
+    model = SequenceStack()
+    grads = PerSampleGradients(model, mode="fast")
+    grads.skip_param_grads = True
+    storages = {}
+
+    def keep_storage(module, inputs, output):
+        storages[module] = inputs[0].untyped_storage()
+
+    for layer in (model.norm, model.out):
+        layer.register_forward_hook(keep_storage)
+    x, y = torch.randn(16, 4, 6), torch.randint(0, 3, (16,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()  # the loss (and with it the autograd graph and its hooks) stays alive
+    released = {r.module: r.released for r in grads.records}
+    assert released == {model.first: True, model.norm: True, model.mix: True, model.out: False}
+    assert all(r.norms is not None for r in grads.records), "norms are computed in the hook"
+    use_count = torch._C._storage_Use_Count
+    assert use_count(storages[model.norm]._cdata) == 1, "nothing but this test holds the released input"
+    assert use_count(storages[model.out]._cdata) == 2, "the kept record still holds its input"
+    fast, batch = grads.collect()
+    reference = PerSampleGradients(model, mode="materialize")
+    grads.remove()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    expected, _ = reference.collect()
+    weights = torch.rand(batch)
+    for got, want in zip(fast.weighted_sum(weights), expected.weighted_sum(weights), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast.sq_norms(), expected.sq_norms(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", ["sequence", "conv"])
+def test_two_backward_passes_before_collect_add_up_per_example(name):
+    """A second backward before the step reaches each layer twice: the first pass's records were
+    already reduced (and released) in its hooks, the second pass's see a shared layer. Together they
+    still give each example the sum of its two gradients."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    x, y = model.x[:8], model.y[:8]
+    grads = PerSampleGradients(model.net, mode="fast")
+    grads.skip_param_grads = True
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert any(r.released for r in grads.records), "the first pass must release some records"
+    twice, _ = grads.collect()
+    grads.remove()
+    reference = PerSampleGradients(model.net, mode="materialize")
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    once, _ = reference.collect()
+    for got, want in zip(twice.materialize(), once.materialize(), strict=True):
+        torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
 from lightning_dp.fast_clipping import materialized_sq_norm
-from lightning_dp.grad_sample import PerExampleGradients, _sampler
+from lightning_dp.grad_sample import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext
 
 VarianceMode = Literal["per_example", "literal"]
@@ -58,16 +58,17 @@ def transformed_sq_norms(
                 total.add_(_transformed_sq_norm(g, shift[j], inv_scale[j]))
 
     add_materialized(grad_samples._materialized)
-    for module, activations, raw in grad_samples._records:
-        backprops = raw * grad_samples.scale  # records keep raw output gradients
-        if type(module) is nn.Linear and math.prod(backprops.shape[1:-1]) == 1:
+    for record in grad_samples._records:
+        module, raw = record.module, record.backprops
+        if raw is not None and type(module) is nn.Linear and math.prod(raw.shape[1:-1]) == 1:
+            backprops = raw * grad_samples.scale  # records keep raw output gradients
             for p, value in _linear_transformed_sq_norms(
-                module, activations[0], backprops, index, shift, inv_scale
+                module, record.activations[0], backprops, index, shift, inv_scale
             ).items():
                 seen.add(index[p])
                 total.add_(value)
         else:
-            add_materialized(_sampler(module)(module, activations, backprops))
+            add_materialized(record.samples(grad_samples.scale))
     for j in set(range(len(grad_samples.params))) - seen:  # no gradient: (0 − a)/b for every example
         total.add_(float((shift[j].float() * inv_scale[j]).square().sum()))
     return total
