@@ -295,14 +295,14 @@ class _LinearKernels(_Kernels):
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
         if weight is not None:
-            if a.shape[1] == 1:
-                out[weight] = d.square().sum((1, 2)) * a.square().sum((1, 2))
+            if a.shape[1] == 1:  # ‖δ aᵀ‖² = ‖δ‖²‖a‖², reduced without a squared copy of either
+                out[weight] = materialized_sq_norm(d) * materialized_sq_norm(a)
             elif use_gram(a.shape[1], layer.in_features, layer.out_features):
                 out[weight] = _gram_sq_norm(a, d)
             else:  # materialise this layer's per-example gradients [B, o, p], kept for the sum
                 out[weight] = _cached(cache, weight, torch.bmm(d.transpose(1, 2), a))
         if bias is not None:  # per-example bias gradients [B, O]: position sums, kept for the sum
-            out[bias] = _cached(cache, bias, d.sum(1))
+            out[bias] = _cached(cache, bias, d[:, 0] if d.shape[1] == 1 else d.sum(1))  # a view if T = 1
         return out
 
     @staticmethod
