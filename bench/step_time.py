@@ -258,7 +258,8 @@ class Variant:
     times: list[float] = field(default_factory=list)
     phase_times: dict[str, list[float]] = field(default_factory=dict)
     rounds: int = 0
-    peak_bytes: int | None = None
+    peak_bytes: int | None = None  # tensor bytes (allocator events on CPU, max_memory_allocated on CUDA)
+    rss_bytes: int | None = None  # CPU: process RSS high-water mark
     note: str = ""
     engine: PrivateStepEngine | None = None  # lightning-dp variants: for the correctness check
     paths: str = ""  # lightning-dp variants: how many layers take which per-example path
@@ -479,13 +480,14 @@ def rss_peak_available() -> bool:
         return False
 
 
-def measure_peak(v: Variant, device: torch.device) -> int:
-    """Extra memory one step needs at its peak, over what is live before it (bytes).
+def measure_peak(v: Variant, device: torch.device) -> int | None:
+    """Most tensor bytes one step has live at once, over those live before it.
 
-    CUDA: ``max_memory_allocated`` over ``memory_allocated``. CPU: the process's peak RSS (VmHWM,
-    reset through /proc/self/clear_refs) over its RSS just before the step, after ``malloc_trim``
-    so freed heap pages do not hide new allocations. tracemalloc would not see these: it traces
-    Python's allocators only, and torch allocates tensor storage with its own (posix_memalign).
+    CUDA: ``max_memory_allocated`` over ``memory_allocated``. CPU: the same quantity from torch's
+    CPU allocator itself: every allocation and free of the step, in order, as recorded by
+    ``torch.profiler`` with ``profile_memory=True`` (a free of a block allocated before the step is
+    not recorded, so the figure can only err high). Exact and repeatable, unlike RSS; None if this
+    torch does not expose the events.
     """
     gc.collect()
     if device.type == "cuda":
@@ -494,6 +496,30 @@ def measure_peak(v: Variant, device: torch.device) -> int:
         torch.cuda.reset_peak_memory_stats(device)
         run_step(v, device, record=False)
         return torch.cuda.max_memory_allocated(device) - base
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        run_step(v, device, record=False)
+    try:
+        events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+    except AttributeError:
+        return None
+    allocations = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in allocations:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def measure_rss(v: Variant, device: torch.device) -> int:
+    """CPU: the process's peak RSS during one step (VmHWM, reset through /proc/self/clear_refs) over
+    its RSS just before it, after ``malloc_trim`` so freed heap pages do not hide new allocations.
+
+    Adds what tensor bytes miss (oneDNN/MKL workspaces, malloc fragmentation) and moves by tens of
+    percent between runs of the same code with the heap's state; tracemalloc would see neither: it
+    traces Python's allocators only, and torch allocates tensor storage with its own.
+    """
+    gc.collect()
     _malloc_trim()
     base = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
@@ -569,10 +595,12 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, device: torch.device)
         v.rounds = len(v.times)
 
     if args.memory:
-        can_rss = device.type == "cuda" or rss_peak_available()
+        can_rss = device.type == "cpu" and rss_peak_available()
         for v in live:
+            if v.error is None:
+                v.peak_bytes = measure_peak(v, device)
             if v.error is None and can_rss:
-                v.peak_bytes = min(measure_peak(v, device) for _ in range(2))
+                v.rss_bytes = min(measure_rss(v, device) for _ in range(2))
     return variants
 
 
@@ -587,18 +615,29 @@ def _quantile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def _memory_cells(nbytes: int | None, plain: int | None) -> tuple[str, str]:
+    """(MB, ratio to plain) as printed; n/a where not measured."""
+    if nbytes is None:
+        return "n/a", "n/a"
+    return f"{nbytes / 2**20:,.1f}", f"{nbytes / plain:.2f}" if plain else "n/a"
+
+
 def print_model_table(
     spec: ModelSpec, variants: list[Variant], args: argparse.Namespace, params: int
 ) -> None:
     shape = ", ".join(str(d) for d in (batch_of(spec, args), *spec.input_shape))
     print(f"\n{spec.title} ({params:,} parameters), batch ({shape}), {args.device}")
     w = 26
-    header = f"{'variant':<{w}}{'n':>4}{'median ms':>12}{'IQR ms':>18}{'× plain':>9}{'peak MB':>10}{'mem × plain':>13}"
+    header = (
+        f"{'variant':<{w}}{'n':>4}{'median ms':>12}{'IQR ms':>18}{'× plain':>9}{'peak MB':>10}{'mem × plain':>13}"
+        f"{'RSS MB':>9}{'RSS × plain':>13}"
+    )
     print(header)
     print("-" * len(header))
     plain = next((v for v in variants if v.name == "plain" and v.error is None and v.times), None)
     plain_median = statistics.median(plain.times) if plain else None
     plain_peak = plain.peak_bytes if plain is not None else None
+    plain_rss = plain.rss_bytes if plain is not None else None
     for v in variants:
         if v.error is not None or not v.times:
             print(f"{v.name:<{w}}  n/a ({v.error or 'no timed rounds'})")
@@ -606,9 +645,11 @@ def print_model_table(
         med = statistics.median(v.times)
         iqr = f"{_ms(_quantile(v.times, 0.25))}-{_ms(_quantile(v.times, 0.75))}"
         ratio = f"{med / plain_median:.2f}" if plain_median else "n/a"
-        peak = f"{v.peak_bytes / 2**20:,.1f}" if v.peak_bytes is not None else "n/a"
-        mem = f"{v.peak_bytes / plain_peak:.2f}" if v.peak_bytes is not None and plain_peak else "n/a"
-        print(f"{v.name:<{w}}{v.rounds:>4}{_ms(med):>12}{iqr:>18}{ratio:>9}{peak:>10}{mem:>13}")
+        peak, mem = _memory_cells(v.peak_bytes, plain_peak)
+        rss, rss_ratio = _memory_cells(v.rss_bytes, plain_rss)
+        print(
+            f"{v.name:<{w}}{v.rounds:>4}{_ms(med):>12}{iqr:>18}{ratio:>9}{peak:>10}{mem:>13}{rss:>9}{rss_ratio:>13}"
+        )
     print("  phases (median ms):")
     for v in variants:
         if v.error is None and v.times:
@@ -638,6 +679,7 @@ def variant_record(spec: ModelSpec, v: Variant, plain_median: float | None) -> d
         p75_ms=_quantile(v.times, 0.75) * 1e3,
         ratio_to_plain=med / plain_median if plain_median else None,
         peak_mb=v.peak_bytes / 2**20 if v.peak_bytes is not None else None,
+        rss_peak_mb=v.rss_bytes / 2**20 if v.rss_bytes is not None else None,
         phases_median_ms={k: statistics.median(t) * 1e3 for k, t in v.phase_times.items()},
         note=v.note or None,
     )
@@ -871,8 +913,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"σ={SIGMA}, C={MAX_GRAD_NORM}, SGD lr={LR}, q=B/{DATASET_SIZE}; {args.rounds} interleaved "
-        f"rounds after {args.warmup} warm-up steps; medians; peak MB = extra memory at the step's peak "
-        f"({'max_memory_allocated' if device.type == 'cuda' else 'process RSS high-water mark'})"
+        f"rounds after {args.warmup} warm-up steps; medians; peak MB = most tensor bytes live at once in "
+        f"a step over those live before it ({'max_memory_allocated' if device.type == 'cuda' else 'from the CPU allocator events'})"
+        + ("; RSS MB = the same from the process RSS high-water mark" if device.type == "cpu" else "")
     )
     results: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
