@@ -204,8 +204,10 @@ class PrivateStepEngine:
         ctx = self._context(batch)
         weighed = self.sampler.weigh(grad_samples, ctx)
         if weighed is None:
+            grad_samples.release_on_sum = self.clipping.sums_once  # free each layer as it is summed
             sums = self.clipping.clip_and_sum(grad_samples, ctx)
         else:  # the sampler bounds each contribution itself (importance sampling)
+            grad_samples.release_on_sum = True  # this sum is their last use
             sums = weighted_sum(grad_samples, weighed[0])
             ctx.extras["sensitivity"] = weighed[1]
         self.grads.clear()

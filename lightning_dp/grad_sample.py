@@ -69,14 +69,28 @@ class Record:
     backprops: Tensor | None
     norms: dict[nn.Parameter, Tensor] | None = None
     cache: fast_clipping.Cache = field(default_factory=dict)
+    spent: bool = False
+    """Everything but the norms dropped after the step's clipped sum (see ``release_on_sum``)."""
 
     @property
     def released(self) -> bool:
         return self.backprops is None
 
+    def spend(self) -> None:
+        """Drop the inputs, output gradient and cached per-example gradients: the sum is done."""
+        self.activations, self.backprops, self.cache, self.spent = [], None, {}, True
+
+    def _check_unspent(self) -> None:
+        if self.spent:
+            raise RuntimeError(
+                f"The per-example gradients of {type(self.module).__name__} were freed after the step's "
+                "clipped sum; a clipping slot must take one weighted sum per step."
+            )
+
     def sq_norms(self) -> dict[nn.Parameter, Tensor]:
         """Raw per-example squared norms of each parameter (computed once, cached materialisations kept)."""
         if self.norms is None:
+            self._check_unspent()
             assert self.backprops is not None
             self.norms = fast_clipping.sq_norms(self.module, self.activations, self.backprops, self.cache)
         return self.norms
@@ -88,6 +102,7 @@ class Record:
 
     def samples(self, scale: float) -> dict[nn.Parameter, Tensor]:
         """The layer's per-example gradients [B, *shape] (scaled), from the cache or Opacus's formula."""
+        self._check_unspent()
         if self.released:
             return {p: g * scale for p, g in self.cache.items()}
         assert self.backprops is not None
@@ -95,6 +110,7 @@ class Record:
 
     def take(self, rows: Tensor) -> Record:
         """The same record restricted to batch rows ``rows``."""
+        self._check_unspent()
         return Record(
             self.module,
             [_take(a, rows) for a in self.activations],
@@ -128,6 +144,9 @@ class PerExampleGradients(Sequence[Tensor]):
         self._materialized = materialized
         self._records = records
         self._full: list[Tensor] | None = None
+        self.release_on_sum = False
+        """Set by the engine when the next ``weighted_sum`` is the step's last use of the per-example
+        terms: each layer's are then freed as soon as its sum is taken, which lowers the step's peak."""
 
     def __len__(self) -> int:
         return len(self.params)
@@ -171,23 +190,28 @@ class PerExampleGradients(Sequence[Tensor]):
         weights = weights * self.scale
         rows = _sparse_rows(weights)
         for record in self._records:
-            if rows is not None:  # reductions over the weighted rows only
-                record, w = record.take(rows), weights[rows]
-            else:
-                w = weights
-            if record.released:  # the cache holds every per-example gradient of the layer
-                layer_sums = fast_clipping.materialized_weighted_grad(record.cache, w)
-            else:
-                assert record.backprops is not None
-                layer_sums = fast_clipping.weighted_grad(
-                    record.module, record.activations, record.backprops, w, record.cache
-                )
+            layer_sums = _layer_weighted_sum(record, weights, rows)
+            if self.release_on_sum:
+                record.spend()
             for p, value in layer_sums.items():
                 sums[p] = value if p not in sums else sums[p] + value
         return [
             sums[p] if p in sums else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
             for p in self.params
         ]
+
+
+def _layer_weighted_sum(record: Record, weights: Tensor, rows: Tensor | None) -> dict[nn.Parameter, Tensor]:
+    """Σ_i w_i g_i of one fast-path layer call (raw scale), over ``rows`` only when given."""
+    if rows is not None:  # reductions over the weighted rows only
+        record, weights = record.take(rows), weights[rows]
+    record._check_unspent()
+    if record.released:  # the cache holds every per-example gradient of the layer
+        return fast_clipping.materialized_weighted_grad(record.cache, weights)
+    assert record.backprops is not None
+    return fast_clipping.weighted_grad(
+        record.module, record.activations, record.backprops, weights, record.cache
+    )
 
 
 SPARSE_FRACTION = 0.5

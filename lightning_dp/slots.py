@@ -120,8 +120,27 @@ class Sampler(_Stateful, ABC):
     num_samples: int = 0
 
 
+ClipAndSum = Callable[..., list[Tensor]]
+
+
+def sums_once(clip_and_sum: ClipAndSum) -> ClipAndSum:
+    """Mark a ``clip_and_sum`` that reads the per-example gradients no more after its one weighted sum.
+
+    The engine then frees each layer's inputs, output gradients and cached per-example gradients as
+    that sum takes them, which lowers the step's peak memory. An override is unmarked unless it is
+    decorated too, so a subclass that inspects the gradients after the sum keeps working.
+    """
+    clip_and_sum.sums_once = True  # type: ignore[attr-defined]
+    return clip_and_sum
+
+
 class Clipping(_Stateful, ABC):
     """How each per-example gradient is bounded before the noisy sum is released."""
+
+    @property
+    def sums_once(self) -> bool:
+        """Whether this class's ``clip_and_sum`` is marked with :func:`sums_once`."""
+        return bool(getattr(type(self).clip_and_sum, "sums_once", False))
 
     def setup(self, params: Sequence[Tensor]) -> None:
         """Called once the trainable parameters are known (allocate per-coordinate state here)."""

@@ -500,3 +500,26 @@ def test_linear_weighted_grad_is_much_faster_than_materialising() -> None:
     fast()
     t_fast, t_mat = best(fast, 5), best(materialised, 2)
     assert t_mat >= 5 * t_fast, (t_fast, t_mat)
+
+
+@pytest.mark.parametrize("B", [0, 1, 5])
+@pytest.mark.parametrize("case", ["linear-2d", "linear-seq-gram", "linear-4d-gram"])
+def test_linear_sum_folds_a_chunk_of_examples_at_a_time(case: str, B: int, monkeypatch) -> None:
+    """The clipped sum of a Linear accumulates w_i·δ_i chunk by chunk (uneven chunks here: 2 examples
+    each), with the same result, the NaN masking included, as folding the whole batch at once."""
+    layer = make_layer(CASES[case][0], B)
+    x = CASES[case][1](B, torch.Generator().manual_seed(B))
+    activations, backprops, _ = capture(layer, x)
+    weights = torch.rand(B, generator=torch.Generator().manual_seed(1))
+    if B > 1:
+        activations[0][1], backprops[1], weights[1] = float("nan"), float("inf"), 0.0
+    one_pass = fc.weighted_grad(layer, activations, backprops, weights)
+    monkeypatch.setattr(fc, "FOLD_FLOATS", 2 * backprops[:1].numel() if B else 1)
+    folds: list[int] = []
+    original = fc._fold
+    monkeypatch.setattr(fc, "_fold", lambda w, d: folds.append(d.shape[0]) or original(w, d))
+    chunked = fc.weighted_grad(layer, activations, backprops, weights)
+    assert folds == ([2] * (B // 2) + [B % 2] * (B % 2) if B else [0])
+    for p, value in one_pass.items():
+        assert torch.isfinite(chunked[p]).all()
+        torch.testing.assert_close(chunked[p], value, rtol=1e-5, atol=1e-6)

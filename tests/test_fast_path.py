@@ -11,7 +11,7 @@ from conftest import TinyModule, make_trainer
 from opacus.grad_sample import GradSampleHooks
 from torch import nn
 
-from lightning_dp import DPStrategy
+from lightning_dp import DPStrategy, FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.grad_sample import PerSampleGradients
 
@@ -313,3 +313,53 @@ def test_two_backward_passes_before_collect_add_up_per_example(name):
     once, _ = reference.collect()
     for got, want in zip(twice.materialize(), once.materialize(), strict=True):
         torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_steps_sum_frees_each_layer_and_a_second_sum_is_refused():
+    """With ``release_on_sum`` (set by the engine for the step's clipped sum) each layer's inputs,
+    output gradient and cached per-example gradients are freed once its sum is taken; the norms stay,
+    and anything that would need the freed terms raises instead of summing nothing."""
+    torch.manual_seed(0)
+    model = SequenceStack()
+    grads = PerSampleGradients(model, mode="fast")
+    grads.skip_param_grads = True
+    x, y = torch.randn(6, 4, 6), torch.randint(0, 3, (6,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    per_example, batch = grads.collect()
+    norms = per_example.sq_norms()
+    per_example.release_on_sum = True
+    per_example.weighted_sum(torch.ones(batch))
+    assert all(r.spent and r.backprops is None and not r.cache and not r.activations for r in grads.records)
+    torch.testing.assert_close(per_example.sq_norms(), norms)
+    for use in (lambda: per_example.weighted_sum(torch.ones(batch)), per_example.materialize):
+        with pytest.raises(RuntimeError, match="freed after the step's clipped sum"):
+            use()
+
+
+def test_the_engine_frees_per_example_terms_in_its_last_sum_only(monkeypatch):
+    """The first step's consistency check sums once before the clipped sum: only the clipped sum frees."""
+    from lightning_dp.grad_sample import PerExampleGradients
+
+    flags: list[bool] = []
+    original = PerExampleGradients.weighted_sum
+
+    def spy(self, weights):
+        flags.append(self.release_on_sum)
+        return original(self, weights)
+
+    monkeypatch.setattr(PerExampleGradients, "weighted_sum", spy)
+    make_trainer(DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3), max_steps=3).fit(TinyModule())
+    assert flags == [False, True, True, True]
+
+    class Peeking(FlatClipping):  # reads the per-example gradients again after its sum
+        def clip_and_sum(self, grad_samples, ctx):
+            total = super().clip_and_sum(grad_samples, ctx)
+            ctx.extras["first"] = grad_samples[0][:1].clone()
+            return total
+
+    assert FlatClipping().sums_once
+    assert not Peeking().sums_once
+    flags.clear()
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, clipping=Peeking())
+    make_trainer(strategy, max_steps=3).fit(TinyModule())
+    assert flags == [False, False, False, False]

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
 from lightning_dp.fast_clipping import materialized_sq_norm
 from lightning_dp.grad_sample import PerExampleGradients
-from lightning_dp.slots import Clipping, StepContext
+from lightning_dp.slots import Clipping, StepContext, sums_once
 
 VarianceMode = Literal["per_example", "literal"]
 
@@ -181,6 +181,7 @@ class AdaCliP(Clipping):
         self.s = [torch.full(p.shape, self.init_std, dtype=torch.float32, device=p.device) for p in params]
 
     # -- the step ---------------------------------------------------------------------------------
+    @sums_once
     def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
         """Σ_k clip_1((g_k − a)/b): the transformed, clipped sum that the noise is added to."""
         self._b = adaclip_scale(self.s, self.gamma)

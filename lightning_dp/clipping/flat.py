@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lightning_dp.fast_clipping import materialized_sq_norm, materialized_weighted
 from lightning_dp.grad_sample import PerExampleGradients
-from lightning_dp.slots import Clipping, StepContext
+from lightning_dp.slots import Clipping, StepContext, sums_once
 
 
 def per_sample_norms(grad_samples: Sequence[Tensor]) -> Tensor:
@@ -42,6 +42,7 @@ def weighted_sum(grad_samples: Sequence[Tensor], weights: Tensor) -> list[Tensor
 class FlatClipping(Clipping):
     """DP-SGD's clipping: every example's contribution has L2 norm ≤ ``max_grad_norm``."""
 
+    @sums_once
     def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
         norms = per_sample_norms(grad_samples)
         ctx.extras["per_sample_norms"] = norms

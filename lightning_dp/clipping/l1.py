@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
 from lightning_dp.grad_sample import PerExampleGradients
-from lightning_dp.slots import Clipping, StepContext
+from lightning_dp.slots import Clipping, StepContext, sums_once
 
 
 def per_sample_l1_norms(grad_samples: Sequence[Tensor]) -> Tensor:
@@ -31,6 +31,7 @@ class L1Clipping(Clipping):
 
     mechanism = "laplace"
 
+    @sums_once
     def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
         norms = per_sample_l1_norms(grad_samples)
         ctx.extras["per_sample_l1_norms"] = norms
