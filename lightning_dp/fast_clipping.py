@@ -402,8 +402,8 @@ def _conv_inputs(layer: _Conv, x: Tensor, backprops: Tensor) -> tuple[Tensor, Te
     return _conv_patches(layer, x), d.transpose(2, 3)
 
 
-ConvMethod = Literal["gram", "position-gram", "unfold", "grouped"]
-CONV_METHODS: tuple[ConvMethod, ...] = ("gram", "position-gram", "unfold", "grouped")
+ConvMethod = Literal["gram", "position-gram", "unfold", "grouped", "correlate"]
+CONV_METHODS: tuple[ConvMethod, ...] = ("gram", "position-gram", "unfold", "grouped", "correlate")
 _conv_choice: dict[tuple[Any, ...], ConvMethod] = {}
 _forced_conv_method: ConvMethod | None = None
 
@@ -445,6 +445,38 @@ def _conv_samples_grouped(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
     db = backprops.float().reshape(1, B * backprops.shape[1], *backprops.shape[2:])
     shape = (B * layer.out_channels, *layer.weight.shape[1:])
     return _conv_weight_grad(layer, xb, db, B * layer.groups, shape).view(B, *layer.weight.shape)
+
+
+def _conv_samples_correlate(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example weight gradients [B, *weight.shape] from ONE forward convolution: each example's
+    padded input channel correlated with that example's output gradients as the kernel.
+
+    g[b, o, c, k] = Σ_t δ[b, o, t] · x[b, c, stride·t + dilation·k], a correlation over x whose kernel
+    δ is dilated by the layer's stride and which steps by the layer's dilation; one group per (example,
+    input channel). oneDNN runs this forward convolution 2× faster than the batch-grouped
+    weight-gradient one for a first layer on grey images (CNN conv1: 2.5 vs 5.9 ms). With C/G > 1
+    input channels per group the output gradients are repeated C/G times, so it pays for few channels.
+    """
+    B, G = backprops.shape[0], layer.groups
+    if B == 0:
+        return backprops.new_zeros((0, *layer.weight.shape), dtype=torch.float32)
+    C, K = layer.in_channels, layer.kernel_size
+    cg, og, out = C // G, layer.out_channels // G, backprops.shape[2:]
+    xp = _conv_padded_input(layer, x)
+    kernels = (
+        backprops.float().reshape(B, G, 1, og, *out).expand(B, G, cg, og, *out).reshape(B * C * og, 1, *out)
+    )
+    conv = F.conv1d if isinstance(layer, nn.Conv1d) else F.conv2d
+    full = conv(
+        xp.reshape(1, B * C, *xp.shape[2:]),
+        kernels,
+        stride=layer.dilation,
+        dilation=layer.stride,
+        groups=B * C,
+    )
+    first_k: tuple[Any, ...] = (0, slice(None), *(slice(0, k) for k in K))
+    g = full[first_k]  # [B·C·og, *kernel] in (example, group, input channel, output channel) order
+    return g.reshape(B, G, cg, og, *K).transpose(2, 3).reshape(B, *layer.weight.shape)
 
 
 def _conv_samples_unfold(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
@@ -564,8 +596,10 @@ def _conv_costs(layer: _Conv, x: Tensor, backprops: Tensor) -> dict[ConvMethod, 
     patches = COPY_COST * G * L * p
     # XᵀX over the unpadded input when zero padding is added to M afterwards
     positions = math.prod(x.shape[2:]) if layer.padding_mode == "zeros" else _padded_positions(layer, x)
+    cg = layer.in_channels // G
     return {
         "grouped": per_example,
+        "correlate": per_example + (COPY_COST * cg * G * L * o if cg > 1 else 0),  # repeated δ
         "unfold": per_example + patches,
         "gram": G * L * L * (p + o) + patches,
         "position-gram": positions**2 * layer.in_channels + G * L * L * (STRIDED_ADD_COST * K + o),
@@ -608,13 +642,14 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     return choice
 
 
-_MATERIALISING: tuple[ConvMethod, ...] = ("unfold", "grouped")
+_MATERIALISING: tuple[ConvMethod, ...] = ("unfold", "grouped", "correlate")
 """Methods returning per-example gradients [B, *weight.shape] (kept for the sum); the others return norms."""
 _CONV_NORMS: dict[ConvMethod, Callable[[_Conv, Tensor, Tensor], Tensor]] = {
     "gram": _conv_gram,
     "position-gram": _conv_position_gram,
     "unfold": _conv_samples_unfold,
     "grouped": _conv_samples_grouped,
+    "correlate": _conv_samples_correlate,
 }
 
 
