@@ -146,6 +146,12 @@ CASES: dict[str, tuple[LayerFactory, InputFactory]] = {
         randn(2, 7, 6),
     ),
     "conv2d-nobias": (lambda: nn.Conv2d(3, 2, 2, stride=2, bias=False), randn(3, 6, 6)),
+    # stride dividing the kernel (the MNIST CNN's conv2), odd sizes, groups with reflect padding
+    "conv2d-stride-divides-kernel": (lambda: nn.Conv2d(3, 4, 4, stride=2, padding=1), randn(3, 9, 8)),
+    "conv1d-stride-divides-kernel-groups-reflect": (
+        lambda: nn.Conv1d(4, 6, 4, stride=2, groups=2, padding=1, padding_mode="reflect"),
+        randn(4, 11),
+    ),
     "conv2d-groups": (lambda: nn.Conv2d(4, 6, 3, groups=2, padding=1), randn(4, 4, 5)),
     "conv2d-same-circular": (
         lambda: nn.Conv2d(2, 2, (2, 3), padding="same", padding_mode="circular"),
