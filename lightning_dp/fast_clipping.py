@@ -610,10 +610,10 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     """The fastest norm method for this layer and input shape within its memory budget, timed once.
 
     The methods give the same norms (up to fp32 rounding), so the choice is a speed decision under a
-    memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold")
-    are allowed only when those fit in what the layer's record already holds
-    (:func:`_saved_per_example`); the two Gram methods work a chunk of examples at a time and are
-    always allowed. Of the allowed methods, those within 3× of the cheapest by the rough estimate of
+    memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold",
+    "correlate") are allowed only when those fit in what the layer's record already holds
+    (:func:`_saved_per_example`), and "correlate" only when its C/G-fold copy of the output gradients
+    does too; the two Gram methods work a chunk of examples at a time and are always allowed. Of the allowed methods, those within 3× of the cheapest by the rough estimate of
     :func:`_conv_costs` are timed; which wins depends on the hardware (unfold copies are cheap on
     GPUs, grouped convolutions with many groups are not always), hence measured rather than
     modelled. Cached per shape excluding the batch size, which Poisson sampling changes every step.
@@ -629,9 +629,13 @@ def _conv_method(layer: _Conv, x: Tensor, backprops: Tensor) -> ConvMethod:
     choice = _conv_choice.get(key)
     if choice is None:
         costs = _conv_costs(layer, x, backprops)
-        if layer.weight.numel() > _saved_per_example(x, backprops):
+        budget = _saved_per_example(x, backprops)
+        if layer.weight.numel() > budget:
             for method in _MATERIALISING:
                 del costs[method]
+        # correlate repeats the output gradients once per input channel of a group
+        if "correlate" in costs and layer.in_channels // layer.groups * backprops[0].numel() > budget:
+            del costs["correlate"]
         cheapest = min(costs.values())
         runs = {
             m: functools.partial(_CONV_NORMS[m], layer, x, backprops)

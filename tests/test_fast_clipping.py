@@ -529,3 +529,37 @@ def test_linear_sum_folds_a_chunk_of_examples_at_a_time(case: str, B: int, monke
     for p, value in one_pass.items():
         assert torch.isfinite(chunked[p]).all()
         torch.testing.assert_close(chunked[p], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape", "allowed"),
+    [
+        # grey first layer: per-example gradients (1024) fit in input + output gradient (784 + 16·169)
+        (nn.Conv2d(1, 16, 8, stride=2, padding=2), (1, 28, 28), {"grouped", "correlate", "unfold"}),
+        # per-example gradients (8192 floats) exceed input + output gradient (2304 + 800): Gram only
+        (nn.Conv2d(16, 32, 4, stride=2), (16, 12, 12), set()),
+        # 3 input channels: gradients fit (432 ≤ 3072 + 16384), but correlate's 3 copies of the
+        # output gradients (49152) do not
+        (nn.Conv2d(3, 16, 3, padding=1), (3, 32, 32), {"grouped", "unfold"}),
+    ],
+)
+def test_conv_methods_that_keep_more_than_the_record_are_never_tried(
+    layer, shape, allowed, monkeypatch
+) -> None:
+    """The memory cap: a method whose per-example gradients (or, for correlate, its copies of the output
+    gradients) exceed what the layer's record holds is not even timed, however fast it might be."""
+    tried: list[set[str]] = []
+
+    def fastest(runs, device, rounds=3):
+        tried.append(set(runs))
+        return next(iter(runs))
+
+    monkeypatch.setattr(fc, "_fastest", fastest)
+    monkeypatch.setattr(fc, "_conv_costs", lambda layer, x, d: dict.fromkeys(fc.CONV_METHODS, 1))
+    fc._conv_choice.clear()
+    activations, backprops, _ = capture(layer, torch.randn(2, *shape))
+    fc.sq_norms(layer, activations, backprops)
+    fc._conv_choice.clear()
+    assert tried, "several methods are allowed, so the timer runs"
+    assert tried[0] & set(fc._MATERIALISING) == allowed
+    assert {"gram", "position-gram"} <= tried[0]
