@@ -311,7 +311,7 @@ class PerSampleGradients:
         }
         self._anchor: Tensor | None = None
         self._uses: Counter[nn.Parameter] = Counter()
-        """How many captured layer calls use each parameter since the last ``clear`` (shared if > 1)."""
+        """How many captured layer calls use each parameter since the last ``collect`` (shared if > 1)."""
         self._handles: list[RemovableHandle] = []
         for _, module in self.layers:
             self._handles.append(module.register_forward_pre_hook(self._freeze))
@@ -383,6 +383,7 @@ class PerSampleGradients:
                 )
         materialized = dict(self.grad_samples)
         records = self._split_shared(materialized, self._scale(batch))
+        self._uses = Counter()  # the next forward starts a new count
         return PerExampleGradients(self.params, batch, materialized, records, self._scale(batch)), batch
 
     def _scale(self, batch: int) -> float:
@@ -405,10 +406,11 @@ class PerSampleGradients:
         return fast
 
     def clear(self) -> None:
+        """Drop what the backward captured. The forward's call counts stay until ``collect``: Lightning
+        calls ``zero_grad`` (and so this) between the forward and the backward."""
         self.grad_samples = {}
         self.records = []
         self.batch_size = None
-        self._uses = Counter()
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -363,3 +363,23 @@ def test_the_engine_frees_per_example_terms_in_its_last_sum_only(monkeypatch):
     strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, clipping=Peeking())
     make_trainer(strategy, max_steps=3).fit(TinyModule())
     assert flags == [False, False, False, False]
+
+
+def test_in_a_lightning_fit_the_backward_hooks_take_the_norms_and_release(monkeypatch):
+    """Lightning calls ``zero_grad`` between ``training_step`` and the backward; the forward's call
+    counts must survive it, or no layer would take its norms in the hook and release its record."""
+    seen: list[tuple[bool, bool]] = []
+    original = PerSampleGradients._accumulate
+
+    def spy(self, module, activations, grad):
+        original(self, module, activations, grad)
+        if self.path_of(module) == "fast":
+            seen.append((self.records[-1].norms is not None, self.records[-1].released))
+
+    monkeypatch.setattr(PerSampleGradients, "_accumulate", spy)
+    torch.manual_seed(0)
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3)
+    make_trainer(strategy, max_steps=3).fit(SequenceModel())
+    assert len(seen) == 3 * 4, "four fast layers, three steps"
+    assert all(eager for eager, _ in seen), "every norm is taken in the backward hook"
+    assert sum(released for _, released in seen) == 3 * 2, "LayerNorm and the sequence Linear release"
