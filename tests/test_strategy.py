@@ -389,3 +389,36 @@ def test_virtual_batching_keeps_epsilon_and_the_clipping_bound():
     assert strategy.epsilon == pytest.approx(
         compute_epsilon(noise_multiplier=1.0, sample_rate=0.25, steps=8, delta=1e-5)
     )
+
+
+def test_only_epsilon_is_logged_between_the_loggers_writes(tmp_path, monkeypatch):
+    """Lightning's log costs about 1 ms a call and loggers receive on-step values only every
+    log_every_n_steps: ε is logged every step (progress bar), the other dp/* metrics on the loggers'
+    steps (and the first), where the CSV then has every one of them."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.loggers import CSVLogger
+
+    calls: list[tuple[int, str]] = []
+    original = LightningModule.log
+
+    def spy(self, name, *args, **kwargs):
+        if name.startswith("dp/"):
+            calls.append((self.trainer.global_step, name))
+        return original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(LightningModule, "log", spy)
+    module = TinyModule(n=256, batch_size=16)  # 16 steps in one epoch
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=1.0, seed=0), tmp_path, logger=CSVLogger(tmp_path), log_every_n_steps=5
+    )
+    trainer.fit(module)
+    steps = sorted({s for s, _ in calls})
+    assert steps == list(range(1, 17)), "ε is logged at every step"
+    full = sorted({s for s, n in calls if n == "dp/delta"})
+    assert full == [1, 5, 10, 15]
+    rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    for row in rows[1:]:
+        values = dict(zip(header, row.split(","), strict=True))
+        if values.get("dp/epsilon"):
+            assert all(values[k] for k in ("dp/delta", "dp/noise_multiplier", "dp/sample_rate", "dp/steps"))
