@@ -78,7 +78,8 @@ class Record:
 
     def spend(self) -> None:
         """Drop the inputs, output gradient and cached per-example gradients: the sum is done."""
-        self.activations, self.backprops, self.cache, self.spent = [], None, {}, True
+        self.activations.clear()  # in place: the backward hook holds the same list
+        self.backprops, self.cache, self.spent = None, {}, True
 
     def _check_unspent(self) -> None:
         if self.spent:
@@ -98,7 +99,8 @@ class Record:
     def release_if_cached(self, params: Sequence[nn.Parameter]) -> None:
         """Drop the inputs and output gradient when ``cache`` holds every one of ``params``."""
         if all(p in self.cache for p in params):
-            self.activations, self.backprops = [], None
+            self.activations.clear()  # in place: the backward hook holds the same list
+            self.backprops = None
 
     def samples(self, scale: float) -> dict[nn.Parameter, Tensor]:
         """The layer's per-example gradients [B, *shape] (scaled), from the cache or Opacus's formula."""
@@ -351,13 +353,20 @@ class PerSampleGradients:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
         self._uses.update(self._own[module])
-        # The hook lives on the autograd graph, which the loss keeps alive after backward: hand the
-        # inputs over through a box the hook empties, so a released record really frees them.
-        box = [[t.detach() if isinstance(t, Tensor) else t for t in inputs]]
-        output.register_hook(lambda grad: self._accumulate(module, box.pop() if box else [], grad))
+        # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
+        # shares this list and empties it when it releases or spends its inputs, so they are freed.
+        activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
+        count = len(activations)
+        output.register_hook(lambda grad: self._accumulate(module, activations, grad, count))
         return output
 
-    def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor) -> None:
+    def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor, count: int) -> None:
+        if len(activations) < count:  # freed by an earlier backward through the same forward
+            raise RuntimeError(
+                f"A second backward through the same forward reached {type(module).__name__}, whose inputs "
+                "the first one already freed; private training needs one backward per forward "
+                "(no retain_graph=True)."
+            )
         batch = grad.shape[0]
         if self.path_of(module) == "fast":
             record = Record(module, activations, grad.detach())

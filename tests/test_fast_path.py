@@ -371,8 +371,8 @@ def test_in_a_lightning_fit_the_backward_hooks_take_the_norms_and_release(monkey
     seen: list[tuple[bool, bool]] = []
     original = PerSampleGradients._accumulate
 
-    def spy(self, module, activations, grad):
-        original(self, module, activations, grad)
+    def spy(self, module, activations, grad, count):
+        original(self, module, activations, grad, count)
         if self.path_of(module) == "fast":
             seen.append((self.records[-1].norms is not None, self.records[-1].released))
 
@@ -383,3 +383,33 @@ def test_in_a_lightning_fit_the_backward_hooks_take_the_norms_and_release(monkey
     assert len(seen) == 3 * 4, "four fast layers, three steps"
     assert all(eager for eager, _ in seen), "every norm is taken in the backward hook"
     assert sum(released for _, released in seen) == 3 * 2, "LayerNorm and the sequence Linear release"
+
+
+def test_a_second_backward_through_the_same_forward():
+    """retain_graph: a layer whose record kept its inputs is reached twice and materialised (each
+    example gets the sum of both gradients); one whose inputs the first backward already released
+    cannot be, and says so instead of failing inside a kernel."""
+    torch.manual_seed(0)
+    mlp = TinyModule()  # Linears on single vectors: their records keep their inputs
+    x, y = mlp.x[:8], mlp.y[:8]
+    grads = PerSampleGradients(mlp.net, mode="fast")
+    grads.skip_param_grads = True
+    loss = torch.nn.functional.cross_entropy(mlp(x), y)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    twice, _ = grads.collect()
+    grads.remove()
+    reference = PerSampleGradients(mlp.net, mode="materialize")
+    torch.nn.functional.cross_entropy(mlp(x), y).backward()
+    once, _ = reference.collect()
+    for got, want in zip(twice.materialize(), once.materialize(), strict=True):
+        torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)
+    reference.remove()
+
+    stack = SequenceStack()
+    grads = PerSampleGradients(stack, mode="fast")
+    grads.skip_param_grads = True
+    loss = torch.nn.functional.cross_entropy(stack(torch.randn(4, 3, 6)), torch.randint(0, 3, (4,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same forward"):
+        loss.backward()
