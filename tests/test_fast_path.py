@@ -306,11 +306,17 @@ def test_two_backward_passes_before_collect_add_up_per_example(name):
     for _ in range(2):
         torch.nn.functional.cross_entropy(model(x), y).backward()
     assert any(r.released for r in grads.records), "the first pass must release some records"
+    assert_twice_one_pass(grads, model, x, y)
+
+
+def assert_twice_one_pass(grads, model, x, y):
+    """What ``grads`` collected is, per example, twice one materialised pass of ``model`` on (x, y)."""
     twice, _ = grads.collect()
     grads.remove()
     reference = PerSampleGradients(model.net, mode="materialize")
     torch.nn.functional.cross_entropy(model(x), y).backward()
     once, _ = reference.collect()
+    reference.remove()
     for got, want in zip(twice.materialize(), once.materialize(), strict=True):
         torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)
 
@@ -397,14 +403,7 @@ def test_a_second_backward_through_the_same_forward():
     loss = torch.nn.functional.cross_entropy(mlp(x), y)
     loss.backward(retain_graph=True)
     loss.backward()
-    twice, _ = grads.collect()
-    grads.remove()
-    reference = PerSampleGradients(mlp.net, mode="materialize")
-    torch.nn.functional.cross_entropy(mlp(x), y).backward()
-    once, _ = reference.collect()
-    for got, want in zip(twice.materialize(), once.materialize(), strict=True):
-        torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)
-    reference.remove()
+    assert_twice_one_pass(grads, mlp, x, y)
 
     stack = SequenceStack()
     grads = PerSampleGradients(stack, mode="fast")
