@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
+from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.clipping.flat import weighted_sum
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import GradMode, PerSampleGradients
@@ -152,11 +153,20 @@ class PrivateStepEngine:
         return None if sigma is None else self.step_slot.gradient_event(self.sampler, sigma)
 
     def affordable_steps(self) -> int | None:
-        """How many more steps fit under ``target_epsilon`` (None when there is no target)."""
+        """How many more steps fit under ``target_epsilon`` (None when there is no target).
+
+        Releases the sampler must make before the next step (DPIS's epoch statistics) are priced first:
+        when they and one step do not fit, the answer is 0, so training stops before any of them.
+        """
         event = self.next_event() if self.target_epsilon is not None else None
         if event is None or self.target_epsilon is None:
             return None
-        return int(self.ledger.affordable_count(event, self.target_epsilon))
+        return int(affordable_after(self.ledger, self.sampler.pending_events(), event, self.target_epsilon))
+
+    @property
+    def release_name(self) -> str:
+        """How budget errors name this engine's gradient release (the slots that make it)."""
+        return f"the private gradient step ({self.sampler.name}, {self.clipping.name}, {self.step_slot.name})"
 
     def example_norms(self, batches: Any, loss_fn: Callable[[Any], Tensor]) -> Tensor:
         """Per-example gradient norms (fp64, CPU) over ``batches`` at the current weights.
@@ -295,12 +305,14 @@ class PrivateStepEngine:
         self._partial, self._partial_batch = None, 0
         spent = self.ledger.epsilon()
         raise BudgetExceededError(
-            f"Privacy budget exhausted: ε={spent:.4g} spent of target {target:g}; one more step would exceed it.",
+            f"Privacy budget exhausted: ε={spent:.4g} spent of target {target:g}; one more release of "
+            f"{self.release_name} would exceed it.",
             spent=spent,
             target=target,
             would_be=self.ledger.epsilon_if(event),
             event=event,
             count=1,
+            mechanism=self.release_name,
         )
 
     def _check_consistency(

@@ -6,6 +6,8 @@ import json
 import os
 from typing import Any
 
+from lightning_dp.accounting import PrivacyFilter
+
 REPORT_NAME = "privacy_report.json"
 CURVE_NAME = "privacy_curve.png"
 
@@ -40,6 +42,15 @@ def privacy_report(
         "stopped_on_budget": stopped_on_budget,
         "lightning_dp_version": __version__,
     }
+    if isinstance(engine.ledger, PrivacyFilter):
+        # Adaptively chosen releases: the guarantee is the budget fixed in advance (the filter's target);
+        # the composition of what happened to be released is an odometer reading beside it.
+        data["epsilon"] = float(engine.ledger.target_epsilon)
+        data["epsilon_kind"] = "privacy filter: epsilon is the guarantee (the budget fixed in advance)"
+        data["realised_epsilon"] = float(epsilon)
+        data["realised_epsilon_kind"] = (
+            "odometer: the composition of the releases this run made; not a guarantee by itself"
+        )
     if test_metrics:
         data["test_metrics"] = dict(test_metrics)
         for key in ("test_acc", "test_accuracy"):
@@ -80,11 +91,14 @@ def plot_curve(ledger: Any, path: str, data: dict[str, Any]) -> None:
 
     curve = ledger.epsilon_curve()
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    filtered = "realised_epsilon" in data
     if curve:
         steps, eps = zip(*curve, strict=True)
-        ax.plot(steps, eps, label=f"ε spent ({data['accountant']})")
+        spent = "realised ε (odometer)" if filtered else "ε spent"
+        ax.plot(steps, eps, label=f"{spent} ({data['accountant']})")
     if data.get("target_epsilon") is not None:
-        ax.axhline(data["target_epsilon"], linestyle="--", color="grey", label="target ε")
+        target = "guaranteed ε (filter budget)" if filtered else "target ε"
+        ax.axhline(data["target_epsilon"], linestyle="--", color="grey", label=target)
     ax.set_xlabel("step")
     ax.set_ylabel(f"ε at δ={data['delta']:g}")
     ax.set_title(f"{data['sampler']} · {data['clipping']} · σ={data['noise_multiplier'] or 0:.3g}")

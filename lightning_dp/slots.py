@@ -95,6 +95,11 @@ class Sampler(_Stateful, ABC):
         """σ of the next step for samplers with ``schedules_noise`` (None: not known yet)."""
         return None
 
+    def pending_events(self) -> list[PrivacyEvent]:
+        """Releases this sampler must make before the next step can run (DPIS's statistics at an epoch
+        start); the budget stop prices them together with the step, so it stops before them. Default: none."""
+        return []
+
     def weigh(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> tuple[Tensor, float] | None:
         """Per-example weights w and the L2 sensitivity of Σ w_i g_i, for samplers whose inclusion
         probabilities depend on the gradients (DPIS). None (default): the clipping slot bounds them."""

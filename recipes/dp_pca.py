@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dp.accounting import Gaussian, PrivacyEvent, PrivacyLedger
+from lightning_dp.accounting import Gaussian, PrivacyEvent, PrivacyLedger, charge
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.rng import make_generator
@@ -135,10 +135,11 @@ class DPPCAClassifier(ImageClassifier):
         strategy: Any = trainer.strategy
         ledger = getattr(strategy, "ledger", None)
         seed = strategy.engine.seed if ledger is not None else None
+        if ledger is not None:  # check-before-spend: priced (or refused) before the projection is computed
+            charge(ledger, self.pca_event, strategy.engine.target_epsilon, mechanism="DP-PCA projection")
         self.fit_projection(x, make_generator(seed, stream="dp_pca"))
         if ledger is None:  # non-private training: the projection is still DP, but nothing else is
             return
-        ledger.record(self.pca_event)
         noise = strategy.engine.noise
         if isinstance(noise, ComposedNoise):
             noise.preceding = ledger.history

@@ -9,6 +9,7 @@ Typical use::
     ledger.spend(PoissonGaussian(sigma, 0.04), target_epsilon=8)   # raises BudgetExceededError if over
 """
 
+from .budget import charge
 from .calibrate import calibrate_noise, compute_epsilon
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .filter import PrivacyFilter
@@ -45,6 +46,7 @@ __all__ = [
     "PureDP",
     "SubsampledLaplace",
     "calibrate_noise",
+    "charge",
     "compute_epsilon",
     "epsilon_from_rdp",
     "epsilon_from_rho",

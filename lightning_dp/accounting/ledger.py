@@ -30,7 +30,15 @@ class BudgetExceededError(RuntimeError):
     """Raised by :meth:`PrivacyLedger.spend` when spending would push ε above the target."""
 
     def __init__(
-        self, message: str, *, spent: float, target: float, would_be: float, event: PrivacyEvent, count: int
+        self,
+        message: str,
+        *,
+        spent: float,
+        target: float,
+        would_be: float,
+        event: PrivacyEvent,
+        count: int,
+        mechanism: str | None = None,
     ) -> None:
         """Keep the numbers so callers (e.g. a training loop) can log or react without parsing text."""
         super().__init__(message)
@@ -39,6 +47,8 @@ class BudgetExceededError(RuntimeError):
         self.would_be = would_be
         self.event = event
         self.count = count
+        self.mechanism = mechanism
+        """The mechanism whose release was refused (e.g. "DPIS K~ statistic"), when the caller named it."""
 
 
 def _check_count(count: Any) -> int:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent
+from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent, charge
 from lightning_dp.accounting.rdp import epsilon_from_rdp
 from lightning_dp.batch_info import IndicesWithInfo
 from lightning_dp.clipping.flat import FlatClipping, per_sample_norms
@@ -303,13 +303,13 @@ class DPIS(Sampler):
         n = self.num_samples
         if self.n_tilde is None:
             self._check_aux_affordable()
-            runtime.ledger.record(Gaussian(self.sigma_n))
+            self._charge(Gaussian(self.sigma_n), "N~")
             n_tilde = self._release(float(n) if self.rank == 0 else 0.0, self.sigma_n)
             self.n_tilde = max(n_tilde, self.k * self.batch_size + 1.0)
         assert self.clip is not None
         c_star = self.C_star_arg if self.C_star_arg is not None else 4 * runtime.max_grad_norm
         if self.adaptive_clipping and self.epochs:
-            runtime.ledger.record(Gaussian(self.sigma_k))
+            self._charge(Gaussian(self.sigma_k), "K~*")
             k_star = self._release(float(self.gstar[self.share].sum()), self.sigma_k * c_star)
             k_star = min(max(k_star, 0.0), self.n_tilde * c_star)
             self.clip = max(self.lam * k_star / self.n_tilde, 1e-3 * runtime.max_grad_norm)
@@ -319,7 +319,7 @@ class DPIS(Sampler):
         c = norms.clamp(max=clip)
         self.ghat[self.share] = self.k * c.clamp(min=self.g_L * clip)
         self.gstar[self.share] = norms.clamp(max=c_star)
-        runtime.ledger.record(Gaussian(self.sigma_k))
+        self._charge(Gaussian(self.sigma_k), "K~")
         k_noisy = self._release(float(c.sum()), self.sigma_k * clip)
         lower = self.k * self.batch_size * clip + self.xi * clip
         k_tilde = min(max(k_noisy, lower), self.n_tilde * clip)
@@ -330,6 +330,23 @@ class DPIS(Sampler):
         self.epochs.append(self.current)
         self.consumed = 0
         self._update_rate()
+
+    def _charge(self, event: Gaussian, statistic: str) -> None:
+        """Check-before-spend for one released statistic (before it is computed); a refusal names it."""
+        runtime = self.runtime
+        assert runtime is not None
+        charge(runtime.ledger, event, runtime.target_epsilon, mechanism=f"DPIS's {statistic} statistic")
+
+    def pending_events(self) -> list[PrivacyEvent]:
+        """At an epoch boundary the next step first needs this epoch's statistics (N~ once, K~*, K~)."""
+        if self.runtime is None or (
+            self.current is not None and self.consumed < self.runtime.steps_per_epoch
+        ):
+            return []
+        events: list[PrivacyEvent] = [] if self.n_tilde is not None else [Gaussian(self.sigma_n)]
+        if self.adaptive_clipping and self.epochs:
+            events.append(Gaussian(self.sigma_k))
+        return [*events, Gaussian(self.sigma_k)]
 
     def _plan(self) -> tuple[int, int]:
         """(steps per epoch T, planned epochs E) from the Trainer's plan."""

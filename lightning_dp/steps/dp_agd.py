@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dp.accounting import NoisyMin, PrivacyFilter, rho_from_epsilon
+from lightning_dp.accounting import NoisyMin, PrivacyFilter, charge, rho_from_epsilon
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
@@ -228,7 +228,7 @@ class AdaptiveGD(Step):
             if engine.all_reduce is not None:
                 scores = engine.all_reduce([scores])[0]
             scores = scores + self._penalty(params, direction, grid, ctx)
-            ledger.spend(event)
+            charge(ledger, event, None, mechanism="AdaptiveGD's NoisyMin step-size selection")
             self.noisy_min_calls += 1
             index = self._select(scores, ctx.generator)
             if index > 0:
@@ -243,7 +243,7 @@ class AdaptiveGD(Step):
             if not ledger.can_afford(extra):
                 self.exhausted = True
                 break
-            ledger.spend(extra)
+            charge(ledger, extra, None, mechanism="AdaptiveGD's gradient re-measurement")
             again = self._measure(sums, rho_new - precision, ctx)
             estimate = grad_avg(estimate, precision, again, rho_new)
             precision = self.rho_ng = rho_new

@@ -29,7 +29,7 @@ from scipy.special import gammaln, logsumexp
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from lightning_dp.accounting import PrivacyEvent
+from lightning_dp.accounting import PrivacyEvent, charge
 from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, pure_dp_rdp
 from lightning_dp.errors import DPConfigurationError
@@ -618,6 +618,14 @@ class LineSearch(Step):
             raise DPConfigurationError(
                 "LineSearch prices sparse-vector searches in RDP: use accountant='rdp'."
             )
+        if self.mode == "adaptive" and engine.target_epsilon is None:
+            raise DPConfigurationError(
+                "LineSearch(mode='adaptive') chooses its releases from earlier noisy results (CHEB raises ρ_grad "
+                "and the search budget after a failed search), so the composition of what it happened to release "
+                "is not a privacy guarantee: only a budget fixed in advance is (a privacy filter, Feldman & Zrnic "
+                "2021). Give target_epsilon=... (noise_multiplier may stay as the starting σ), or use "
+                "LineSearch(mode='nn'), whose per-iteration cost is fixed."
+            )
         engine.noise = LineSearchNoise(self)
         if self._given_sigma is not None:
             if self._given_sigma <= 0:
@@ -776,8 +784,11 @@ class LineSearch(Step):
         engine = self.engine
         assert self.search_budget is not None
         event = None if self._joint else self.svt_event()
-        if event is not None and not self._can_afford(event):
-            return None
+        if event is not None:
+            if not self._can_afford(event):
+                return None
+            # Priced before the search reads the data: check-before-spend, then the release.
+            charge(engine.ledger, event, engine.target_epsilon, mechanism="LineSearch's sparse-vector search")
         params = engine.params
         mu = self.weight_decay
         with torch.no_grad():
@@ -828,8 +839,6 @@ class LineSearch(Step):
         if engine.world_size > 1:
             eta, index = self._broadcast([result.eta, float(result.index)])
             result = SearchResult(eta, int(index), self.max_it + 1)
-        if event is not None:
-            engine.ledger.record(event)
         self.stats["searches"] += 1
         if result.index == 0:
             self.stats["failures"] += 1
