@@ -109,9 +109,9 @@ def make_step(method: str, alpha: float, problem: LogRegProblem) -> Any:
     if method == "DP-GD":
         return HeavyBall(beta=0.0)
     if method == "DP-HB":
-        return HeavyBall(beta=beta)
+        return HeavyBall(beta=beta, step_size="paper")  # the optimizer lr is the paper's α
     if method in ("DP-NAG", "DP-NAG-opt"):
-        return Nesterov(momentum=beta)
+        return Nesterov(momentum=beta, step_size="paper")
     return MultiStageNesterov(lr=alpha, mu=problem.mu, L=problem.smoothness)
 
 

@@ -56,7 +56,9 @@ def run(
     seed_everything(seed, verbose=False)
     lr = method_lr(method, args)
     model = ImageClassifier(arch="tramer_boneh_cnn", activation="tanh", optimizer="sgd", lr=lr, momentum=0.0)
-    step = None if method.startswith("DP-SGD") else HeavyBall(beta=args.beta)  # takes lr from the optimizer
+    step = (
+        None if method.startswith("DP-SGD") else HeavyBall(beta=args.beta, step_size="paper")
+    )  # α = the optimizer lr
     strategy = DPStrategy(target_epsilon=epsilon, delta=1e-5, max_grad_norm=args.clip, step=step, seed=seed)
     log_dir = tempfile.TemporaryDirectory()  # the privacy report is written there, not into the cwd
     trainer = Trainer(

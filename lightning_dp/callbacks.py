@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_dp.report import privacy_report, write_report
+from lightning_dp.run_length import warn_if_budget_left, warn_on_minibatch_adaptive_step
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,11 @@ class PrivacyCallback(Callback):
         return out
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        warn_on_minibatch_adaptive_step(dp_strategy_of(trainer).engine)
         self._stop_if_spent(trainer)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        warn_if_budget_left(trainer, dp_strategy_of(trainer).engine, self.stopped_on_budget)
 
     def _stop_if_spent(self, trainer: Trainer) -> None:
         """Stop before the next step when the target cannot pay for it (also right after a resume)."""

@@ -220,6 +220,13 @@ class Step(_Stateful):
     """True: the engine also passes the clipped (pre-noise, this rank's) and the released noisy sums in
     ``ctx.extras["clipped_sums"]`` / ``ctx.extras["noisy_sums"]`` (steps that re-measure or rescale them)."""
 
+    spends_until_budget: bool = False
+    """True for steps whose run length is set by their budget, not by a plan (DP-AGD, the adaptive line
+    search): the Trainer's step limit should not stop them first (a warning says so when it does)."""
+    charges_unsampled: bool = False
+    """True for steps whose privacy filter charges a subsampled measurement as unsampled (zCDP): a
+    minibatch then buys no amplification (a warning says so at fit start)."""
+
     def bind(self, engine: Any) -> None:
         """Called once by the engine that drives this step. Steps that release more than the gradient
         (line searches, noisy step-size selection) install their noise rule or privacy filter here."""

@@ -142,7 +142,7 @@ def test_masg_restart_sets_lookahead_to_iterate():
 
 # -- §6.7–6.8: the forms of DP-SHB and DP-NAG agree -----------------------------------------------------
 def test_heavy_ball_matches_hb_and_ema_forms():
-    _, _, xs = _run(HeavyBall(beta=0.5), [1.0, 2.0], x0=0.0, lr=0.1)
+    _, _, xs = _run(HeavyBall(beta=0.5, step_size="paper"), [1.0, 2.0], x0=0.0, lr=0.1)
     np.testing.assert_allclose(xs, [-0.1, -0.35])
     _, _, plain = _run(HeavyBall(beta=0.0), [1.0, 2.0], x0=0.0, lr=0.1)
     np.testing.assert_allclose(plain, [-0.1, -0.3])  # β = 0: DP-SGD
@@ -157,7 +157,7 @@ def test_heavy_ball_matches_hb_and_ema_forms():
 
 
 def test_nesterov_forms_and_finalize():
-    step = Nesterov(momentum=0.5)
+    step = Nesterov(momentum=0.5, step_size="paper")
     p, opt, zs = _run(step, [lambda x: x] * 3, x0=1.0, lr=0.1)
     np.testing.assert_allclose(zs[:2], [0.85, 0.6975])
     ref = torch.nn.Parameter(torch.tensor([1.0]))

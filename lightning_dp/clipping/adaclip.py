@@ -11,6 +11,7 @@ Spec: shared/specs/adaclip.md §2.6 (the canonical algorithm implemented here).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -136,18 +137,21 @@ class AdaCliP(Clipping):
     """Coordinate-wise adaptive clipping: sensitivity 1 in the transformed space, ε exactly DP-SGD's.
 
     Args:
-        h2: upper clamp of each coordinate's variance sample (caps b ≤ sqrt(d·h2)); tune it.
+        h2: upper clamp of each coordinate's variance sample (caps b ≤ sqrt(d·h2)). Default: C²/d
+            (C = ``max_grad_norm``, d = the number of trainable parameters), where AdaCliP's saturated
+            regime is a centred DP-SGD with clip C, so a learning rate tuned for DP-SGD at C carries
+            over; then s starts at sqrt(h2) (step 0 is that DP-SGD). Tune it on a log grid around C²/d.
         beta1, beta2: EMA factors of the mean and of the variance.
         h1: lower clamp of the variance sample (> 0).
         gamma: target E‖w‖² of the transformed gradient (scale knob of b).
         variance_mode: ``"per_example"`` estimates each example's variance (what Theorem 1 needs);
             ``"literal"`` is the paper's eq. 5, the variance of the batch mean.
-        init_std: initial s (default sqrt(h1·h2), the paper's).
+        init_std: initial s (default sqrt(h1·h2), the paper's, when h2 is given; sqrt(h2) when derived).
     """
 
     def __init__(
         self,
-        h2: float,
+        h2: float | None = None,
         beta1: float = 0.99,
         beta2: float = 0.9,
         h1: float = 1e-12,
@@ -155,7 +159,7 @@ class AdaCliP(Clipping):
         variance_mode: VarianceMode = "per_example",
         init_std: float | None = None,
     ) -> None:
-        if not 0 < h1 <= h2:
+        if h2 is not None and not 0 < h1 <= h2:
             raise ValueError(f"AdaCliP needs 0 < h1 ≤ h2, got h1={h1}, h2={h2}.")
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
             raise ValueError(f"AdaCliP's beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}.")
@@ -163,14 +167,19 @@ class AdaCliP(Clipping):
             raise ValueError(f"AdaCliP's gamma must be > 0, got {gamma}.")
         if variance_mode not in ("per_example", "literal"):
             raise ValueError(f"variance_mode must be 'per_example' or 'literal', got {variance_mode!r}.")
-        self.h1, self.h2, self.beta1, self.beta2, self.gamma = h1, h2, beta1, beta2, gamma
+        self.h1, self.beta1, self.beta2, self.gamma = h1, beta1, beta2, gamma
+        self.h2_arg, self.init_std_arg = h2, init_std
         self.variance_mode: VarianceMode = variance_mode
-        self.init_std = init_std if init_std is not None else math.sqrt(h1 * h2)
-        if not self.init_std > 0:
-            raise ValueError(f"AdaCliP's init_std must be > 0, got {self.init_std}.")
+        if init_std is not None and not init_std > 0:
+            raise ValueError(f"AdaCliP's init_std must be > 0, got {init_std}.")
+        self.h2 = h2 if h2 is not None else math.nan
+        """The variance clamp in use: the argument, or C²/d once the first step knows C and d."""
+        self.init_std = init_std if init_std is not None else math.sqrt(h1 * self.h2)
+        """The initial s (NaN until the first step when it derives from h2 = C²/d)."""
         self.m: list[Tensor] = []
         self.s: list[Tensor] = []
         self._b: list[Tensor] = []
+        self._started = False
 
     def setup(self, params: Sequence[Tensor]) -> None:
         if self.m:  # restored from a checkpoint before the parameters were known
@@ -178,12 +187,39 @@ class AdaCliP(Clipping):
             self.s = [s.to(p.device) for s, p in zip(self.s, params, strict=True)]
             return
         self.m = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
-        self.s = [torch.full(p.shape, self.init_std, dtype=torch.float32, device=p.device) for p in params]
+        # With h2 derived from C (known at the first step), s_0 waits for it; else the paper's init now.
+        self.s = [] if math.isnan(self.init_std) else [torch.full_like(m, self.init_std) for m in self.m]
+        self._started = False
+
+    def _start(self, max_grad_norm: float) -> None:
+        """First step: fix h2 (C²/d unless given), say what it means for the step size, and set s_0."""
+        self._started = True
+        d = sum(m.numel() for m in self.m)
+        natural = max_grad_norm**2 / max(d, 1)
+        if self.h2_arg is None:
+            self.h2 = max(natural, self.h1)
+            self.init_std = self.init_std_arg if self.init_std_arg is not None else math.sqrt(self.h2)
+        else:
+            ratio = math.sqrt(self.h2 / natural) if natural > 0 else math.inf
+            if not 1 / 3 <= ratio <= 3:  # a 3× different step size is no longer the tuned one
+                warnings.warn(
+                    f"AdaCliP(h2={self.h2:g}) caps the per-coordinate scale at sqrt(d·h2) = "
+                    f"{math.sqrt(d * self.h2):.3g} for d = {d} parameters, {ratio:.3g}× the clip "
+                    f"max_grad_norm = {max_grad_norm:g}: where the noise dominates, AdaCliP behaves like a "
+                    f"centred DP-SGD with that clip, so a learning rate tuned for DP-SGD at C moves {ratio:.3g}× "
+                    f"as far. Use h2 ≈ C²/d = {natural:.3g} (the default when h2 is left out), or retune the "
+                    "learning rate with h2 (docs/mechanisms.md, AdaCliP).",
+                    stacklevel=3,
+                )
+        if not self.s:
+            self.s = [torch.full_like(m, self.init_std) for m in self.m]
 
     # -- the step ---------------------------------------------------------------------------------
     @sums_once
     def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
         """Σ_k clip_1((g_k − a)/b): the transformed, clipped sum that the noise is added to."""
+        if not self._started:
+            self._start(ctx.max_grad_norm)
         self._b = adaclip_scale(self.s, self.gamma)
         inv_b = [1.0 / b for b in self._b]
         factors = clip_factors(transformed_sq_norms(grad_samples, self.m, inv_b).sqrt(), 1.0)
@@ -213,9 +249,10 @@ class AdaCliP(Clipping):
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"m": [t.cpu() for t in self.m], "s": [t.cpu() for t in self.s]}
+        return {"m": [t.cpu() for t in self.m], "s": [t.cpu() for t in self.s], "h2": self.h2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         device = self.m[0].device if self.m else torch.device("cpu")
         self.m = [t.to(device) for t in state["m"]]
         self.s = [t.to(device) for t in state["s"]]
+        self.h2 = float(state.get("h2", self.h2))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -52,21 +52,38 @@ def masg_stage_lengths(kappa: float, horizon: int, p: int = 1, n1: int | None = 
     return lengths
 
 
-class _MomentumStep(Step):
-    """Shared plumbing: one state tensor per parameter (in the optimizer's order), lr and weight decay."""
+StepSize = Literal["effective", "paper"]
 
-    def __init__(self, lr: float | None) -> None:
+
+class _MomentumStep(Step):
+    """Shared plumbing: one state tensor per parameter (in the optimizer's order), lr and weight decay.
+
+    ``step_size`` says what the optimizer's lr means when the step takes it from there (``lr=None``):
+    ``"effective"`` (default) keeps it as the DP-SGD step a tuned config already has, so the paper's
+    α = lr·(1 − β) and the long-run step α/(1 − β) equals lr; ``"paper"`` uses it as α, which moves
+    1/(1 − β) times as far (10× at β = 0.9). An ``lr`` given to the step itself is always the paper's α.
+    """
+
+    def __init__(self, lr: float | None, step_size: StepSize = "effective") -> None:
         if lr is not None and not lr > 0:
             raise ValueError(f"lr must be > 0, got {lr}")
+        if step_size not in ("effective", "paper"):
+            raise ValueError(f"step_size must be 'effective' or 'paper', got {step_size!r}")
         self.lr = lr
+        self.step_size: StepSize = step_size
         self.buffers: list[Tensor | None] = []
         self.steps_taken = 0
 
+    def momentum_for_lr(self) -> float:
+        """The β whose 1/(1 − β) the effective step divides out (the constant momentum of this step)."""
+        return 0.0
+
     def _params(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, Tensor, float, Tensor]]:
-        """(index, parameter, lr, gradient with weight decay) for every parameter that has a gradient."""
+        """(index, parameter, α, gradient with weight decay) for every parameter that has a gradient."""
         index = 0
+        scale = 1.0 - self.momentum_for_lr() if self.step_size == "effective" else 1.0
         for group in optimizer.param_groups:
-            lr = self.lr if self.lr is not None else float(group["lr"])
+            lr = self.lr if self.lr is not None else float(group["lr"]) * scale
             decay = float(group.get("weight_decay", 0.0))
             for p in group["params"]:
                 if len(self.buffers) <= index:
@@ -105,11 +122,14 @@ class HeavyBall(_MomentumStep):
     (the paper's smoothing reading, spec §2.2). ``beta=0`` is plain DP-SGD. Noise is uniform (as DP-SGD).
     """
 
-    def __init__(self, beta: float = 0.9, lr: float | None = None) -> None:
+    def __init__(self, beta: float = 0.9, lr: float | None = None, step_size: StepSize = "effective") -> None:
         if not 0.0 <= beta < 1.0:
             raise ValueError(f"beta must be in [0, 1), got {beta}")
-        super().__init__(lr)
+        super().__init__(lr, step_size)
         self.beta = beta
+
+    def momentum_for_lr(self) -> float:
+        return self.beta
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
@@ -128,9 +148,13 @@ class Nesterov(_MomentumStep):
     """
 
     def __init__(
-        self, momentum: float | None = None, lr: float | None = None, mu: float | None = None
+        self,
+        momentum: float | None = None,
+        lr: float | None = None,
+        mu: float | None = None,
+        step_size: StepSize = "effective",
     ) -> None:
-        super().__init__(lr)
+        super().__init__(lr, step_size)
         if momentum is None:
             if lr is None or mu is None:
                 raise ValueError(
@@ -140,6 +164,9 @@ class Nesterov(_MomentumStep):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.momentum = momentum
+
+    def momentum_for_lr(self) -> float:
+        return self.momentum
 
     def step_size_and_momentum(self, k: int, lr: float) -> tuple[float, float]:
         """(α of step k, β that forms the look-ahead for step k + 1); k is 0-based."""

@@ -121,6 +121,9 @@ class AdaptiveGD(Step):
 
     needs_sums = True
 
+    spends_until_budget = True
+    charges_unsampled = True
+
     def __init__(
         self,
         loss_clip: float = 3.0,

@@ -640,6 +640,11 @@ class LineSearch(Step):
             )
         self.c_grad = float(engine.max_grad_norm)
 
+    @property
+    def spends_until_budget(self) -> bool:  # type: ignore[override]
+        """Adaptive mode raises its budget after failed searches and runs until the filter is spent."""
+        return self.mode == "adaptive"
+
     def _set_from_rho(self, rho: float) -> None:
         """NN mode: ρ is the per-iteration budget ρ_iter; adaptive: ρ is ρ_grad (ε_iter = √(2ρ), A22)."""
         if self.mode == "nn":
