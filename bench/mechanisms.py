@@ -30,25 +30,40 @@ from lightning_dp import (
 )
 from recipes import DigitsDataModule, ImageClassifier
 
-MECHANISMS: dict[str, Callable[[], dict[str, Any]]] = {
-    "DP-SGD": dict,
-    "LineSearch()": lambda: {"step": LineSearch()},
-    "AdaCliP()": lambda: {"clipping": AdaCliP()},
-    "AdaCliP(h2=1e-2)": lambda: {"clipping": AdaCliP(h2=1e-2)},
-    "HeavyBall(beta=0.9)": lambda: {"step": HeavyBall(beta=0.9)},
-    "Nesterov(0.9) + NoiseDividing()": lambda: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
-    "AdaptiveGD()": lambda: {"step": AdaptiveGD()},
+FULL_BATCH = 100_000  # larger than the train split: the DataLoader yields it whole (q = 1)
+
+#: name -> (the DPStrategy arguments swapped in, batch size and epochs when they differ from the user's).
+#: A row after a mechanism's default row applies the fix its run-time message names.
+MECHANISMS: dict[str, tuple[Callable[[], dict[str, Any]], int | None, int | None]] = {
+    "DP-SGD": (dict, None, None),
+    "LineSearch()": (lambda: {"step": LineSearch()}, None, None),
+    "AdaCliP()": (lambda: {"clipping": AdaCliP()}, None, None),
+    "AdaCliP(h2=1e-2)": (lambda: {"clipping": AdaCliP(h2=1e-2)}, None, None),
+    "HeavyBall(beta=0.9)": (lambda: {"step": HeavyBall(beta=0.9)}, None, None),
+    "Nesterov(momentum=0.9)": (lambda: {"step": Nesterov(momentum=0.9)}, None, None),
+    "Nesterov(0.9) + NoiseDividing()": (
+        lambda: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
+        None,
+        None,
+    ),
+    "Nesterov(0.9) + NoiseDividing(uniform=True)": (
+        lambda: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing(uniform=True)},
+        None,
+        None,
+    ),
+    "AdaptiveGD()": (lambda: {"step": AdaptiveGD()}, None, None),
+    "AdaptiveGD(), full batch, max_epochs=-1": (lambda: {"step": AdaptiveGD()}, FULL_BATCH, -1),
 }
 
 
 def run(name: str, seed: int, epsilon: float, epochs: int) -> tuple[float, float, list[str]]:
     """Test accuracy, ε spent and the distinct lightning-dp warnings of one run."""
     seed_everything(seed, verbose=False)
+    arguments, batch_size, row_epochs = MECHANISMS[name]
     model = ImageClassifier(arch="mlp", hidden=[64], activation="tanh", in_features=64, lr=1.0)
-    data = DigitsDataModule(batch_size=128, flatten=True)
-    strategy = DPStrategy(
-        target_epsilon=epsilon, delta=1e-5, max_grad_norm=1.0, seed=seed, **MECHANISMS[name]()
-    )
+    data = DigitsDataModule(batch_size=batch_size or 128, flatten=True)
+    epochs = row_epochs if row_epochs is not None else epochs
+    strategy = DPStrategy(target_epsilon=epsilon, delta=1e-5, max_grad_norm=1.0, seed=seed, **arguments())
     with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = Trainer(

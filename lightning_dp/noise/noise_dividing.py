@@ -18,6 +18,7 @@ horizon T is the trainer's planned number of steps; the schedule cannot be built
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -251,6 +252,7 @@ class NoiseDividing(Noise):
                 )
             planned = list(saved)
         self.sigmas, self.horizon = planned, steps
+        _warn_if_early_steps_drown(planned)
 
     def add_noise(self, sums: list[Tensor], std: float, generator: torch.Generator) -> list[Tensor]:
         """Gaussian of std ``std``, or in paper mode Laplace of **scale** ``std`` (variance 2·scale²)."""
@@ -265,6 +267,20 @@ class NoiseDividing(Noise):
         if state.get("privacy", self.privacy) != self.privacy:
             raise ValueError(f"the checkpoint used privacy={state['privacy']!r}, this run {self.privacy!r}")
         self._saved = dict(state)
+
+
+def _warn_if_early_steps_drown(sigmas: list[float], max_spread: float = 3.0) -> None:
+    """The allocation is optimal for the error bound of a strongly convex loss; elsewhere say what it costs."""
+    spread = max(sigmas) / min(sigmas) if sigmas and min(sigmas) > 0 else 1.0
+    if spread > max_spread:
+        warnings.warn(
+            f"NoiseDividing's schedule gives the noisiest step σ = {max(sigmas):.3g}, {spread:.3g}× the "
+            f"quietest ({min(sigmas):.3g}) over T = {len(sigmas)} steps: it spends the budget where the error "
+            "bound of a strongly convex loss weighs noise most (late steps). On other losses, neural networks "
+            "included, the noisy steps are mostly noise. Use NoiseDividing(uniform=True), a smaller momentum, "
+            "or fewer steps.",
+            stacklevel=3,
+        )
 
 
 def laplace_noise(
