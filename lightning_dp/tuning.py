@@ -176,7 +176,7 @@ def _parse_distribution(key: str, spec: Any) -> Distribution:
     if isinstance(spec, list):
         return Choice(tuple(spec))
     if isinstance(spec, dict) and len(spec) == 1:
-        (kind, args), = spec.items()
+        ((kind, args),) = spec.items()
         if kind == "choice" and isinstance(args, list):
             return Choice(tuple(args))
         if kind in ("uniform", "log_uniform") and isinstance(args, list) and len(args) == 2:
@@ -251,7 +251,9 @@ def load_search(source: str | os.PathLike[str] | Mapping[str, Any]) -> SearchSpe
         raise ValueError(f"the search file must be a YAML mapping, got {type(data).__name__}")
     unknown = set(data) - {"repetitions", "candidates", "score", "budget"}
     if unknown:
-        raise ValueError(f"unknown search keys {sorted(unknown)}; expected repetitions, candidates, score, budget")
+        raise ValueError(
+            f"unknown search keys {sorted(unknown)}; expected repetitions, candidates, score, budget"
+        )
     reps = data.get("repetitions") or {}
     if not isinstance(reps, dict) or "distribution" not in reps:
         raise DPConfigurationError(
@@ -267,7 +269,9 @@ def load_search(source: str | os.PathLike[str] | Mapping[str, Any]) -> SearchSpe
         raise DPConfigurationError(str(err)) from None
     candidates = data.get("candidates")
     if not isinstance(candidates, dict):
-        raise ValueError("the search file needs 'candidates': a mapping of LightningCLI keys to distributions")
+        raise ValueError(
+            "the search file needs 'candidates': a mapping of LightningCLI keys to distributions"
+        )
     space = SearchSpace({str(k): _parse_distribution(str(k), v) for k, v in candidates.items()})
     score_data = data.get("score") or {}
     score = Score(
@@ -309,7 +313,10 @@ class TrialPlan:
 
 def _override_args(overrides: Mapping[str, Any]) -> list[str]:
     """``--key=value`` LightningCLI arguments (values as JSON, strings as they are)."""
-    return [f"--{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in overrides.items()]
+    return [
+        f"--{key}={value if isinstance(value, str) else json.dumps(value)}"
+        for key, value in overrides.items()
+    ]
 
 
 def _instantiate(args: Sequence[str]) -> Any:
@@ -318,7 +325,9 @@ def _instantiate(args: Sequence[str]) -> Any:
     from lightning_dp.cli import DPLightningCLI
 
     lightning_dp.register()
-    with warnings.catch_warnings():  # `lightning-dp tune` passes the trial's args while sys.argv holds the tuner's
+    with (
+        warnings.catch_warnings()
+    ):  # `lightning-dp tune` passes the trial's args while sys.argv holds the tuner's
         warnings.filterwarnings("ignore", ".*args parameter is intended to run from within Python.*")
         return DPLightningCLI(
             args=list(args), run=False, save_config_callback=None, auto_configure_optimizers=False
@@ -495,7 +504,9 @@ def plan(
             f"{MAX_COMBINATIONS} can be planned. Give fewer choices for these keys"
         )
     trials = [base_plan if not c else planner(base + _override_args(c), spec.score) for c in combos]
-    result = TuningPlan(spec, delta, relevant, combos, trials, [t.noise_multiplier for t in trials], [None] * len(trials))
+    result = TuningPlan(
+        spec, delta, relevant, combos, trials, [t.noise_multiplier for t in trials], [None] * len(trials)
+    )
     if spec.target_epsilon is not None:
         sigmas, targets = calibrate_tuning(
             spec.target_epsilon, delta, trials, spec.repetitions, score_event=spec.score.event()
@@ -515,7 +526,7 @@ def calibrate_tuning(
 ) -> tuple[list[float], list[float]]:
     """Per-combination σ so that the released best of K trials meets ``target_epsilon`` for the whole search.
 
-    Bisects a per-trial target t ∈ (0, target]: σ_c(t) = calibrate_noise(t, q_c, T_c), then the tuned ε of
+    Searches a per-trial target t ∈ (0, target] (bracketing, then safeguarded regula falsi): σ_c(t) = calibrate_noise(t, q_c, T_c), then the tuned ε of
     the max curve (score release included). Keeps the largest t whose computed tuned ε is ≤ target (the
     tuned ε grows with every ε_c(λ), which shrinks as σ grows). Returns (σ per combination, t per
     combination); raises DPConfigurationError if no t meets the target.
@@ -524,45 +535,54 @@ def calibrate_tuning(
 
     def at(t: float) -> tuple[float, list[float]]:
         sigmas = [
-            calibrate_noise(target_epsilon=t, delta=delta, sample_rate=p.sample_rate, steps=p.steps, tol=tol / 10)
+            calibrate_noise(
+                target_epsilon=t, delta=delta, sample_rate=p.sample_rate, steps=p.steps, tol=tol / 10
+            )
             for p in trials
         ]
-        event = RepeatAndSelect.of([p.history(s) + extra for p, s in zip(trials, sigmas, strict=True)], repetitions)
+        event = RepeatAndSelect.of(
+            [p.history(s) + extra for p, s in zip(trials, sigmas, strict=True)], repetitions
+        )
         ledger = PrivacyLedger(delta)
         ledger.record(event)
         return ledger.epsilon(), sigmas
 
+    def refuse(floor: float) -> DPConfigurationError:
+        return DPConfigurationError(
+            f"no per-trial budget meets total target_epsilon={target_epsilon:g} at delta={delta:g} with "
+            f"{repetitions.family} mean {repetitions.mean:g} trials: the law of K and the score's release alone "
+            f"cost ε = {floor:.4g}. Raise the target, lower the mean number of trials, or add noise to the score"
+        )
+
+    orders = PrivacyLedger(delta).orders
+    free = max_history_rdp([extra], orders) if extra else np.zeros(len(orders))
+    floor = tuned_epsilon(free, orders, repetitions, delta)  # trials that cost nothing (σ → ∞)
+    if floor >= target_epsilon:
+        raise refuse(floor)
     hi = float(target_epsilon)
     eps_hi, sigmas_hi = at(hi)
     if eps_hi <= target_epsilon:
         return sigmas_hi, [hi] * len(trials)
     lo = hi
     best: tuple[float, list[float]] | None = None
-    for _ in range(40):  # find a feasible lower end
+    while best is None:  # halve until feasible (the floor is below target, so small enough t works)
         lo /= 2
         try:
             eps_lo, sigmas_lo = at(lo)
-        except ValueError:
-            break
+        except ValueError:  # σ would pass MAX_NOISE_MULTIPLIER: the margin above the floor is too thin
+            raise refuse(floor) from None
         if eps_lo <= target_epsilon:
             best = (lo, sigmas_lo)
-            break
-    if best is None:
-        floor = math.log(repetitions.expected_trials)
-        raise DPConfigurationError(
-            f"no per-trial budget meets total target_epsilon={target_epsilon:g} at delta={delta:g} with "
-            f"{repetitions.family} mean {repetitions.mean:g} trials (the bound adds about ln E[K] = {floor:.3g} "
-            "even for almost free trials, plus the score's release). Raise the target, lower the mean number of "
-            "trials, or add noise to the score"
-        )
     lo, sigmas_lo = best
-    while hi - lo > tol * hi:  # invariant: at(lo) meets the target, at(hi) does not
-        mid = 0.5 * (lo + hi)
+    # Safeguarded regula falsi on ε(t): each step stays inside the middle 80% of the bracket, so it shrinks.
+    while hi - lo > tol * hi and eps_lo < target_epsilon * (1 - tol / 2):  # at(lo) meets it, at(hi) does not
+        frac = (target_epsilon - eps_lo) / (eps_hi - eps_lo) if math.isfinite(eps_hi) else 0.5
+        mid = lo + min(0.9, max(0.1, frac)) * (hi - lo)
         eps_mid, sigmas_mid = at(mid)
         if eps_mid <= target_epsilon:
-            lo, sigmas_lo = mid, sigmas_mid
+            lo, eps_lo, sigmas_lo = mid, eps_mid, sigmas_mid
         else:
-            hi = mid
+            hi, eps_hi = mid, eps_mid
     return sigmas_lo, [lo] * len(trials)
 
 
@@ -745,7 +765,9 @@ def tune(
     fingerprint = _fingerprint(base_args, spec)
     if resume:
         if not state_path.exists():
-            raise DPConfigurationError(f"--resume: no search state at {state_path}; drop --resume to start one")
+            raise DPConfigurationError(
+                f"--resume: no search state at {state_path}; drop --resume to start one"
+            )
         state = _load_state(state_path, fingerprint, spec)
         if seed is not None:
             warnings.warn("--seed is ignored on --resume: K and θ come from the stored state", stacklevel=2)
@@ -804,7 +826,11 @@ def tune(
 
 
 def _release(
-    tuning_plan: TuningPlan, state: Mapping[str, Any], release: Path, log_release: bool, base_args: Sequence[str]
+    tuning_plan: TuningPlan,
+    state: Mapping[str, Any],
+    release: Path,
+    log_release: bool,
+    base_args: Sequence[str],
 ) -> TuningResult:
     """Write the public report and plot, copy the winner's checkpoint, log ε to the user's loggers."""
     release.mkdir(parents=True, exist_ok=True)
@@ -830,7 +856,9 @@ def _release(
     plot_tuning_epsilon(tuning_plan, plot_path)
     if log_release:
         _log_release(base_args, report)
-    return TuningResult(epsilon, tuning_plan.delta, float(order or math.nan), selected, report_path, plot_path, checkpoint)
+    return TuningResult(
+        epsilon, tuning_plan.delta, float(order or math.nan), selected, report_path, plot_path, checkpoint
+    )
 
 
 def _naive_epsilon(curve: np.ndarray, orders: tuple[float, ...], k: int, delta: float) -> float:
@@ -838,12 +866,16 @@ def _naive_epsilon(curve: np.ndarray, orders: tuple[float, ...], k: int, delta: 
     return epsilon_from_rdp(k * curve, orders, delta)[0]
 
 
-def tuned_epsilon(curve: np.ndarray, orders: tuple[float, ...], repetitions: Repetitions, delta: float) -> float:
+def tuned_epsilon(
+    curve: np.ndarray, orders: tuple[float, ...], repetitions: Repetitions, delta: float
+) -> float:
     """ε of the best of K ~ ``repetitions`` trials with single-trial RDP ``curve``."""
     return epsilon_from_rdp(repeat_and_select_rdp(curve, orders, repetitions), orders, delta)[0]
 
 
-def tuning_report(tuning_plan: TuningPlan, selected: dict[str, Any] | None, *, seed_given: bool) -> dict[str, Any]:
+def tuning_report(
+    tuning_plan: TuningPlan, selected: dict[str, Any] | None, *, seed_given: bool
+) -> dict[str, Any]:
     """The public report: ε of the search and how it was computed. No K, no other trial, no trial index (I2)."""
     import lightning_dp
 
@@ -865,7 +897,9 @@ def tuning_report(tuning_plan: TuningPlan, selected: dict[str, Any] | None, *, s
         "per_candidate": tuning_plan.per_candidate(),
         "selected": selected,
         "score_source": tuning_plan.spec.score.source,
-        "score_noise_multiplier": tuning_plan.spec.score.noise_multiplier if tuning_plan.spec.score.private else None,
+        "score_noise_multiplier": tuning_plan.spec.score.noise_multiplier
+        if tuning_plan.spec.score.private
+        else None,
         "seed_given": seed_given,
         "lightning_dp_version": lightning_dp.__version__,
     }
@@ -888,7 +922,8 @@ def epsilon_by_mean(tuning_plan: TuningPlan, means: Sequence[float]) -> dict[str
             row.append(tuned_epsilon(curve, orders, Repetitions(family, mean, eta), tuning_plan.delta))
         out[family] = row
     out["naive"] = [
-        _naive_epsilon(curve, orders, int(m), tuning_plan.delta) if float(m).is_integer() else math.nan for m in means
+        _naive_epsilon(curve, orders, int(m), tuning_plan.delta) if float(m).is_integer() else math.nan
+        for m in means
     ]
     return out
 

@@ -14,7 +14,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from scipy.optimize import brentq
@@ -54,9 +54,7 @@ def _solve_gamma(mean: float, eta: float) -> float:
     if eta == 1.0:
         return 1.0 / mean
     lo, hi = 1e-15, 1.0 - 1e-15
-    return float(
-        brentq(lambda g: tnb_mean(g, eta) - mean, lo, hi, rtol=4 * np.finfo(float).eps, xtol=1e-300)
-    )
+    return float(brentq(lambda g: tnb_mean(g, eta) - mean, lo, hi, rtol=4 * np.finfo(float).eps, xtol=1e-300))
 
 
 @dataclass(frozen=True)
@@ -153,18 +151,28 @@ class Repetitions:
         log_prod = math.lgamma(k + eta) - math.lgamma(eta) - math.lgamma(k + 1)
         return math.exp(k * math.log1p(-g) + log_prod - math.log(math.expm1(-eta * math.log(g))))
 
-    def sample(self, rng: np.random.Generator) -> int:
-        """One draw of K from ``rng`` (the tuner seeds it from os.urandom); never capped, never redrawn at 0."""
+    @overload
+    def sample(self, rng: np.random.Generator, size: None = None) -> int: ...
+    @overload
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray: ...
+    def sample(self, rng: np.random.Generator, size: int | None = None) -> int | np.ndarray:
+        """Draw K from ``rng`` (the tuner seeds it from os.urandom); never capped, never redrawn at 0.
+
+        ``size``: that many independent draws as an array (for tests of the law).
+        """
+        n = 1 if size is None else int(size)
         if self.family == "poisson":
-            return int(rng.poisson(self.mean))
-        if self.eta == 1.0:
-            return int(rng.geometric(self.gamma))
-        if self.eta == 0.0:
-            return int(rng.logseries(1.0 - self.gamma))
-        while True:  # NB(η, γ) conditioned on K > 0 is D_{η,γ}
-            k = int(rng.negative_binomial(self.eta, self.gamma))
-            if k > 0:
-                return k
+            draws = rng.poisson(self.mean, n)
+        elif self.eta == 1.0:
+            draws = rng.geometric(self.gamma, n)
+        elif self.eta == 0.0:
+            draws = rng.logseries(1.0 - self.gamma, n)
+        else:  # NB(η, γ) conditioned on K > 0 is D_{η,γ}: redraw the zeros
+            draws = rng.negative_binomial(self.eta, self.gamma, n)
+            while (zeros := np.flatnonzero(draws == 0)).size:
+                draws[zeros] = rng.negative_binomial(self.eta, self.gamma, zeros.size)
+        draws = np.asarray(draws, dtype=np.int64)
+        return int(draws[0]) if size is None else draws
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able description; γ is also given as a hex float so a reader can rebuild it bit for bit."""
@@ -307,7 +315,8 @@ class RepeatAndSelect(PrivacyEvent, kind="repeat_and_select"):
     def of(cls, histories: Sequence[History], repetitions: Repetitions) -> RepeatAndSelect:
         """Build the event from planned histories ``[[(event, count), ...], ...]`` and the law of K."""
         payload = [
-            [{"event": event.to_dict(), "count": int(count)} for event, count in history] for history in histories
+            [{"event": event.to_dict(), "count": int(count)} for event, count in history]
+            for history in histories
         ]
         return cls(
             json.dumps(payload, sort_keys=True),
