@@ -385,9 +385,9 @@ def _plan_trial(cli: Any, score: Score) -> TrialPlan:
     sampler.bind(num_samples, batch_size)
     num_batches = max(1, math.ceil(num_samples / batch_size))
     steps = strategy.planned_steps(trainer, num_batches)
-    if engine.noise.is_set:
+    if engine.noise.is_set or engine.target_epsilon is None:
         sigma = engine.noise.noise_multiplier(0)
-    else:
+    else:  # calibrated exactly as the strategy will (ConstantNoise.calibrate), on a copy
         noise = ConstantNoise(None)
         noise.calibrate(engine.target_epsilon, engine.delta, sampler, steps, engine.accountant)
         sigma = noise.noise_multiplier(0)
@@ -811,7 +811,7 @@ def tune(
             outcome = run_trial(TrialRun(args, directory, score))
         except DPConfigurationError:
             raise
-        except Exception as err:  # noqa: BLE001 - a crashed trial counts as one of the K and scores −∞ (I8)
+        except Exception as err:  # a crashed trial counts as one of the K and scores −∞ (I8)
             trial.update(status="failed", score=None, error=f"{type(err).__name__}: {err}")
         else:
             _check_realised(outcome, planned)

@@ -128,7 +128,7 @@ def test_sampler_matches_pmf(name: str) -> None:
     ],
 )
 def test_degenerate_laws_are_refused(family: str, mean: float, eta: float) -> None:
-    with pytest.raises(ValueError, match="mean|eta|distribution"):
+    with pytest.raises(ValueError, match=r"mean|eta|distribution"):
         Repetitions(family, mean, eta)
 
 
@@ -175,7 +175,8 @@ def test_agrees_with_dp_accounting() -> None:
         assert epsilon_from_rdp(ours, ledger.orders, 1e-5)[0] == pytest.approx(eps_theirs, rel=rel)
         if shape == math.inf:  # the orders where dp_accounting's Poisson curve is not monotone: all below 2.5
             tighter = orders[ours < theirs * (1 - 1e-12)]
-            assert tighter.size > 0 and tighter.max() < 2.5
+            assert tighter.size > 0
+            assert tighter.max() < 2.5
 
 
 # -------------------------------------------------------------------------------- T3: the digits table
@@ -316,7 +317,8 @@ def test_continuous_key_that_changes_the_cost_is_refused() -> None:
         "candidates": {"trainer.max_epochs": {"uniform": [10, 30]}},
     }
     with pytest.raises(
-        DPConfigurationError, match="key trainer.max_epochs changes the privacy cost; give it as a choice"
+        DPConfigurationError,
+        match=re.escape("key trainer.max_epochs changes the privacy cost; give it as a choice"),
     ):
         plan([], search, plan_fn=_stub_planner)
     search["candidates"] = {"trainer.max_epochs": {"choice": [10, 30]}}
@@ -418,14 +420,16 @@ def test_all_k_trials_run_and_the_report_hides_k(tmp_path: Path) -> None:
     assert result.checkpoint.read_text() == Path(state["trials"][best]["checkpoint"]).read_text()
     text = result.report_path.read_text()
     report = json.loads(text)
-    assert "K" not in report and "trial_" not in text
+    assert "K" not in report
+    assert "trial_" not in text
     others = {state["trials"][i]["score"] for i in range(k) if i != best} - {
         None,
         report["selected"]["score"],
     }
     assert not any(re.search(re.escape(repr(s)), text) for s in others)
     assert report["epsilon"] == pytest.approx(tuned(digits_ledger().history, reps)[0], rel=1e-15)
-    assert report["seed_given"] is True and result.plot_path.stat().st_size > 0
+    assert report["seed_given"] is True
+    assert result.plot_path.stat().st_size > 0
     assert sorted(p.name for p in (tmp_path / "tune" / "release").iterdir()) == [
         "model.ckpt",
         "tuning_epsilon.png",
@@ -446,7 +450,9 @@ def test_k_zero_releases_nothing_but_charges(tmp_path: Path) -> None:
     seed = _seed_with(Repetitions.poisson(1), lambda k: k == 0)
     runner = StubRunner()
     result = _run(tmp_path, runner, search=search, seed=seed)
-    assert runner.calls == [] and result.selected is None and result.checkpoint is None
+    assert runner.calls == []
+    assert result.selected is None
+    assert result.checkpoint is None
     assert json.loads(result.report_path.read_text())["epsilon"] == pytest.approx(
         tuned(digits_ledger().history, Repetitions.poisson(1))[0], rel=1e-15
     )
@@ -528,7 +534,8 @@ def test_early_stopping_with_a_private_score_is_refused_and_cli_plan_only(
         main(["tune", *DIGITS, "--search", str(search), "--plan_only"])
     text = out.getvalue()
     configured = re.search(r"poisson: ([0-9.]+)  <- configured", text)
-    assert configured is not None and float(configured.group(1)) <= 3.0
+    assert configured is not None
+    assert float(configured.group(1)) <= 3.0
 
 
 # ------------------------------------------------------------------------------- T10: end to end
@@ -561,4 +568,5 @@ def test_tune_end_to_end_on_digits(tmp_path: Path) -> None:
     checkpoint = torch.load(result.checkpoint, weights_only=False)
     assert "state_dict" in checkpoint
     logged = list((tmp_path / "logs").rglob("metrics.csv"))
-    assert len(logged) == 1 and "tune/epsilon" in logged[0].read_text()
+    assert len(logged) == 1
+    assert "tune/epsilon" in logged[0].read_text()
