@@ -843,7 +843,7 @@ def _release(
         trial = state["trials"][winner]
         if trial["checkpoint"]:
             checkpoint = release / "model.ckpt"
-            shutil.copyfile(trial["checkpoint"], checkpoint)
+            _public_checkpoint(Path(trial["checkpoint"]), checkpoint)
         selected = {
             "overrides": state["thetas"][winner],
             "score": trial["score"],
@@ -859,6 +859,25 @@ def _release(
     return TuningResult(
         epsilon, tuning_plan.delta, float(order or math.nan), selected, report_path, plot_path, checkpoint
     )
+
+
+#: The DP state a released checkpoint keeps: the ledger and step count are data-independent. The noise and
+#: sampling generator states are not released: Mersenne Twister can be run backwards, so a generator's
+#: final state would give away every noise draw of the trial.
+_PUBLIC_DP_STATE = ("version", "steps", "ledger", "max_grad_norm")
+
+
+def _public_checkpoint(source: Path, destination: Path) -> None:
+    """Copy the winner's checkpoint without its generator states (I13); the weights and hparams are kept."""
+    import torch
+
+    checkpoint = torch.load(source, map_location="cpu", weights_only=False)
+    state = checkpoint.get("lightning_dp")
+    if isinstance(state, dict):
+        checkpoint["lightning_dp"] = {k: v for k, v in state.items() if k in _PUBLIC_DP_STATE}
+    tmp = destination.with_suffix(".tmp")
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, destination)
 
 
 def _naive_epsilon(curve: np.ndarray, orders: tuple[float, ...], k: int, delta: float) -> float:

@@ -379,7 +379,8 @@ class StubRunner:
         ledger = digits_ledger(SIGMA * (0.9 if self.overspend else 1.0))
         count = 50.0 if self.counts is None else self.counts[i % len(self.counts)]
         ckpt = run.directory / "model.ckpt"
-        ckpt.write_text(f"weights of call {i}")
+        dp_state = {"version": 1, "steps": 300, "ledger": {}, "noise_generator": torch.ones(3), "slots": {}}
+        torch.save({"state_dict": {"w": torch.full((2,), float(i))}, "lightning_dp": dp_state}, ckpt)
         return TrialOutcome(count, 100, ledger.rdp, ledger.orders, ckpt)
 
 
@@ -417,7 +418,10 @@ def test_all_k_trials_run_and_the_report_hides_k(tmp_path: Path) -> None:
     best = max(range(1, k), key=lambda i: (state["trials"][i]["score"], state["u"][i]))
     assert result.selected["overrides"] == state["thetas"][best]
     assert result.selected["score"] == state["trials"][best]["score"]
-    assert result.checkpoint.read_text() == Path(state["trials"][best]["checkpoint"]).read_text()
+    released = torch.load(result.checkpoint, weights_only=False)
+    trained = torch.load(state["trials"][best]["checkpoint"], weights_only=False)
+    torch.testing.assert_close(released["state_dict"], trained["state_dict"])
+    assert sorted(released["lightning_dp"]) == ["ledger", "steps", "version"]  # no generator state (I13)
     text = result.report_path.read_text()
     report = json.loads(text)
     assert "K" not in report
@@ -567,6 +571,8 @@ def test_tune_end_to_end_on_digits(tmp_path: Path) -> None:
     assert result.selected["overrides"] == state["thetas"][best]
     checkpoint = torch.load(result.checkpoint, weights_only=False)
     assert "state_dict" in checkpoint
+    assert "noise_generator" not in checkpoint["lightning_dp"]
+    assert b"trial_" not in result.checkpoint.read_bytes()
     logged = list((tmp_path / "logs").rglob("metrics.csv"))
     assert len(logged) == 1
     assert "tune/epsilon" in logged[0].read_text()
