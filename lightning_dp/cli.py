@@ -113,11 +113,17 @@ def tune_main(args: list[str]) -> int:
     parser.add_argument("--resume", action="store_true", help="finish an interrupted search (same K and θ)")
     parser.add_argument("--plan_only", action="store_true", help="print the planned ε; train nothing")
     parser.add_argument("--seed", type=int, default=None, help="for tests only: makes K public")
+    parser.add_argument(
+        "--ledger", default=None, help="JSON ledger of earlier releases: the search is added to it"
+    )
     known, rest = parser.parse_known_args(args)
     if known.plan_only:
-        print(tuning.plan_summary(tuning.plan(rest, known.search)))
+        spec = tuning.load_search(known.search, require_distribution=False)
+        print(tuning.plan_summary(tuning.plan(rest, spec)))
         return 0
-    result = tuning.tune(rest, known.search, out_dir=known.out_dir, resume=known.resume, seed=known.seed)
+    result = tuning.tune(
+        rest, known.search, out_dir=known.out_dir, resume=known.resume, seed=known.seed, ledger=known.ledger
+    )
     chosen = "nothing released" if result.selected is None else f"selected {result.selected['overrides']}"
     print(
         f"lightning-dp tune: ε = {result.epsilon:.4f} for the whole search (δ = {result.delta:g}); {chosen}"

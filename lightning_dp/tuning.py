@@ -240,8 +240,14 @@ class SearchSpec:
     delta: float | None = None
 
 
-def load_search(source: str | os.PathLike[str] | Mapping[str, Any]) -> SearchSpec:
-    """Read a search YAML (or the dict it holds): ``repetitions``, ``candidates``, ``score``, ``budget``."""
+def load_search(
+    source: str | os.PathLike[str] | Mapping[str, Any], *, require_distribution: bool = True
+) -> SearchSpec:
+    """Read a search YAML (or the dict it holds): ``repetitions``, ``candidates``, ``score``, ``budget``.
+
+    ``require_distribution=False`` (``--plan_only``) reads a file without a law of K as Poisson, only to
+    print the ε of every law at its mean.
+    """
     if isinstance(source, Mapping):
         data: Any = dict(source)
     else:
@@ -255,6 +261,8 @@ def load_search(source: str | os.PathLike[str] | Mapping[str, Any]) -> SearchSpe
             f"unknown search keys {sorted(unknown)}; expected repetitions, candidates, score, budget"
         )
     reps = data.get("repetitions") or {}
+    if isinstance(reps, dict) and "distribution" not in reps and not require_distribution:
+        reps = {**reps, "distribution": "poisson"}
     if not isinstance(reps, dict) or "distribution" not in reps:
         raise DPConfigurationError(
             "repetitions.distribution is required and has no default: choose one of "
@@ -750,12 +758,15 @@ def tune(
     runner: TrialRunner | None = None,
     plan_fn: PlanFn | None = None,
     log_release: bool = True,
+    ledger: str | os.PathLike[str] | None = None,
 ) -> TuningResult:
     """Run a private search and release only the best trial; returns ε of the whole search and the winner.
 
     ``base_args`` are LightningCLI arguments (``["--config", "configs/digits_dpsgd.yaml"]``); ``search`` a
     search YAML/dict/:class:`SearchSpec`. ``seed`` is for tests only: it makes K public (the report says
-    ``seed_given``). ``runner``/``plan_fn`` replace the Lightning trial and planner (tests).
+    ``seed_given``). ``runner``/``plan_fn`` replace the Lightning trial and planner (tests). ``ledger``: a
+    JSON file with a ``PrivacyLedger.state_dict()`` of earlier releases on the same data (other searches,
+    retraining); the search is recorded into it once, and the report gives the ledger's total ε too.
     """
     spec = search if isinstance(search, SearchSpec) else load_search(search)
     tuning_plan = plan(base_args, spec, plan_fn=plan_fn)
@@ -822,15 +833,16 @@ def tune(
                 checkpoint=None if outcome.checkpoint is None else str(outcome.checkpoint),
             )
         _write_json(state_path, state)
-    return _release(tuning_plan, state, release, log_release, base_args)
+    return _release(tuning_plan, state, release, log_release, base_args, ledger)
 
 
 def _release(
     tuning_plan: TuningPlan,
-    state: Mapping[str, Any],
+    state: dict[str, Any],
     release: Path,
     log_release: bool,
     base_args: Sequence[str],
+    ledger_path: str | os.PathLike[str] | None = None,
 ) -> TuningResult:
     """Write the public report and plot, copy the winner's checkpoint, log ε to the user's loggers."""
     release.mkdir(parents=True, exist_ok=True)
@@ -850,6 +862,9 @@ def _release(
             "checkpoint": None if checkpoint is None else checkpoint.name,
         }
     report = tuning_report(tuning_plan, selected, seed_given=bool(state["seed_given"]))
+    if ledger_path is not None:
+        report["ledger_epsilon"] = _record_in_ledger(tuning_plan, state, Path(ledger_path))
+        _write_json(release.parent / "private" / "state.json", state)
     report_path = release / "tuning_report.json"
     _write_json(report_path, report)
     plot_path = release / "tuning_epsilon.png"
@@ -859,6 +874,19 @@ def _release(
     return TuningResult(
         epsilon, tuning_plan.delta, float(order or math.nan), selected, report_path, plot_path, checkpoint
     )
+
+
+def _record_in_ledger(tuning_plan: TuningPlan, state: dict[str, Any], path: Path) -> float:
+    """Record the search in the project ledger at ``path`` (once, even across resumes); its ε at the plan's δ."""
+    ledger = PrivacyLedger(tuning_plan.delta)
+    if path.exists():
+        with open(path) as f:
+            ledger.load_state_dict(json.load(f))
+    if not state.get("recorded_in_ledger"):
+        ledger.record(tuning_plan.event())
+        _write_json(path, ledger.state_dict())
+        state["recorded_in_ledger"] = True
+    return ledger.epsilon()
 
 
 #: The DP state a released checkpoint keeps: the ledger and step count are data-independent. The noise and

@@ -576,3 +576,18 @@ def test_tune_end_to_end_on_digits(tmp_path: Path) -> None:
     logged = list((tmp_path / "logs").rglob("metrics.csv"))
     assert len(logged) == 1
     assert "tune/epsilon" in logged[0].read_text()
+
+
+def test_search_is_recorded_once_in_the_project_ledger(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.json"
+    path.write_text(json.dumps(digits_ledger().state_dict()))  # an earlier release on the same data
+    seed = _seed_with(load_search(SEARCH).repetitions, lambda k: k >= 1)
+    result = _run(tmp_path, StubRunner(), seed=seed, ledger=path)
+    expected = PrivacyLedger(1e-5)
+    expected.record(PoissonGaussian(SIGMA, Q), 300)
+    expected.record(RepeatAndSelect.of([digits_ledger().history], load_search(SEARCH).repetitions))
+    report = json.loads(result.report_path.read_text())
+    assert report["ledger_epsilon"] == pytest.approx(expected.epsilon(), rel=1e-12)
+    assert report["ledger_epsilon"] > report["epsilon"]
+    again = _run(tmp_path, StubRunner(), seed=seed, ledger=path, resume=True)  # no second record on resume
+    assert json.loads(again.report_path.read_text())["ledger_epsilon"] == report["ledger_epsilon"]
