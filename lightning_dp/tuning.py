@@ -812,6 +812,7 @@ def tune(
             *base_args,
             *_override_args(overrides),
             *extra_args,
+            "--trainer.enable_progress_bar=false",  # one bar per trial on the console would count K
             f"--trainer.default_root_dir={directory}",
             "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
             f"--trainer.logger.init_args.save_dir={directory}",
