@@ -342,6 +342,17 @@ def test_calibrate_tuning_meets_the_total(reps: Repetitions, sigma: float) -> No
     assert epsilon_from_rdp(digits_ledger(sigmas[0]).rdp, DEFAULT_ORDERS, 1e-5)[0] <= targets[0]
 
 
+def test_calibrate_tuning_prices_the_score_release() -> None:
+    """Budget mode at total 3, Poisson(3): the noisy validation count is part of every trial's curve."""
+    sigmas, _ = calibrate_tuning(
+        3.0, 1e-5, [TrialPlan(Q, 300, SIGMA, 1e-5)], Repetitions.poisson(3), score_event=Gaussian(10.0)
+    )
+    assert 0.9999 * 3.782988 <= sigmas[0] <= 1.02 * 3.782988
+    assert (
+        tuned([(PoissonGaussian(sigmas[0], Q), 300), (Gaussian(10.0), 1)], Repetitions.poisson(3))[0] <= 3.0
+    )
+
+
 def test_calibrate_tuning_refuses_an_impossible_plan() -> None:
     # a noiseless-enough score release alone costs more than the total
     with pytest.raises(DPConfigurationError, match="no per-trial budget meets total target_epsilon"):
@@ -523,7 +534,7 @@ def test_search_refusals(change: dict[str, Any], message: str) -> None:
         load_search({**SEARCH, **change})
 
 
-def test_early_stopping_with_a_private_score_is_refused_and_cli_plan_only(
+def test_monitor_callbacks_and_prv_are_refused_and_cli_plan_only(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from lightning_dp.cli import main
@@ -532,6 +543,10 @@ def test_early_stopping_with_a_private_score_is_refused_and_cli_plan_only(
     args = [*DIGITS, "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val_acc"]
     with pytest.raises(DPConfigurationError, match="monitor a metric of private data"):
         _plan_from_args(args, Score("private_validation"))
+    with pytest.raises(
+        DPConfigurationError, match=re.escape("set trainer.strategy.init_args.accountant: rdp")
+    ):
+        _plan_from_args([*DIGITS, "--trainer.strategy.init_args.accountant=prv"], Score("public"))
     search = ROOT / "configs" / "digits_tune_search.yaml"
     out = io.StringIO()
     with redirect_stdout(out):
