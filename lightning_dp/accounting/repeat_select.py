@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
-from scipy.optimize import brentq
 
 from .events import PrivacyEvent
 from .rdp import event_rdp
@@ -53,6 +52,8 @@ def _solve_gamma(mean: float, eta: float) -> float:
     """γ with E[K](γ) = mean (E[K] decreases in γ): 1/mean for the geometric, else Brent's method."""
     if eta == 1.0:
         return 1.0 / mean
+    from scipy.optimize import brentq  # imported here: `import lightning_dp` stays free of scipy.optimize
+
     lo, hi = 1e-15, 1.0 - 1e-15
     return float(brentq(lambda g: tnb_mean(g, eta) - mean, lo, hi, rtol=4 * np.finfo(float).eps, xtol=1e-300))
 
