@@ -16,6 +16,7 @@ from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.dp_line_search import LineSearch
 from lightning_dp.strategy import DPStrategy, EmptyBatch
+from lightning_dp.tuning import tune
 
 __version__ = "0.1.0"
 
@@ -59,4 +60,5 @@ __all__ = [
     "__version__",
     "audit",
     "register",
+    "tune",
 ]

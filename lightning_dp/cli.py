@@ -3,6 +3,7 @@
 ``lightning-dp fit --config configs/digits_dpsgd.yaml`` trains, tests (``--test_after_fit``, on by
 default) and prints ε next to the test accuracy; ``validate`` and ``test`` work as in LightningCLI.
 ``lightning-dp audit --config configs/digits_dpsgd.yaml`` audits the run empirically (lightning_dp/audit.py).
+``lightning-dp tune --config base.yaml --search search.yaml`` tunes privately (lightning_dp/tuning.py).
 """
 
 from __future__ import annotations
@@ -94,6 +95,43 @@ def audit_main(args: list[str]) -> int:
     return 0 if result.passed else 1
 
 
+def tune_main(args: list[str]) -> int:
+    """``lightning-dp tune --config base.yaml --search search.yaml``: best of a secret number of DP trials.
+
+    ``--plan_only`` prints the per-candidate ε and the tuned ε of every distribution of K (no training).
+    """
+    from lightning_dp import tuning
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-dp tune",
+        description="Private hyperparameter tuning (Papernot & Steinke 2022): a secret random number of DP "
+        "trials, only the best released, ε of the whole search reported. Other options (--config, "
+        "--trainer.*, --model.*, --data.*) are those of `lightning-dp fit` and form the base of every trial.",
+    )
+    parser.add_argument("--search", required=True, help="search YAML: repetitions, candidates, score, budget")
+    parser.add_argument("--out_dir", default="runs/tune")
+    parser.add_argument("--resume", action="store_true", help="finish an interrupted search (same K and θ)")
+    parser.add_argument("--plan_only", action="store_true", help="print the planned ε; train nothing")
+    parser.add_argument("--seed", type=int, default=None, help="for tests only: makes K public")
+    parser.add_argument(
+        "--ledger", default=None, help="JSON ledger of earlier releases: the search is added to it"
+    )
+    known, rest = parser.parse_known_args(args)
+    if known.plan_only:
+        spec = tuning.load_search(known.search, require_distribution=False)
+        print(tuning.plan_summary(tuning.plan(rest, spec)))
+        return 0
+    result = tuning.tune(
+        rest, known.search, out_dir=known.out_dir, resume=known.resume, seed=known.seed, ledger=known.ledger
+    )
+    chosen = "nothing released" if result.selected is None else f"selected {result.selected['overrides']}"
+    print(
+        f"lightning-dp tune: ε = {result.epsilon:.4f} for the whole search (δ = {result.delta:g}); {chosen}"
+    )
+    print(f"lightning-dp tune: report {os.path.abspath(result.report_path)}")
+    return 0
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-dp`` console script."""
     lightning_dp.register()
@@ -102,6 +140,9 @@ def main(args: list[str] | None = None) -> None:
         status = audit_main(argv[1:])
         if status:
             sys.exit(status)
+        return
+    if argv[:1] == ["tune"]:
+        tune_main(argv[1:])
         return
     DPLightningCLI(
         args=argv,

@@ -17,6 +17,7 @@ from .ledger import BudgetExceededError, PrivacyLedger
 from .prv import PRVNumericalError
 from .pure_laplace import SubsampledLaplace
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
+from .repeat_select import RepeatAndSelect, Repetitions, delta_from_rdp, repeat_and_select_rdp
 from .zcdp import (
     ZCDP,
     GaussianSVT,
@@ -44,12 +45,16 @@ __all__ = [
     "PrivacyFilter",
     "PrivacyLedger",
     "PureDP",
+    "RepeatAndSelect",
+    "Repetitions",
     "SubsampledLaplace",
     "calibrate_noise",
     "charge",
     "compute_epsilon",
+    "delta_from_rdp",
     "epsilon_from_rdp",
     "epsilon_from_rho",
+    "repeat_and_select_rdp",
     "rho_from_epsilon",
     "zcdp_rho",
 ]
