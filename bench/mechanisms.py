@@ -30,7 +30,7 @@ from lightning_dp import (
 )
 from recipes import DigitsDataModule, ImageClassifier
 
-FULL_BATCH = 100_000  # larger than the train split: the DataLoader yields it whole (q = 1)
+FULL_BATCH = -1  # marker: the batch is the whole train split (q = 1)
 
 #: name -> (the DPStrategy arguments swapped in, batch size and epochs when they differ from the user's).
 #: A row after a mechanism's default row applies the fix its run-time message names.
@@ -61,7 +61,10 @@ def run(name: str, seed: int, epsilon: float, epochs: int) -> tuple[float, float
     seed_everything(seed, verbose=False)
     arguments, batch_size, row_epochs = MECHANISMS[name]
     model = ImageClassifier(arch="mlp", hidden=[64], activation="tanh", in_features=64, lr=1.0)
-    data = DigitsDataModule(batch_size=batch_size or 128, flatten=True)
+    data = DigitsDataModule(batch_size=128, flatten=True)
+    if batch_size == FULL_BATCH:  # the whole train split in every batch: q = 1
+        data.setup("fit")
+        data.batch_size = len(data.train_set)
     epochs = row_epochs if row_epochs is not None else epochs
     strategy = DPStrategy(target_epsilon=epsilon, delta=1e-5, max_grad_norm=1.0, seed=seed, **arguments())
     with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
