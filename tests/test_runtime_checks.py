@@ -24,6 +24,11 @@ def fit(module: TinyModule, strategy: DPStrategy | None = None, **kwargs) -> DPS
     return strategy
 
 
+def released(strategy: DPStrategy) -> int:
+    """Events the ledger priced (its history is run-length merged)."""
+    return sum(count for _, count in strategy.ledger.history)
+
+
 # -- 1. one train loader ------------------------------------------------------------------------------
 class TwoLoaders(TinyModule):
     """A small loader at q = 8/32 beside a large one at q = 8/256: their examples have different ε."""
@@ -50,8 +55,7 @@ def test_several_train_loaders_are_refused_before_training(as_list):
     with pytest.raises(DPConfigurationError, match="returned several loaders") as info:
         fit(TwoLoaders(as_list), strategy, max_epochs=1)
     assert "ConcatDataset" in str(info.value)
-    assert strategy.engine.steps == 0
-    assert len(strategy.ledger.history) == 0
+    assert released(strategy) == strategy.engine.steps == 0
 
 
 def test_one_loader_reloaded_every_epoch_is_not_mistaken_for_several():
@@ -84,7 +88,7 @@ def test_time_major_layers_are_refused_before_the_first_release():
     ) as info:
         fit(TimeMajorTagger(), strategy, max_steps=2)
     assert "batch_first=True" in str(info.value)
-    assert len(strategy.ledger.history) == 0
+    assert released(strategy) == 0
 
 
 def test_batch_first_tagger_trains():
@@ -127,7 +131,7 @@ def test_sequence_first_recurrent_layer_is_refused_at_fit_start():
     strategy = DPStrategy(noise_multiplier=1.0, seed=0)
     with pytest.raises(BatchDimensionError, match=r"Layer 'lstm' \(LSTM\) is built with batch_first=False"):
         fit(SequenceFirstLSTM(), strategy, max_steps=1)
-    assert len(strategy.ledger.history) == 0
+    assert released(strategy) == 0
 
 
 def test_virtual_batching_checks_each_chunk_and_trains():
@@ -174,8 +178,7 @@ def test_two_releases_from_one_batch_are_refused(target):
     ) as info:
         fit(TwoOptimizers(alternate=False), strategy, max_steps=4)
     assert "one optimizer over all parameters" in str(info.value)
-    assert strategy.engine.steps == 1
-    assert len(strategy.ledger.history) == 1
+    assert released(strategy) == strategy.engine.steps == 1
 
 
 def test_alternating_optimizers_release_once_per_batch_including_empty_ones():
@@ -198,6 +201,19 @@ def test_a_step_forced_past_the_budget_releases_nothing_and_stops():
     strategy = DPStrategy(noise_multiplier=1.0, target_epsilon=target, seed=0)
     trainer = make_trainer(strategy, max_steps=6, min_steps=6)
     trainer.fit(module)
-    assert strategy.engine.steps == 3
+    assert released(strategy) == strategy.engine.steps == 3
     assert strategy.epsilon <= target
     assert trainer.should_stop
+
+
+def test_resuming_a_spent_run_stops_cleanly_without_a_release(tmp_path):
+    target = compute_epsilon(noise_multiplier=1.0, sample_rate=16 / 128, steps=3, delta=1e-5) * 1.001
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, target_epsilon=target, seed=0), max_epochs=1)
+    trainer.fit(TinyModule(n=128, batch_size=16))
+    trainer.save_checkpoint(tmp_path / "spent.ckpt")
+    strategy = DPStrategy(noise_multiplier=1.0, target_epsilon=target, seed=0)
+    make_trainer(strategy, max_epochs=3).fit(
+        TinyModule(n=128, batch_size=16), ckpt_path=tmp_path / "spent.ckpt"
+    )
+    assert released(strategy) == strategy.engine.steps == 3
+    assert strategy.epsilon <= target
