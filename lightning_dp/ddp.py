@@ -19,9 +19,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
+from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import GradMode
 from lightning_dp.prepare import OnBatchNorm
-from lightning_dp.slots import Clipping, Noise, Sampler, Step
+from lightning_dp.slots import Clipping, Noise, Sampler, Step, iter_slots
 from lightning_dp.strategy import DPStrategyMixin
 
 
@@ -36,6 +37,51 @@ def all_reduce_sum(tensors: list[Tensor]) -> list[Tensor]:
         out.append(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
     return out
+
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def slot_settings(slot: object) -> dict[str, Any]:
+    """A slot's name and its public scalar settings (per-rank ones, such as its rank, left out)."""
+    settings = {
+        key: value
+        for key, value in vars(slot).items()
+        if not key.startswith("_") and "rank" not in key and isinstance(value, _SCALARS)
+    }
+    return {"name": getattr(slot, "name", type(slot).__name__), **settings}
+
+
+def find_disagreement(per_rank: list[dict[str, Any]]) -> tuple[int, str, Any, Any] | None:
+    """The first (rank, field, its value, rank 0's value) where a rank differs from rank 0, else None.
+
+    Values are compared by ``repr`` so that NaN settings agree with themselves."""
+    reference = per_rank[0]
+    for rank, fields in enumerate(per_rank[1:], start=1):
+        for field in sorted(reference.keys() | fields.keys()):
+            ours, theirs = reference.get(field), fields.get(field)
+            if repr(ours) != repr(theirs):
+                return rank, field, theirs, ours
+    return None
+
+
+def check_ranks_agree(fields: dict[str, Any], world_size: int) -> None:
+    """Gather ``fields`` from every rank and refuse the run on any difference (raised on every rank).
+
+    One privacy guarantee covers the run only if every rank samples with the same q from the same N
+    and adds the same noise: rank 0 writes the report, so a rank that differs would go unpriced."""
+    per_rank: list[Any] = [None] * world_size
+    dist.all_gather_object(per_rank, fields)
+    found = find_disagreement(per_rank)
+    if found is None:
+        return
+    rank, field, theirs, ours = found
+    raise DPConfigurationError(
+        f"The ranks disagree on the privacy setting {field!r}: rank {rank} has {theirs!r}, rank 0 has {ours!r}. "
+        "Rank 0's ledger and report price one run with rank 0's settings, so a rank that samples or adds noise "
+        "differently is not covered. Give every rank the same data set (the same N), batch size, strategy "
+        "arguments and slots."
+    )
 
 
 class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
@@ -112,6 +158,24 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             self.engine.rank, self.engine.world_size = self.global_rank, self.world_size
             self.engine.all_reduce = all_reduce_sum if self.world_size > 1 else None
         super().setup(trainer)
+
+    def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
+        """Every rank must price the same run: the given fields, δ, the target, C and the slots."""
+        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        engine = self.engine
+        common = {
+            "target_epsilon": engine.target_epsilon,
+            "delta": engine.delta,
+            "max_grad_norm": engine.max_grad_norm,
+            "accountant": engine.accountant,
+            "loss_reduction": engine.loss_reduction,
+            "per_device_batch_size": self.per_device_batch_size,
+        }
+        slots = iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot)
+        for name, slot in slots:
+            common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})
+        check_ranks_agree({**fields, **common}, self.world_size)
 
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: only start every rank from rank 0's weights."""

@@ -18,7 +18,7 @@ from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLe
 from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.clipping.flat import weighted_sum
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import GradMode, PerSampleGradients
+from lightning_dp.grad_sample import BatchDimensionError, GradMode, PerSampleGradients
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
 
@@ -58,6 +58,23 @@ def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, account
             "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
             "and accountant='pure'; Gaussian steps need none of these."
         )
+
+
+def refuse_sequence_first(root: nn.Module) -> None:
+    """Refuse trainable recurrent and attention layers built sequence-first (``batch_first=False``).
+
+    Their inputs and outputs are [T, B, ...], so the hooks would take time steps for examples; a size
+    check cannot see it when T equals the batch size, this check sees it before the first batch."""
+    for name, module in root.named_modules():
+        if getattr(module, "batch_first", None) is False and any(
+            p.requires_grad for p in module.parameters()
+        ):
+            raise BatchDimensionError(
+                f"Layer {name or '<root>'!r} ({type(module).__name__}) is built with batch_first=False (PyTorch's "
+                "default): its tensors are [time, batch, ...], and per-example clipping takes dimension 0 as "
+                "the examples, so it would clip each time step instead of each example. Build it with "
+                "batch_first=True and feed it [batch, time, ...] tensors."
+            )
 
 
 class PrivateStepEngine:
@@ -110,6 +127,14 @@ class PrivateStepEngine:
         self.train_data: tuple[Any, Any] | None = None
         """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
         self.max_physical_batch_size: int | None = None
+        self.realised_batch: int | None = None
+        """Examples the sampler drew for the current sampled batch (``begin_batch``); None: unchecked."""
+        self.chunk_batch: int | None = None
+        """Examples in the physical chunk about to be backpropagated (virtual batching), else the batch."""
+        self.releases_this_batch: int | None = None
+        """Noisy gradient releases made from the current sampled batch (None: not tracked)."""
+        self.halted = False
+        """True for a sampled batch the budget cannot pay for: its optimizer steps release nothing."""
         step.bind(self)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -117,6 +142,7 @@ class PrivateStepEngine:
         """Install the per-example gradient hooks on ``module`` (idempotent)."""
         self.module = module
         if self.grads is None:
+            refuse_sequence_first(module)
             self.grads = PerSampleGradients(
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
             )
@@ -190,6 +216,55 @@ class PrivateStepEngine:
                 p.grad = g
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
+    # -- run-time checks -----------------------------------------------------------------------------
+    def begin_batch(self, realised: int | None) -> None:
+        """A new sampled batch of ``realised`` examples: one release may be made from it, and every
+        layer must see ``realised`` on its batch dimension (None: the size is not known, unchecked)."""
+        self.realised_batch = self.chunk_batch = realised
+        self.releases_this_batch = 0
+        self.halted = False
+
+    def _count_release(self) -> None:
+        """Refuse a second noisy gradient release from one sampled batch (checked before the release)."""
+        if self.releases_this_batch is None:
+            return
+        if self.releases_this_batch >= 1:
+            assert self.grads is not None
+            self.grads.clear()
+            self._partial, self._partial_batch = None, 0
+            raise DPConfigurationError(
+                "A second noisy gradient release from the same sampled batch (two optimizers that each step "
+                "on it, a SAM-style inner step, or two backward/step pairs in one training_step). The ledger "
+                "prices one subsampled Gaussian per sampled batch; releases of one batch are not independent "
+                "steps, so ε would be understated. Use one optimizer over all parameters (parameter groups "
+                "give each part its own learning rate), or add the losses and call backward once per batch."
+            )
+        self.releases_this_batch += 1
+
+    def _layer_expected(self, chunked: bool) -> int | None:
+        """The batch dimension every layer of the chunk just backpropagated must have (None: unknown).
+
+        The strategy sets ``chunk_batch`` for each physical chunk it makes; a caller that chunks the
+        batch itself leaves it at the whole batch, and then only the total is checked."""
+        if chunked and self.chunk_batch == self.realised_batch:
+            return None
+        return self.chunk_batch
+
+    def _check_realised_total(self, batch: int) -> None:
+        """The per-example gradients of the logical batch must number the examples the sampler drew."""
+        if self.realised_batch is None or batch in (0, self.realised_batch):  # 0: no backward ran
+            return
+        assert self.grads is not None
+        self.grads.clear()
+        self._partial, self._partial_batch = None, 0
+        raise BatchDimensionError(
+            f"The per-example gradients of this batch number {batch}, but the sampler drew "
+            f"{self.realised_batch} examples: the batch is not on dimension 0 of the collated tensors or "
+            "of the layers (sequence-first tensors, a reshaped batch). Keep the examples on dimension 0 of "
+            "every tensor the collate function returns and use batch_first=True in recurrent and attention "
+            "layers."
+        )
+
     # -- the private step ---------------------------------------------------------------------------
     def _context(self, batch: int) -> StepContext:
         assert self.grads is not None, "attach() first"
@@ -202,10 +277,11 @@ class PrivateStepEngine:
             generator=self._noise_generator(self.grads.params[0].device),
         )
 
-    def _clipped_sums(self) -> tuple[list[Tensor], StepContext]:
-        """Clip the per-example gradients just backpropagated and sum them (releases nothing)."""
+    def _clipped_sums(self, expected: int | None = None) -> tuple[list[Tensor], StepContext]:
+        """Clip the per-example gradients just backpropagated and sum them (releases nothing);
+        ``expected``: the examples every layer must see on its batch dimension (None: unchecked)."""
         assert self.grads is not None, "attach() first"
-        grad_samples, batch = self.grads.collect()
+        grad_samples, batch = self.grads.collect(expected)
         if batch and not self._checked_consistency:
             self._check_consistency(self.grads.params, grad_samples, batch)
             # Checked once against autograd's gradient; from now on that gradient is never computed
@@ -229,7 +305,7 @@ class PrivateStepEngine:
         Nothing is released and nothing is priced: noise is added once, by the ``privatize`` that
         ends the logical batch. The non-private ``p.grad`` of the chunk is discarded.
         """
-        sums, ctx = self._clipped_sums()
+        sums, ctx = self._clipped_sums(self._layer_expected(chunked=True))
         if self._partial is None:
             self._partial, self._partial_batch = sums, ctx.batch_size
         else:
@@ -247,15 +323,17 @@ class PrivateStepEngine:
                 "followed by optimizer.step(). For larger logical batches use max_physical_batch_size, "
                 "not gradient accumulation."
             )
+        self._count_release()
         event = self.next_event()
         if event is None:
             raise RuntimeError(f"{self.sampler.name} has not set the noise multiplier of this step.")
         self._check_affordable(event)
-        sums, ctx = self._clipped_sums()
+        sums, ctx = self._clipped_sums(self._layer_expected(chunked=self._partial is not None))
         if self._partial is not None:
             sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
             ctx.batch_size += self._partial_batch
             self._partial, self._partial_batch = None, 0
+        self._check_realised_total(ctx.batch_size)
         for p, g in zip(self.params, self._release(sums, ctx, event), strict=True):
             p.grad = g.to(p.dtype)
         self.steps += 1

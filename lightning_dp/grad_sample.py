@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dp import fast_clipping
+from lightning_dp.errors import DPConfigurationError
 
 GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
 
@@ -296,6 +297,8 @@ class PerSampleGradients:
         self.grad_samples: dict[nn.Parameter, Tensor] = {}
         self.records: list[Record] = []
         self.batch_size: int | None = None
+        self.calls: list[tuple[nn.Module, int]] = []
+        """(layer, size of dim 0 of its output gradient) of every call since the last ``clear``."""
         self.layers = list(trainable_layers(root))
         if mode == "auto":
             mode = "fast" if all(fast_clipping.is_supported(m) for _, m in self.layers) else "materialize"
@@ -368,6 +371,7 @@ class PerSampleGradients:
                 "(no retain_graph=True)."
             )
         batch = grad.shape[0]
+        self.calls.append((module, batch))
         if self.path_of(module) == "fast":
             record = Record(module, activations, grad.detach())
             own = self._own[module]
@@ -381,9 +385,14 @@ class PerSampleGradients:
             )
         self.batch_size = batch
 
-    def collect(self) -> tuple[PerExampleGradients, int]:
-        """The batch's per-example gradients (lazy where possible) and the batch size."""
+    def collect(self, expected: int | None = None) -> tuple[PerExampleGradients, int]:
+        """The batch's per-example gradients (lazy where possible) and the batch size.
+
+        ``expected``: the number of examples the sampler drew for this batch; every layer call must
+        have it on dimension 0 (else :class:`BatchDimensionError`, before anything is released).
+        """
         batch = self.batch_size or 0
+        check_batch_dimension(self.calls, batch if expected is None else expected, self.layers)
         for sample in self.grad_samples.values():
             if sample.shape[0] != batch:
                 raise RuntimeError(
@@ -420,9 +429,42 @@ class PerSampleGradients:
         self.grad_samples = {}
         self.records = []
         self.batch_size = None
+        self.calls = []
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.clear()
+
+
+class BatchDimensionError(DPConfigurationError):
+    """A layer's dimension 0 is not the batch the sampler drew: its "per-example" gradients are not."""
+
+
+def check_batch_dimension(
+    calls: Sequence[tuple[nn.Module, int]], expected: int, layers: Sequence[tuple[str, nn.Module]]
+) -> None:
+    """Refuse when a layer call's dimension 0 is not ``expected`` examples (see docs/guarantees.md)."""
+    bad = next(((m, size) for m, size in calls if size != expected), None)
+    if bad is None:
+        return
+    module, size = bad
+    name = next((n for n, m in layers if m is module), "") or "<root>"
+    if size == 1:
+        cause = (
+            "an input of batch 1 broadcast over the batch (e.g. position embeddings looked up with batch 1): "
+            "one gradient would stand for every example, which clipping cannot bound. Look it up per example "
+            "(expand the input to the batch size before the layer)."
+        )
+    else:
+        cause = (
+            "sequence-first (time-major) tensors or a reshaped batch: per-example clipping takes dimension 0 "
+            "as the examples, so it would clip each time step or row instead. Build nn.LSTM, nn.GRU, nn.RNN, "
+            "nn.MultiheadAttention and nn.Transformer* with batch_first=True, keep the batch on dimension 0 "
+            "(no transpose or view(B * T, ...) before a trainable layer)."
+        )
+    raise BatchDimensionError(
+        f"Layer {name!r} ({type(module).__name__}) has {size} on its batch dimension (dim 0), but this batch "
+        f"has {expected} examples. Likely cause: {cause}"
+    )

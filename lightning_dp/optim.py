@@ -58,6 +58,9 @@ class DPOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.engine.halted:  # the budget is spent: no release and no move (the strategy stops training)
+            self.zero_grad()
+            return loss
         if self.engine.pending_ctx is None:
             # No backward ran (training_step returned None, or the batch was empty): a skipped step
             # would reveal a data-dependent decision, so release a noise-only step instead.

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -31,7 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp.accounting import BudgetExceededError
 from lightning_dp.batch_info import BatchWithInfo, InfoDataset
-from lightning_dp.batching import split_batch
+from lightning_dp.batching import batch_length, split_batch
 from lightning_dp.checkpointing import atomic_save, checkpoint_problem, is_local_path
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
@@ -64,6 +65,53 @@ class _CollateWithEmpty:
         batch = EmptyBatch() if len(samples) == 0 else self.collate_fn(list(samples))
         info = getattr(samples, "info", None)
         return batch if info is None else BatchWithInfo(batch, info)
+
+
+class _RealisedSizes(torch.utils.data.Sampler[list[int]]):
+    """The sampler's batch sampler, noting how many examples each batch drew, in draw order.
+
+    Index batches are drawn in the main process and the DataLoader delivers their batches in the
+    same order (also with workers and prefetching), so the strategy reads the sizes back one per
+    training step: the realised batch every layer must see on dimension 0.
+    """
+
+    def __init__(self, batches: torch.utils.data.Sampler[list[int]]) -> None:
+        self.batches = batches
+        self.sizes: deque[int] = deque()
+
+    def __len__(self) -> int:
+        return len(self.batches)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.sizes = deque()  # a new pass: what an abandoned iterator drew is never delivered
+        return self._draw(self.sizes)
+
+    def _draw(self, sizes: deque[int]) -> Iterator[list[int]]:
+        for indices in self.batches:
+            sizes.append(len(indices))
+            yield indices
+
+    def next_size(self) -> int | None:
+        """The size of the batch delivered next (None when none is noted: then it is not checked)."""
+        return self.sizes.popleft() if self.sizes else None
+
+
+_NO_PASS = object()
+
+
+def refuse_several_train_loaders(trainer: Trainer, previous: object) -> object:
+    """Lightning hands the strategy each train loader of a CombinedLoader in turn, before it stores the
+    combination: a second loader in the same pass (same stored combination) is refused."""
+    # A Lightning without this attribute gets a fresh marker per loader: the check is then off (a test pins it).
+    current = getattr(trainer.fit_loop, "_combined_loader", object())
+    if previous is not _NO_PASS and previous is current:
+        raise DPConfigurationError(
+            "train_dataloader returned several loaders (a dict or list, combined by Lightning's CombinedLoader). "
+            "The ledger prices one sample rate q, but each loader's examples would be drawn at their own "
+            "q = batch_size / len(dataset), so ε would be wrong for all but one of them. Return one DataLoader "
+            "over one dataset (torch.utils.data.ConcatDataset joins several)."
+        )
+    return current
 
 
 class DPStrategyMixin(Strategy):
@@ -125,6 +173,8 @@ class DPStrategyMixin(Strategy):
         self.engine.max_physical_batch_size = max_physical_batch_size
         self.setup_notes: list[str] = []
         self._resumed = False
+        self._train_loader_pass: object = _NO_PASS
+        self._realised_sizes: _RealisedSizes | None = None
 
     # -- conveniences for users and callbacks ---------------------------------------------------------
     @property
@@ -148,6 +198,7 @@ class DPStrategyMixin(Strategy):
     def setup(self, trainer: Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             self._refuse_unsafe_trainer(trainer)
+            self._train_loader_pass = _NO_PASS
             module = self.lightning_module
             assert module is not None
             self.setup_notes = prepare_module(module, self.on_batchnorm)
@@ -296,6 +347,7 @@ class DPStrategyMixin(Strategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        self._train_loader_pass = refuse_several_train_loaders(trainer, self._train_loader_pass)
         if not isinstance(dataloader, DataLoader):
             raise DPConfigurationError(
                 f"The train dataloader must be a torch DataLoader over a map-style Dataset, got {type(dataloader).__name__}."
@@ -319,6 +371,7 @@ class DPStrategyMixin(Strategy):
         sampler = self.engine.sampler
         world = self.world_size
         logical_batch = loader.batch_size * (world if self.per_device_batch_size else 1)
+        self._check_ranks_agree({"N (training examples)": num_samples, "logical batch": logical_batch})
         try:
             sampler.bind(num_samples, logical_batch, rank=self.global_rank, world_size=world)
         except ValueError as err:
@@ -336,9 +389,11 @@ class DPStrategyMixin(Strategy):
         if not self.engine.noise.is_set and not sampler.schedules_noise:
             self._calibrate(trainer, num_batches)
         self._check_first_step_affordable()
+        self._check_ranks_agree({"q (sample rate)": sampler.sample_rate, "noise multiplier": self._sigma()})
+        self._realised_sizes = _RealisedSizes(sampler.batch_sampler(num_batches))
         return DataLoader(
             InfoDataset(dataset) if sampler.carries_batch_info else dataset,
-            batch_sampler=sampler.batch_sampler(num_batches),
+            batch_sampler=self._realised_sizes,
             collate_fn=_CollateWithEmpty(loader.collate_fn),
             num_workers=loader.num_workers,
             pin_memory=loader.pin_memory,
@@ -348,6 +403,15 @@ class DPStrategyMixin(Strategy):
             persistent_workers=loader.persistent_workers,
             prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
         )
+
+    def _sigma(self) -> float | None:
+        """The noise slot's σ of the first step, once set (None while a sampler schedules it)."""
+        noise = self.engine.noise
+        return noise.noise_multiplier(0) if noise.is_set and not self.engine.sampler.schedules_noise else None
+
+    def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
+        """Distributed strategies refuse a run whose ranks disagree on ``fields`` (one process: nothing)."""
+        del fields
 
     def _attach_sampler_runtime(
         self, trainer: Trainer, sampler: Sampler, dataset: Any, loader: DataLoader, num_batches: int
@@ -492,11 +556,43 @@ class DPStrategyMixin(Strategy):
             if not args:
                 kwargs["batch"] = batch
         self.engine.batch = batch
+        if not self._begin_sampled_batch(batch):
+            return None
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step()
         if self.max_physical_batch_size is not None:
             return self._virtual_batch_step(batch, *args[1:], **kwargs)
         return super().training_step(*args, **kwargs)
+
+    def _begin_sampled_batch(self, batch: Any) -> bool:
+        """Before user code sees a sampled batch: it may make one release, of its realised size, and
+        only if the budget pays for it. False: the budget is spent, so the step releases nothing, user
+        code does not run and training stops (a step forced past the budget stop, or a resumed run)."""
+        realised = self._realised_sizes.next_size() if self._realised_sizes is not None else None
+        if realised is not None and (realised == 0) != isinstance(batch, EmptyBatch):
+            realised = None  # not the batch the sizes were noted for (a loader Lightning did not get from us)
+        self.engine.begin_batch(realised)
+        affordable = self.engine.affordable_steps()
+        if affordable is None or affordable >= 1:
+            return True
+        self.engine.halted = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and not trainer.should_stop:
+            rank_zero_info(f"lightning-dp: {self._budget_message()} This step releases nothing; stopping.")
+            trainer.should_stop = True
+        return False
+
+    def _budget_message(self) -> str:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        forced = ""
+        if trainer is not None:
+            forced = f" (min_steps={trainer.fit_loop.min_steps}, min_epochs={trainer.fit_loop.min_epochs})"
+        return (
+            f"Privacy budget exhausted: ε={self.engine.ledger.epsilon():.4g} spent of target_epsilon="
+            f"{self.engine.target_epsilon:g}, and the Trainer asks for another private step. PrivacyCallback "
+            f"stops training before such a step unless min_steps or min_epochs force more{forced}: lower them, "
+            "or raise target_epsilon (or the noise multiplier) so the planned steps fit."
+        )
 
     def _virtual_batch_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         """Run the user's training_step on each physical chunk; Lightning backpropagates the last one."""
@@ -511,11 +607,14 @@ class DPStrategyMixin(Strategy):
         kwargs.pop("batch", None)
         *chunks, last = split_batch(batch, self.max_physical_batch_size)
         for chunk in chunks:
+            self.engine.chunk_batch = batch_length(chunk)
             output = super().training_step(chunk, *args, **kwargs)
             loss = output["loss"] if isinstance(output, Mapping) else output
             if isinstance(loss, Tensor):
                 loss.backward()
             self.engine.accumulate_chunk()
+        if chunks:
+            self.engine.chunk_batch = batch_length(last)
         return super().training_step(last, *args, **kwargs)
 
     def _noise_only_step(self) -> Tensor | None:
@@ -524,8 +623,12 @@ class DPStrategyMixin(Strategy):
         if module.automatic_optimization:
             # A graph leaf so Lightning's backward runs and post_backward releases pure noise.
             return torch.zeros((), device=self.root_device, requires_grad=True)
+        # One noise-only release for the batch; every optimizer then steps on its share of it.
         for optimizer in self.optimizers:
             optimizer.zero_grad()
+        ctx = self.engine.privatize()
+        for optimizer in self.optimizers:
+            self.engine.pending_ctx = ctx
             optimizer.step()
         return None
 
@@ -537,10 +640,7 @@ class DPStrategyMixin(Strategy):
         try:
             self.engine.privatize()
         except BudgetExceededError as err:
-            raise DPConfigurationError(
-                f"{err} Training should have stopped before this step; add PrivacyCallback (the strategy adds "
-                "it unless you removed it) and do not force more steps with min_epochs/min_steps."
-            ) from err
+            raise DPConfigurationError(self._budget_message()) from err
 
     def on_train_end(self) -> None:
         """Steps that train on a look-ahead point (Nesterov) write their final iterate into the weights."""

@@ -173,4 +173,25 @@ dump(
     share=len(t.strategy.engine.sampler.share),
 )
 
+
+# 9. Ranks whose data sets differ in size: each would bind its own N (and q); refused on every rank.
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_dp import DPConfigurationError  # noqa: E402
+
+
+class UnequalShards(TinyModule):
+    def train_dataloader(self):
+        n = 64 if self.trainer.global_rank == 0 else 32
+        return DataLoader(TensorDataset(self.x[:n], self.y[:n]), batch_size=8)
+
+
+t = trainer(DPDDPStrategy(target_epsilon=2.0), max_epochs=1)
+try:
+    t.fit(UnequalShards(n=64))
+    refusal = ""
+except DPConfigurationError as err:
+    refusal = str(err)
+dump("unequal", t.strategy, refusal=refusal)
+
 finish_distributed()

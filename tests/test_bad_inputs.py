@@ -16,6 +16,7 @@ import torch
 from conftest import TinyModule, make_trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from test_runtime_checks import SequenceFirstLSTM, TimeMajorTagger, TwoLoaders, TwoOptimizers
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
 
@@ -260,6 +261,26 @@ ROWS = [
         "virtual batching with manual optimization",
         lambda _: fit(DPStrategy(noise_multiplier=1.0, max_physical_batch_size=4), Manual()),
         "max_physical_batch_size needs automatic optimization",
+    ),
+    Row(
+        "several train loaders",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), TwoLoaders()),
+        "train_dataloader returned several loaders",
+    ),
+    Row(
+        "time-major batch dimension",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), TimeMajorTagger()),
+        "Layer 'net' (Linear) has 3 on its batch dimension (dim 0)",
+    ),
+    Row(
+        "sequence-first LSTM",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), SequenceFirstLSTM()),
+        "Layer 'lstm' (LSTM) is built with batch_first=False",
+    ),
+    Row(
+        "two releases from one batch",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), TwoOptimizers(alternate=False)),
+        "Use one optimizer over all parameters",
     ),
     Row(
         "more than one device",

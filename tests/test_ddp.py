@@ -176,3 +176,12 @@ def test_dpis_under_ddp_releases_once_and_keeps_ranks_in_lock_step(ddp_results):
     assert len(rank0["epochs"]) == 2
     assert rank0["history"] == rank1["history"]
     assert 0.99 <= rank0["epsilon"] == rank1["epsilon"] <= 1.0
+
+
+def test_ranks_with_different_data_set_sizes_are_refused_on_every_rank(ddp_results):
+    """Rank 1's data set is half rank 0's: it would sample at twice rank 0's q, unpriced by rank 0's ledger."""
+    _, load = ddp_results
+    for record in load("unequal"):
+        assert "rank 1 has 32, rank 0 has 64" in record["refusal"]
+        assert "'N (training examples)'" in record["refusal"]
+        assert record["steps"] == 0
