@@ -178,16 +178,18 @@ class PrivateStepEngine:
         sigma = self.noise_multiplier()
         return None if sigma is None else self.step_slot.gradient_event(self.sampler, sigma)
 
-    def affordable_steps(self) -> int | None:
+    def affordable_steps(self, drawn: bool = False) -> int | None:
         """How many more steps fit under ``target_epsilon`` (None when there is no target).
 
-        Releases the sampler must make before the next step (DPIS's epoch statistics) are priced first:
-        when they and one step do not fit, the answer is 0, so training stops before any of them.
+        Releases the sampler must make before the next batch is drawn (DPIS's epoch statistics) are
+        priced first: when they and one step do not fit, the answer is 0, so training stops before any
+        of them. ``drawn=True``: the step's batch is already drawn (its statistics, if any, released).
         """
         event = self.next_event() if self.target_epsilon is not None else None
         if event is None or self.target_epsilon is None:
             return None
-        return int(affordable_after(self.ledger, self.sampler.pending_events(), event, self.target_epsilon))
+        pending = [] if drawn else self.sampler.pending_events()
+        return int(affordable_after(self.ledger, pending, event, self.target_epsilon))
 
     @property
     def release_name(self) -> str:

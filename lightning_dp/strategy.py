@@ -572,7 +572,7 @@ class DPStrategyMixin(Strategy):
         if realised is not None and (realised == 0) != isinstance(batch, EmptyBatch):
             realised = None  # not the batch the sizes were noted for (a loader Lightning did not get from us)
         self.engine.begin_batch(realised)
-        affordable = self.engine.affordable_steps()
+        affordable = self.engine.affordable_steps(drawn=True)
         if affordable is None or affordable >= 1:
             return True
         self.engine.halted = True
