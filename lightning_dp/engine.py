@@ -343,6 +343,7 @@ class PrivateStepEngine:
             "version": 1,
             "steps": self.steps,
             "ledger": self.ledger.state_dict(),
+            "ledger_events": self.ledger.steps,
             "noise_generator": self.generator.get_state() if self.generator is not None else None,
             "slots": slots,
             "max_grad_norm": self.max_grad_norm,

@@ -32,7 +32,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from lightning_dp.accounting import BudgetExceededError
 from lightning_dp.batch_info import BatchWithInfo, InfoDataset
 from lightning_dp.batching import split_batch
-from lightning_dp.checkpointing import atomic_save, checkpoint_problem, is_local_path
+from lightning_dp.checkpointing import (
+    atomic_save,
+    check_privacy_state,
+    check_resumed_counts,
+    is_local_path,
+    unreadable_checkpoint,
+)
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
@@ -266,14 +272,10 @@ class DPStrategyMixin(Strategy):
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except Exception as err:
-            problem = checkpoint_problem(checkpoint_path) if is_local_path(checkpoint_path) else None
+            problem = unreadable_checkpoint(checkpoint_path) if is_local_path(checkpoint_path) else None
             if problem is None:
                 raise
-            raise DPConfigurationError(
-                f"The checkpoint {checkpoint_path} is damaged: {problem}. It was probably being written when "
-                "the process died. Resume from the previous one: lightning_dp.checkpointing."
-                "latest_valid_checkpoint(folder) returns the newest complete checkpoint."
-            ) from err
+            raise DPConfigurationError(problem) from err
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             state = checkpoint.get(CHECKPOINT_KEY)
@@ -284,10 +286,13 @@ class DPStrategyMixin(Strategy):
                     "to start DP training from non-private weights, load them into the module and call fit "
                     "without ckpt_path."
                 )
+            rank_state = self._rank_dp_state(state)
+            check_privacy_state(rank_state, checkpoint_path)
             try:
-                self.engine.load_state_dict(self._rank_dp_state(state))
+                self.engine.load_state_dict(rank_state)
             except ValueError as err:
                 raise DPConfigurationError(str(err)) from err
+            check_resumed_counts(self.engine, rank_state, checkpoint.get("global_step"), checkpoint_path)
             self._resumed = True
         return checkpoint
 

@@ -116,6 +116,40 @@ def resume(first: DPStrategy, second: DPStrategy, tmp_path, first_module=None, s
     )
 
 
+def resume_edited(tmp_path, edit: Callable[[dict], object]) -> None:
+    """Resume from a two-step DP checkpoint after ``edit`` changed its saved entries in place."""
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=2, max_epochs=5)
+    trainer.fit(TinyModule(n=256))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    checkpoint = torch.load(tmp_path / "run.ckpt", weights_only=True)
+    edit(checkpoint)
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=4, max_epochs=5).fit(
+        TinyModule(n=256), ckpt_path=tmp_path / "edited.ckpt"
+    )
+
+
+def lower_ledger_count(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        state["ledger"]["history"][0]["count"] = 1
+
+
+def empty_ledger(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        state["ledger"]["history"] = []
+        state["ledger_events"] = 0
+
+
+def drop_ledger(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        del state["ledger"]
+
+
+def resume_from_folder(tmp_path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    make_trainer(DPStrategy(noise_multiplier=1.0)).fit(TinyModule(), ckpt_path=tmp_path / "checkpoints")
+
+
 def resume_from_plain(tmp_path) -> None:
     plain = make_trainer(SingleDeviceStrategy("cpu"), tmp_path, max_steps=1)
     plain.fit(TinyModule())
@@ -293,6 +327,23 @@ ROWS = [
         ),
         "The checkpoint was trained with clipping=FlatClipping, this run uses OtherClipping",
     ),
+    Row(
+        "resume with a lowered ledger count",
+        lambda tmp: resume_edited(tmp, lower_ledger_count),
+        "does not add up: its ledger holds 1 events but was saved holding 2; its ledger holds 1 events for 2 "
+        "private steps (at least one each). It was edited or written by something else",
+    ),
+    Row(
+        "resume with an emptied ledger",
+        lambda tmp: resume_edited(tmp, empty_ledger),
+        "its ledger holds 0 events for 2 private steps (at least one each)",
+    ),
+    Row(
+        "resume with the ledger removed",
+        lambda tmp: resume_edited(tmp, drop_ledger),
+        "has an incomplete privacy state: ledger missing.",
+    ),
+    Row("resume from a folder", resume_from_folder, "is a folder, not a checkpoint file. Pass one file"),
     Row(
         "resume with another delta",
         lambda tmp: resume(

@@ -6,11 +6,16 @@ import pytest
 import torch
 from conftest import TinyModule, make_trainer
 
-from lightning_dp import DPIS, DPConfigurationError, DPStrategy, LineSearch
+from lightning_dp import DPIS, DPConfigurationError, DPStrategy, HeavyBall, LineSearch
 from lightning_dp.engine import ReleaseHook
 from lightning_dp.slots import StepContext
 
 N, BATCH = 64, 16
+
+
+def dp(seed: int | None = None) -> DPStrategy:
+    """The runs below: heavy-ball momentum, whose own step counter is checked on resume."""
+    return DPStrategy(noise_multiplier=1.0, seed=seed, step=HeavyBall())
 
 
 class RecordNoise(ReleaseHook):
@@ -32,7 +37,7 @@ class RecordNoise(ReleaseHook):
 @pytest.fixture
 def checkpoint(tmp_path):
     """A two-step DP checkpoint: seeded, so its saved generator states are known to the resumes below."""
-    trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=3), tmp_path, max_steps=2, max_epochs=5)
+    trainer = make_trainer(dp(seed=3), tmp_path, max_steps=2, max_epochs=5)
     trainer.fit(TinyModule(n=N, batch_size=BATCH))
     path = tmp_path / "two.ckpt"
     trainer.save_checkpoint(path)
@@ -41,10 +46,12 @@ def checkpoint(tmp_path):
 
 def resumed_noise(path, tmp_path, seed: int | None) -> torch.Tensor:
     """The noise of the third step of a run resumed from ``path``."""
-    strategy = DPStrategy(noise_multiplier=1.0, seed=seed)
+    strategy = dp(seed)
     hook = RecordNoise()
     strategy.engine.release_hooks.append(hook)
-    make_trainer(strategy, tmp_path, max_steps=3, max_epochs=5).fit(TinyModule(n=N, batch_size=BATCH), ckpt_path=path)
+    make_trainer(strategy, tmp_path, max_steps=3, max_epochs=5).fit(
+        TinyModule(n=N, batch_size=BATCH), ckpt_path=path
+    )
     assert len(hook.noise) == 1
     return hook.noise[0]
 
@@ -90,6 +97,7 @@ def test_slots_with_their_own_generators_restart_them_unless_seeded(make_step, m
     fresh, seeded = engine(None), engine(7)
     fresh.load_state_dict(state)
     seeded.load_state_dict(state)
+
     def streams(e: object) -> dict:
         return getattr(e.sampler if slot == "sampler" else e.step_slot, pending)
 
@@ -97,3 +105,48 @@ def test_slots_with_their_own_generators_restart_them_unless_seeded(make_step, m
     assert fresh._pending_generator_state is None
     assert set(streams(seeded)) == {"svt"}
     assert seeded._pending_generator_state is not None
+
+
+def edit_and_resume(path, tmp_path, edit) -> None:
+    checkpoint = torch.load(path, weights_only=True)
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        edit(checkpoint, state)
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    make_trainer(dp(), tmp_path, max_steps=4, max_epochs=5).fit(
+        TinyModule(n=N, batch_size=BATCH), ckpt_path=tmp_path / "edited.ckpt"
+    )
+
+
+def lower_everything_but_the_loop(checkpoint: dict, state: dict) -> None:
+    """A consistent-looking ledger of one step in a checkpoint whose loop took two."""
+    state["steps"] = 1
+    state["ledger_events"] = 1
+    state["ledger"]["history"][0]["count"] = 1
+
+
+def lower_everything(checkpoint: dict, state: dict) -> None:
+    """The loop's count lowered too; the momentum step's own counter still says two."""
+    lower_everything_but_the_loop(checkpoint, state)
+    checkpoint["global_step"] = 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lower_everything_but_the_loop, "it records 1 private steps at global_step 2"),
+        (lower_everything, "its step (HeavyBall) has taken 2 steps, more than 1"),
+    ],
+)
+def test_a_ledger_that_disagrees_with_the_loop_or_the_slots_is_refused(checkpoint, tmp_path, edit, message):
+    with pytest.raises(DPConfigurationError, match="does not add up") as info:
+        edit_and_resume(checkpoint, tmp_path, edit)
+    assert message in str(info.value)
+    assert "resuming from it would report less ε than was spent" in str(info.value)
+
+
+def test_an_unedited_resume_passes_the_count_checks(checkpoint, tmp_path):
+    strategy = dp()
+    make_trainer(strategy, tmp_path, max_steps=3, max_epochs=5).fit(
+        TinyModule(n=N, batch_size=BATCH), ckpt_path=checkpoint
+    )
+    assert strategy.engine.steps == strategy.ledger.steps == 3
