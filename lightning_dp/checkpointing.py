@@ -16,7 +16,8 @@ import os
 import shutil
 import tempfile
 import zipfile
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
 
@@ -36,24 +37,32 @@ def is_local_path(path: Any) -> bool:
     return "://" not in text or text.startswith("file://")
 
 
-def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
-    """``torch.save`` into ``<path>.<random>.partial`` in the same folder, fsync, then rename over ``path``."""
+def atomic_write(path: Any, write: Callable[[IO[bytes]], object], what: str) -> str:
+    """Write ``path`` through ``write`` into ``<path>.<random>.partial`` beside it, fsync, rename over ``path``.
+
+    A crash or a failed write leaves the previous file intact and no partial file behind; a failed
+    write raises an ``OSError`` that names the file, says whether the disk is full, and that the file
+    in place is not from this run. Returns the absolute path written.
+    """
     target = os.path.abspath(os.fspath(path).removeprefix("file://"))
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=PARTIAL_SUFFIX, dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(
+            prefix=os.path.basename(target) + ".", suffix=PARTIAL_SUFFIX, dir=directory
+        )
+    except OSError as err:
+        raise OSError(err.errno, write_failure(target, what, err)) from err
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(checkpoint, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except Exception as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise OSError(
-            getattr(err, "errno", None) or errno.EIO, write_failure(target, "checkpoint", err)
-        ) from err
+        raise OSError(getattr(err, "errno", None) or errno.EIO, write_failure(target, what, err)) from err
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -64,6 +73,12 @@ def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    return target
+
+
+def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
+    """``torch.save`` ``checkpoint`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(checkpoint, f), "checkpoint")
 
 
 def checkpoint_problem(path: Any) -> str | None:
