@@ -435,7 +435,9 @@ class DPStrategyMixin(Strategy):
             raise DPConfigurationError(
                 f"The checkpoint was trained on N={saved[0]} with sample rate {saved[1]:.6g}; this run has "
                 f"N={sampler.num_samples}, rate {sampler.sample_rate:.6g}. The ledger cannot continue across a "
-                "different data set or batch size."
+                f"different data set or batch size: {_shape_change(saved[0], saved[1], sampler)} Resume with the "
+                "same training set and batch_size, or start a new run without ckpt_path (its ε then adds to "
+                "the first run's)."
             )
 
     def planned_steps(self, trainer: Trainer, steps_per_epoch: int) -> int:
@@ -475,9 +477,12 @@ class DPStrategyMixin(Strategy):
     def _check_first_step_affordable(self) -> None:
         affordable = self.engine.affordable_steps()
         if affordable is not None and affordable < 1 and not self._resumed:
+            sampler = self.engine.sampler
             raise DPConfigurationError(
-                f"Not even one step fits in target_epsilon={self.engine.target_epsilon} at this noise "
-                "multiplier and sample rate. Raise the noise multiplier or the budget."
+                f"Not even one step fits in target_epsilon={self.engine.target_epsilon} at noise multiplier "
+                f"{self.engine.noise_multiplier():.4g} and sample rate q={sampler.sample_rate:.6g} (expected "
+                f"batch {sampler.expected_batch_size:g} of N={sampler.num_samples} examples). Raise the noise "
+                "multiplier or the budget, or lower q (a smaller batch_size; q grows when the data set shrinks)."
             )
 
     # -- 5. training step --------------------------------------------------------------------------------------------------
@@ -675,6 +680,18 @@ def _validate_privacy_arguments(
         raise DPConfigurationError(f"accountant must be 'rdp', 'prv' or 'pure', got {accountant!r}.")
     if loss_reduction not in ("mean", "sum"):
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+
+
+def _shape_change(saved_n: int, saved_q: float, sampler: Sampler) -> str:
+    """One sentence on what changed between the checkpoint's data and this run's, and what it does to q."""
+    n, q = sampler.num_samples, sampler.sample_rate
+    if n == saved_n:
+        return f"the data set has the same N, but batch_size changed q from {saved_q:.6g} to {q:.6g}."
+    change = "shrank" if n < saved_n else "grew"
+    return (
+        f"the training set {change} from {saved_n} to {n} examples (by {abs(n - saved_n)}), which changed q "
+        f"from {saved_q:.6g} to {q:.6g}."
+    )
 
 
 def _warn_on_non_private_gradient_hooks(trainer: Trainer) -> None:

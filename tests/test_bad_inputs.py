@@ -319,6 +319,23 @@ ROWS = [
         "The checkpoint was trained on N=256 with sample rate 0.125; this run has N=300",
     ),
     Row(
+        "resume with a shrunk data set",
+        lambda tmp: resume(
+            DPStrategy(noise_multiplier=1.0),
+            DPStrategy(noise_multiplier=1.0),
+            tmp,
+            second_module=TinyModule(n=200),
+        ),
+        "the training set shrank from 256 to 200 examples (by 56), which changed q from 0.125 to 0.16. Resume "
+        "with the same training set and batch_size",
+    ),
+    Row(
+        "not one step affordable",
+        lambda _: fit(DPStrategy(noise_multiplier=0.5, target_epsilon=0.05), TinyModule(n=200)),
+        "Not even one step fits in target_epsilon=0.05 at noise multiplier 0.5 and sample rate q=0.16 "
+        "(expected batch 32 of N=200 examples). Raise the noise multiplier or the budget, or lower q",
+    ),
+    Row(
         "resume with another mechanism",
         lambda tmp: resume(
             DPStrategy(noise_multiplier=1.0),
