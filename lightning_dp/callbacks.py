@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_dp.report import privacy_report, write_report
+from lightning_dp.validation import flag, number
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,15 @@ class PrivacyCallback(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None, report: bool = True) -> None:
-        self.log_every_n_steps = log_every_n_steps
-        self.report = report
+        self.log_every_n_steps = number(
+            log_every_n_steps,
+            "log_every_n_steps",
+            owner="PrivacyCallback",
+            low=1,
+            integer=True,
+            optional=True,
+        )
+        self.report = flag(report, "report", owner="PrivacyCallback")
         self.report_path: str | None = None
         self.test_metrics: dict[str, float] = {}
         self.stopped_on_budget = False

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_dp import validation
 from lightning_dp.accounting import BudgetExceededError
 from lightning_dp.batch_info import BatchWithInfo, InfoDataset
 from lightning_dp.batching import split_batch
@@ -48,6 +49,7 @@ from lightning_dp.optim import DPOptimizer
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, SamplerRuntime, Step
+from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
 CHECKPOINT_KEY = "lightning_dp"
@@ -102,12 +104,11 @@ class DPStrategyMixin(Strategy):
         grad_sample_mode: GradMode = "auto",
     ) -> None:
         """Validate the privacy arguments and build the engine (called by each concrete __init__)."""
-        if max_physical_batch_size is not None and max_physical_batch_size < 1:
-            raise DPConfigurationError(f"max_physical_batch_size must be ≥ 1, got {max_physical_batch_size}.")
         self.max_physical_batch_size = max_physical_batch_size
         _validate_privacy_arguments(
-            target_epsilon, delta, max_grad_norm, noise_multiplier, accountant, loss_reduction
-        )
+            target_epsilon, delta, max_grad_norm, noise_multiplier, accountant, loss_reduction,
+            max_physical_batch_size, seed, type(self).__name__,
+        )  # fmt: skip
         if noise is not None and noise_multiplier is not None:
             raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")
         if target_epsilon is None and noise_multiplier is None and (noise is None or not noise.is_set):
@@ -665,17 +666,33 @@ def _validate_privacy_arguments(
     noise_multiplier: float | None,
     accountant: str,
     loss_reduction: str,
+    max_physical_batch_size: int | None = None,
+    seed: int | None = None,
+    owner: str = "DPStrategy",
 ) -> None:
-    if target_epsilon is not None and not target_epsilon > 0:
-        raise DPConfigurationError(f"target_epsilon must be > 0, got {target_epsilon}.")
-    if not 0 < delta < 1:
+    """Type and range of every numeric argument, named in the message (lightning_dp/validation.py)."""
+    number(target_epsilon, "target_epsilon", owner=owner, low=0, low_open=True, optional=True)
+    number(
+        delta, "delta", owner=owner, low=0, high=1, low_open=True, high_open=True,
+        hint=" Typical values are 1e-5 or below 1/N.",
+    )  # fmt: skip
+    number(
+        max_grad_norm, "max_grad_norm", owner=owner, low=0, low_open=True, allow_inf=True,
+        hint=" It is the clipping bound C.",
+    )  # fmt: skip
+    number(noise_multiplier, "noise_multiplier", owner=owner, low=0, optional=True)
+    number(
+        max_physical_batch_size, "max_physical_batch_size", owner=owner, low=1, integer=True, optional=True
+    )
+    validation.seed(seed, owner=owner)
+    if math.isinf(max_grad_norm) and (
+        noise_multiplier is None or noise_multiplier > 0 or target_epsilon is not None
+    ):
         raise DPConfigurationError(
-            f"delta must be in (0, 1), got {delta}; typical values are 1e-5 or below 1/N."
+            f"{owner}: max_grad_norm=inf with noise: the noise's standard deviation is σ·C, so an unbounded C "
+            "turns every weight into NaN and bounds no example's contribution. Give a finite clipping bound "
+            "(e.g. max_grad_norm=1.0); C=inf is accepted only with noise_multiplier=0 (no privacy)."
         )
-    if not max_grad_norm > 0:
-        raise DPConfigurationError(f"max_grad_norm (the clipping bound C) must be > 0, got {max_grad_norm}.")
-    if noise_multiplier is not None and (math.isnan(noise_multiplier) or noise_multiplier < 0):
-        raise DPConfigurationError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
     if accountant not in ("rdp", "prv", "pure"):
         raise DPConfigurationError(f"accountant must be 'rdp', 'prv' or 'pure', got {accountant!r}.")
     if loss_reduction not in ("mean", "sum"):

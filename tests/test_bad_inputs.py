@@ -189,12 +189,12 @@ ROWS = [
     Row(
         "clip zero",
         lambda _: DPStrategy(max_grad_norm=0.0),
-        "max_grad_norm (the clipping bound C) must be > 0",
+        "DPStrategy: max_grad_norm must be > 0, got 0.0. It is the clipping bound C. Pass a value in that range.",
     ),
     Row(
         "clip negative",
         lambda _: DPStrategy(max_grad_norm=-1.0),
-        "max_grad_norm (the clipping bound C) must be > 0",
+        "max_grad_norm must be > 0, got -1.0",
     ),
     Row(
         "sigma negative",
@@ -202,7 +202,46 @@ ROWS = [
         "noise_multiplier must be ≥ 0, got -0.5.",
     ),
     Row(
-        "sigma NaN", lambda _: DPStrategy(noise_multiplier=math.nan), "noise_multiplier must be ≥ 0, got nan."
+        "sigma NaN",
+        lambda _: DPStrategy(noise_multiplier=math.nan),
+        "noise_multiplier must be a number ≥ 0, got nan. NaN and infinity are refused: pass a finite value.",
+    ),
+    Row(
+        "epsilon as a string",
+        lambda _: DPStrategy(target_epsilon="3"),
+        "DPStrategy: target_epsilon must be a number > 0, got '3' (str). Pass it as a number (target_epsilon=3), "
+        "not a string.",
+    ),
+    Row(
+        "delta as a bool",
+        lambda _: DPStrategy(delta=True),
+        "DPStrategy: delta must be a number in (0, 1), got True (bool).",
+    ),
+    Row(
+        "infinite clip with noise",
+        lambda _: DPStrategy(max_grad_norm=math.inf, noise_multiplier=1.0),
+        "max_grad_norm=inf with noise: the noise's standard deviation is σ·C, so an unbounded C turns every "
+        "weight into NaN",
+    ),
+    Row(
+        "infinite clip with a target",
+        lambda _: DPStrategy(max_grad_norm=math.inf, target_epsilon=1.0),
+        "C=inf is accepted only with noise_multiplier=0 (no privacy)",
+    ),
+    Row(
+        "infinite sigma",
+        lambda _: DPStrategy(noise_multiplier=math.inf),
+        "noise_multiplier must be a number ≥ 0, got inf",
+    ),
+    Row(
+        "physical batch not an integer",
+        lambda _: DPStrategy(max_physical_batch_size=2.5),
+        "max_physical_batch_size must be an integer ≥ 1 or None, got 2.5 (float)",
+    ),
+    Row(
+        "seed as a string",
+        lambda _: DPStrategy(seed="1"),
+        "DPStrategy: seed must be an integer, got '1' (str)",
     ),
     Row(
         "unknown accountant",
@@ -414,3 +453,94 @@ def test_in_place_activations_train():
     before = [p.detach().clone() for p in module.parameters()]
     fit(DPStrategy(noise_multiplier=0.5), module, max_steps=2)
     assert not torch.equal(before[0], next(module.parameters()))
+
+
+def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
+    """(class, required kwargs, argument, 'number' or 'flag') for every typed argument of the public constructors."""
+    import inspect
+
+    from lightning_dp import (
+        DPIS,
+        AdaCliP,
+        AdaptiveGD,
+        ConstantNoise,
+        FixedSize,
+        HeavyBall,
+        LineSearch,
+        Nesterov,
+        NoiseDividing,
+        PrivacyCallback,
+    )
+    from lightning_dp.ddp import DPDDPStrategy
+    from lightning_dp.steps.dp_accelerated import MultiStageNesterov
+
+    required: dict[type, dict] = {
+        AdaCliP: {"h2": 1.0},
+        Nesterov: {"momentum": 0.5},
+        MultiStageNesterov: {"lr": 0.1, "mu": 0.1, "L": 1.0},
+    }
+    classes = [DPStrategy, DPDDPStrategy, Poisson, FixedSize, DPIS, AdaCliP, ConstantNoise, NoiseDividing]
+    classes += [HeavyBall, Nesterov, MultiStageNesterov, LineSearch, AdaptiveGD, PrivacyCallback]
+    out = []
+    for cls in classes:
+        for name, parameter in inspect.signature(cls).parameters.items():
+            annotation = str(parameter.annotation)
+            kind = (
+                "flag"
+                if annotation == "bool"
+                else "number"
+                if {"float", "int"} & set(annotation.split())
+                else None
+            )
+            if kind == "flag" and cls in (DPStrategy, DPDDPStrategy):
+                continue  # a strategy's switches are Lightning's; its numbers are all checked
+            if kind is not None:
+                out.append((cls, required.get(cls, {}), name, kind))
+    return out
+
+
+ARGUMENTS = _numeric_and_flag_arguments()
+
+
+@pytest.mark.parametrize(
+    ("cls", "required", "name", "kind"), ARGUMENTS, ids=[f"{c.__name__}.{n}" for c, _, n, _ in ARGUMENTS]
+)
+def test_every_numeric_argument_refuses_a_string_naming_itself(cls, required, name, kind):
+    """'3' for a number (or 'no' for a switch) is refused at construction with the class and argument named."""
+    from lightning_dp.validation import ArgumentError
+
+    value = "no" if kind == "flag" else "3"
+    with pytest.raises(ArgumentError, match=f"^{cls.__name__}: {name} must be ") as info:
+        cls(**{**required, name: value})
+    assert isinstance(info.value, DPConfigurationError) and isinstance(info.value, ValueError)
+
+
+def test_argument_list_covers_every_slot_constructor():
+    covered = {cls.__name__ for cls, _, _, _ in ARGUMENTS}
+    assert len(ARGUMENTS) >= 60
+    assert {"DPIS", "AdaCliP", "LineSearch", "AdaptiveGD", "MultiStageNesterov", "PrivacyCallback"} <= covered
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: DPStrategy(noise_multiplier=1.0, max_grad_norm=math.nan),
+            "max_grad_norm must be a number > 0, got nan",
+        ),
+        (lambda: ConstantNoise(math.inf), "ConstantNoise: noise_multiplier must be a number ≥ 0, got inf"),
+        (lambda: Poisson(seed=1.5), "Poisson: seed must be an integer or None, got 1.5 (float)"),
+    ],
+)
+def test_non_finite_and_non_integer_values_are_refused(make, message):
+    with pytest.raises(DPConfigurationError) as info:
+        make()
+    assert message in str(info.value)
+
+
+def test_infinite_clip_without_noise_is_accepted():
+    """C = ∞ with σ = 0 is a non-private debugging run (already warned about), not NaN weights."""
+    with pytest.warns(UserWarning, match="adds no noise"):
+        strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf)
+    fit(strategy, max_steps=2)
+    assert strategy.engine.steps == 2

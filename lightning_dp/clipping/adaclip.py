@@ -21,6 +21,7 @@ from lightning_dp.clipping.flat import clip_factors, weighted_sum
 from lightning_dp.fast_clipping import materialized_sq_norm
 from lightning_dp.grad_sample import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext, sums_once
+from lightning_dp.validation import number
 
 VarianceMode = Literal["per_example", "literal"]
 
@@ -155,6 +156,11 @@ class AdaCliP(Clipping):
         variance_mode: VarianceMode = "per_example",
         init_std: float | None = None,
     ) -> None:
+        for name, value in (("h2", h2), ("h1", h1), ("gamma", gamma)):
+            number(value, name, owner="AdaCliP", low=0, low_open=True)
+        for name, value in (("beta1", beta1), ("beta2", beta2)):
+            number(value, name, owner="AdaCliP", low=0, high=1, high_open=True)
+        number(init_std, "init_std", owner="AdaCliP", low=0, low_open=True, optional=True)
         if not 0 < h1 <= h2:
             raise ValueError(f"AdaCliP needs 0 < h1 ≤ h2, got h1={h1}, h2={h2}.")
         if not (0 <= beta1 < 1 and 0 <= beta2 < 1):

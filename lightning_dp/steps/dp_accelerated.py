@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.slots import Step, StepContext
+from lightning_dp.validation import number
 
 __all__ = ["HeavyBall", "MultiStageNesterov", "Nesterov", "masg_stage_lengths", "nag_momentum"]
 
@@ -56,8 +57,7 @@ class _MomentumStep(Step):
     """Shared plumbing: one state tensor per parameter (in the optimizer's order), lr and weight decay."""
 
     def __init__(self, lr: float | None) -> None:
-        if lr is not None and not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        number(lr, "lr", owner=type(self).__name__, low=0, low_open=True, optional=True)
         self.lr = lr
         self.buffers: list[Tensor | None] = []
         self.steps_taken = 0
@@ -106,8 +106,7 @@ class HeavyBall(_MomentumStep):
     """
 
     def __init__(self, beta: float = 0.9, lr: float | None = None) -> None:
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        number(beta, "beta", owner="HeavyBall", low=0, high=1, high_open=True)
         super().__init__(lr)
         self.beta = beta
 
@@ -131,6 +130,8 @@ class Nesterov(_MomentumStep):
         self, momentum: float | None = None, lr: float | None = None, mu: float | None = None
     ) -> None:
         super().__init__(lr)
+        number(mu, "mu", owner=type(self).__name__, low=0, low_open=True, optional=True)
+        number(momentum, "momentum", owner=type(self).__name__, low=0, high=1, high_open=True, optional=True)
         if momentum is None:
             if lr is None or mu is None:
                 raise ValueError(
@@ -181,6 +182,10 @@ class MultiStageNesterov(Nesterov):
     """
 
     def __init__(self, lr: float, mu: float, L: float, p: int = 1, n1: int | None = None) -> None:
+        for name, value in (("lr", lr), ("mu", mu), ("L", L)):
+            number(value, name, owner="MultiStageNesterov", low=0, low_open=True)
+        number(p, "p", owner="MultiStageNesterov", low=1, integer=True)
+        number(n1, "n1", owner="MultiStageNesterov", low=1, integer=True, optional=True)
         if not L >= mu > 0:
             raise ValueError(f"need L ≥ mu > 0, got L={L}, mu={mu}")
         super().__init__(momentum=nag_momentum(lr, mu), lr=lr, mu=mu)

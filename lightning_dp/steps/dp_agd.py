@@ -31,6 +31,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.probes import LossProbe
 from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.validation import number
 
 __all__ = ["AdaptiveGD", "grad_avg", "initial_budgets", "noisy_min", "step_grid"]
 
@@ -136,6 +137,15 @@ class AdaptiveGD(Step):
         rho_nmax: float | None = None,
         weight_decay: float = 0.0,
     ) -> None:
+        owner = "AdaptiveGD"
+        for name, value in (("loss_clip", loss_clip), ("gamma", gamma), ("alpha_max", alpha_max)):
+            number(value, name, owner=owner, low=0, low_open=True)
+        for name, value in (("splits", splits), ("grid_size", grid_size), ("tau", tau)):
+            number(value, name, owner=owner, low=1, integer=True)
+        for name, value in (("eta", eta), ("weight_decay", weight_decay)):
+            number(value, name, owner=owner, low=0)
+        for name, value in (("alpha_max_cap", alpha_max_cap), ("rho_ng", rho_ng), ("rho_nmax", rho_nmax)):
+            number(value, name, owner=owner, low=0, low_open=True, optional=True)
         if not loss_clip > 0:
             raise DPConfigurationError(f"loss_clip (C_obj) must be > 0, got {loss_clip}.")
         if splits < 1 or grid_size < 1 or tau < 1:
