@@ -7,6 +7,7 @@ Each row names the problem and checks that the message names the fix. Rows that 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TinyModule, make_trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
@@ -512,7 +514,8 @@ def test_every_numeric_argument_refuses_a_string_naming_itself(cls, required, na
     value = "no" if kind == "flag" else "3"
     with pytest.raises(ArgumentError, match=f"^{cls.__name__}: {name} must be ") as info:
         cls(**{**required, name: value})
-    assert isinstance(info.value, DPConfigurationError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, DPConfigurationError)
+    assert isinstance(info.value, ValueError)
 
 
 def test_argument_list_covers_every_slot_constructor():
@@ -544,3 +547,46 @@ def test_infinite_clip_without_noise_is_accepted():
         strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf)
     fit(strategy, max_steps=2)
     assert strategy.engine.steps == 2
+
+
+class WithValidation(TinyModule):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.x[:64], self.y[:64]), batch_size=64)
+
+
+@pytest.mark.parametrize(
+    ("callback", "named"),
+    [
+        (lambda: EarlyStopping(monitor="train_loss", patience=100), "EarlyStopping(monitor='train_loss')"),
+        (lambda: ModelCheckpoint(monitor="train_loss"), "ModelCheckpoint(monitor='train_loss')"),
+    ],
+    ids=["EarlyStopping", "ModelCheckpoint"],
+)
+def test_monitoring_a_training_metric_warns_that_the_stop_is_not_private(callback, named, tmp_path):
+    with pytest.warns(UserWarning, match="watches a metric logged during training") as record:
+        fit(
+            DPStrategy(noise_multiplier=1.0),
+            WithValidation(),
+            max_epochs=2,
+            callbacks=[callback()],
+            enable_checkpointing=True,
+            default_root_dir=str(tmp_path),
+        )
+    assert sum("logged during training" in str(w.message) for w in record) == 1
+    assert named in next(str(w.message) for w in record if "logged during training" in str(w.message))
+
+
+def test_monitoring_a_validation_metric_does_not_warn(tmp_path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*logged during training.*")
+        fit(
+            DPStrategy(noise_multiplier=1.0),
+            WithValidation(),
+            max_epochs=2,
+            callbacks=[EarlyStopping(monitor="val_loss"), ModelCheckpoint(monitor="val_loss")],
+            enable_checkpointing=True,
+            default_root_dir=str(tmp_path),
+        )
