@@ -78,7 +78,7 @@ def number(
     too_low = low is not None and (as_float <= low if low_open else as_float < low)
     too_high = high is not None and (as_float >= high if high_open else as_float > high)
     if too_low or too_high:
-        raise _fail(owner, f"{name} must be {bounds}, got {value!r}.{hint} Pass a value in that range.")
+        raise _fail(owner, f"{name} must be {bounds}, got {value!r}. Pass a value in that range.{hint}")
     return value
 
 

@@ -191,7 +191,7 @@ ROWS = [
     Row(
         "clip zero",
         lambda _: DPStrategy(max_grad_norm=0.0),
-        "DPStrategy: max_grad_norm must be > 0, got 0.0. It is the clipping bound C. Pass a value in that range.",
+        "DPStrategy: max_grad_norm must be > 0, got 0.0. Pass a value in that range. It is the clipping bound C.",
     ),
     Row(
         "clip negative",
