@@ -436,7 +436,7 @@ class DPStrategyMixin(Strategy):
             raise DPConfigurationError(
                 f"The checkpoint was trained on N={saved[0]} with sample rate {saved[1]:.6g}; this run has "
                 f"N={sampler.num_samples}, rate {sampler.sample_rate:.6g}. The ledger cannot continue across a "
-                f"different data set or batch size: {_shape_change(saved[0], saved[1], sampler)} Resume with the "
+                f"different data set or batch size: {_shape_change(saved[0], float(saved[1]), sampler)} Resume with the "
                 "same training set and batch_size, or start a new run without ckpt_path (its ε then adds to "
                 "the first run's)."
             )

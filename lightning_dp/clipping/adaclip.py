@@ -163,10 +163,6 @@ class AdaCliP(Clipping):
         number(init_std, "init_std", owner="AdaCliP", low=0, low_open=True, optional=True)
         if not 0 < h1 <= h2:
             raise ValueError(f"AdaCliP needs 0 < h1 ≤ h2, got h1={h1}, h2={h2}.")
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"AdaCliP's beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}.")
-        if not gamma > 0:
-            raise ValueError(f"AdaCliP's gamma must be > 0, got {gamma}.")
         if variance_mode not in ("per_example", "literal"):
             raise ValueError(f"variance_mode must be 'per_example' or 'literal', got {variance_mode!r}.")
         self.h1, self.h2, self.beta1, self.beta2, self.gamma = h1, h2, beta1, beta2, gamma

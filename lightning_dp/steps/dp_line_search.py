@@ -579,10 +579,6 @@ class LineSearch(Step):
         for name, switch in (("eta0_growth", eta0_growth), ("adapt_clip", adapt_clip)):
             flag(switch, name, owner="LineSearch")
         validation.seed(seed, owner="LineSearch")
-        if not (0 < beta < 1 and max_it >= 1 and eta0 > 0 and 0 < grad_fraction < 1):
-            raise DPConfigurationError(
-                "LineSearch needs 0 < beta < 1, max_it ≥ 1, eta0 > 0 and 0 < grad_fraction < 1."
-            )
         self.mode: Mode = mode
         self.noise: SVTNoise = noise
         self.accounting: Accounting = accounting
