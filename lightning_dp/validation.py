@@ -85,7 +85,9 @@ def number(
 def flag(value: Any, name: str, *, owner: str = "") -> bool:
     """Return ``value`` if it is a bool, else raise (``"false"`` would otherwise be truthy)."""
     if not isinstance(value, bool):
-        raise _fail(owner, f"{name} must be True or False, got {value!r} ({type(value).__name__}). Pass a bool.")
+        raise _fail(
+            owner, f"{name} must be True or False, got {value!r} ({type(value).__name__}). Pass a bool."
+        )
     return value
 
 
