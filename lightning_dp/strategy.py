@@ -427,16 +427,17 @@ class DPStrategyMixin(Strategy):
             module.train(was_training)
 
     def _check_resumed_data(self, sampler: Sampler) -> None:
-        saved = getattr(sampler, "restored_shape", (None, None))
+        saved_n, saved_q = getattr(sampler, "restored_shape", (None, None))
         if (
             self._resumed
-            and saved[0] is not None
-            and (saved[0], saved[1]) != (sampler.num_samples, sampler.sample_rate)
+            and saved_n is not None
+            and saved_q is not None
+            and (saved_n, saved_q) != (sampler.num_samples, sampler.sample_rate)
         ):
             raise DPConfigurationError(
-                f"The checkpoint was trained on N={saved[0]} with sample rate {saved[1]:.6g}; this run has "
+                f"The checkpoint was trained on N={saved_n} with sample rate {saved_q:.6g}; this run has "
                 f"N={sampler.num_samples}, rate {sampler.sample_rate:.6g}. The ledger cannot continue across a "
-                f"different data set or batch size: {_shape_change(saved[0], float(saved[1]), sampler)} Resume with the "
+                f"different data set or batch size: {_shape_change(saved_n, saved_q, sampler)} Resume with the "
                 "same training set and batch_size, or start a new run without ckpt_path (its ε then adds to "
                 "the first run's)."
             )
