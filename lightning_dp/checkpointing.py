@@ -27,6 +27,7 @@ PARTIAL_SUFFIX = ".partial"
 #: Keys every ``checkpoint["lightning_dp"]`` entry must hold, and the slots inside ``"slots"``.
 REQUIRED_KEYS = ("steps", "ledger", "slots")
 SLOT_NAMES = ("sampler", "clipping", "noise", "step")
+LEDGER_KEYS = ("version", "accountant", "delta", "history")
 #: Slot-state counters of steps the slot has taken: never more than the engine's private steps.
 SLOT_STEP_COUNTERS = ("steps_taken", "iteration")
 
@@ -156,8 +157,11 @@ def check_privacy_state(state: Any, path: Any) -> None:
     """Refuse a ``lightning_dp`` entry that lacks the ledger, the step count or a slot, naming what is missing."""
     missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
     if not missing:
-        slots = state["slots"]
+        slots, ledger = state["slots"], state["ledger"]
         missing = [f"slots.{name}" for name in SLOT_NAMES if not isinstance(slots, dict) or name not in slots]
+        missing += [
+            f"ledger.{key}" for key in LEDGER_KEYS if not isinstance(ledger, dict) or key not in ledger
+        ]
     if missing:
         raise DPConfigurationError(
             f"The checkpoint {path} has an incomplete privacy state: {', '.join(missing)} missing. It was "

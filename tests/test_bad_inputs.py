@@ -147,6 +147,11 @@ def drop_ledger(checkpoint: dict) -> None:
         del state["ledger"]
 
 
+def drop_ledger_history(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        state["ledger"].pop("history", None)  # the entries may share one ledger dict
+
+
 def resume_from_folder(tmp_path) -> None:
     (tmp_path / "checkpoints").mkdir()
     make_trainer(DPStrategy(noise_multiplier=1.0)).fit(TinyModule(), ckpt_path=tmp_path / "checkpoints")
@@ -400,6 +405,12 @@ ROWS = [
         "resume with the ledger removed",
         lambda tmp: resume_edited(tmp, drop_ledger),
         "has an incomplete privacy state: ledger missing.",
+    ),
+    Row(
+        "resume with the ledger's history removed",
+        lambda tmp: resume_edited(tmp, drop_ledger_history),
+        "has an incomplete privacy state: ledger.history missing. It was edited, or written by something other "
+        "than DPStrategy",
     ),
     Row("resume from a folder", resume_from_folder, "is a folder, not a checkpoint file. Pass one file"),
     Row(
