@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_dp.report import privacy_report, write_report
 from lightning_dp.run_length import warn_if_budget_left, warn_on_minibatch_adaptive_step
+from lightning_dp.validation import flag, number
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,34 @@ def _loggers_write_now(trainer: Trainer) -> bool:
     return bool(getattr(connector, "should_update_logs", True))
 
 
+def training_metric_names(trainer: Trainer) -> set[str]:
+    """The names, as a monitor would spell them, of the metrics logged during training (not ``dp/*``).
+
+    Read from the training loop's own result collection, so a name logged only in validation is absent;
+    ``on_step=True, on_epoch=True`` logs appear under ``name``, ``name_step`` and ``name_epoch``.
+    """
+    results = getattr(trainer.fit_loop.epoch_loop, "_results", None)
+    names: set[str] = set()
+    for metric in (results or {}).values():
+        meta = getattr(metric, "meta", None)
+        if meta is None or meta.name.startswith("dp/"):  # released values: ε, σ, q, the line search's η
+            continue
+        names |= {meta.name, meta.forked_name(True), meta.forked_name(False)}
+    return names
+
+
+def private_monitors(trainer: Trainer) -> list[str]:
+    """``EarlyStopping``/``ModelCheckpoint`` callbacks that watch a metric logged during training."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    logged = training_metric_names(trainer)
+    return [
+        f"{type(callback).__name__}(monitor={callback.monitor!r})"
+        for callback in trainer.callbacks  # type: ignore[attr-defined]
+        if isinstance(callback, EarlyStopping | ModelCheckpoint) and callback.monitor in logged
+    ]
+
+
 class PrivacyCallback(Callback):
     """Logs ``dp/*`` metrics, stops before the step that would exceed the budget, writes the report.
 
@@ -44,11 +74,19 @@ class PrivacyCallback(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None, report: bool = True) -> None:
-        self.log_every_n_steps = log_every_n_steps
-        self.report = report
+        self.log_every_n_steps = number(
+            log_every_n_steps,
+            "log_every_n_steps",
+            owner="PrivacyCallback",
+            low=1,
+            integer=True,
+            optional=True,
+        )
+        self.report = flag(report, "report", owner="PrivacyCallback")
         self.report_path: str | None = None
         self.test_metrics: dict[str, float] = {}
         self.stopped_on_budget = False
+        self._monitors_checked = False
 
     def metrics(self, trainer: Trainer) -> dict[str, float]:
         engine = dp_strategy_of(trainer).engine
@@ -73,6 +111,7 @@ class PrivacyCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         warn_on_minibatch_adaptive_step(dp_strategy_of(trainer).engine)
+        self._monitors_checked = False  # checked again in every fit
         self._stop_if_spent(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -94,9 +133,28 @@ class PrivacyCallback(Callback):
         trainer.should_stop = True
         self.stopped_on_budget = True
 
+    def _warn_on_private_monitors(self, trainer: Trainer) -> None:
+        """Once, after the first step's logs: stopping or keeping weights on a training metric is not private."""
+        if self._monitors_checked:
+            return
+        self._monitors_checked = True
+        watchers = private_monitors(trainer)
+        if watchers:
+            warnings.warn(
+                f"{', '.join(watchers)} watches a metric logged during training: when training stops (or which "
+                "checkpoint is kept) then depends on the private training data with no noise, and ε does not "
+                "cover that choice. Monitor a metric computed on held-out validation data (logged in "
+                "validation_step) instead, or stop on a fixed number of steps.",
+                stacklevel=2,
+            )
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._warn_on_private_monitors(trainer)
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._warn_on_private_monitors(trainer)
         engine = dp_strategy_of(trainer).engine
         self._stop_if_spent(trainer)  # first, so that a last step's metrics reach the loggers in full
         every = self.log_every_n_steps or (1 if engine.accountant == "rdp" else trainer.log_every_n_steps)  # type: ignore[attr-defined]

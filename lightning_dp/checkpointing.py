@@ -10,15 +10,26 @@ checkpoint appear all at once, so a crash leaves either the previous file or the
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import os
+import shutil
 import tempfile
 import zipfile
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
 
+from lightning_dp.errors import DPConfigurationError
+
 PARTIAL_SUFFIX = ".partial"
+#: Keys every ``checkpoint["lightning_dp"]`` entry must hold, and the slots inside ``"slots"``.
+REQUIRED_KEYS = ("steps", "ledger", "slots")
+SLOT_NAMES = ("sampler", "clipping", "noise", "step")
+LEDGER_KEYS = ("version", "accountant", "delta", "history")
+#: Slot-state counters of steps the slot has taken: never more than the engine's private steps.
+SLOT_STEP_COUNTERS = ("steps_taken", "iteration")
 
 
 def is_local_path(path: Any) -> bool:
@@ -27,18 +38,32 @@ def is_local_path(path: Any) -> bool:
     return "://" not in text or text.startswith("file://")
 
 
-def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
-    """``torch.save`` into ``<path>.<random>.partial`` in the same folder, fsync, then rename over ``path``."""
+def atomic_write(path: Any, write: Callable[[IO[bytes]], object], what: str) -> str:
+    """Write ``path`` through ``write`` into ``<path>.<random>.partial`` beside it, fsync, rename over ``path``.
+
+    A crash or a failed write leaves the previous file intact and no partial file behind; a failed
+    write raises an ``OSError`` that names the file, says whether the disk is full, and that the file
+    in place is not from this run. Returns the absolute path written.
+    """
     target = os.path.abspath(os.fspath(path).removeprefix("file://"))
     directory = os.path.dirname(target)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(target) + ".", suffix=PARTIAL_SUFFIX, dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(
+            prefix=os.path.basename(target) + ".", suffix=PARTIAL_SUFFIX, dir=directory
+        )
+    except OSError as err:
+        raise OSError(err.errno, write_failure(target, what, err)) from err
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(checkpoint, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+    except Exception as err:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OSError(getattr(err, "errno", None) or errno.EIO, write_failure(target, what, err)) from err
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -49,6 +74,12 @@ def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    return target
+
+
+def atomic_save(checkpoint: dict[str, Any], path: Any) -> None:
+    """``torch.save`` ``checkpoint`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(checkpoint, f), "checkpoint")
 
 
 def checkpoint_problem(path: Any) -> str | None:
@@ -72,3 +103,99 @@ def latest_valid_checkpoint(directory: Any, pattern: str = "*.ckpt") -> str | No
     """The newest complete checkpoint in ``directory`` (by modification time), skipping damaged ones."""
     paths = sorted(glob.glob(os.path.join(os.fspath(directory), pattern)), key=os.path.getmtime, reverse=True)
     return next((p for p in paths if checkpoint_problem(p) is None), None)
+
+
+def free_bytes(directory: str) -> int | None:
+    """Free space on the file system holding ``directory`` (None when it cannot be read)."""
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
+
+
+def write_failure(target: str, what: str, err: BaseException) -> str:
+    """Say which write failed, whether the disk looks full, and what was left in place.
+
+    ``torch.save`` reports a full disk as ``enforce fail at inline_container.cc … unexpected pos`` or
+    ``file write failed``, and ``open``/``write`` as ``ENOSPC``; all of them mean the same here.
+    """
+    text = str(err)
+    full = getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        mark in text for mark in ("unexpected pos", "file write failed", "No space left")
+    )
+    free = free_bytes(os.path.dirname(target))
+    space = f" ({free / 2**20:.1f} MiB free there)" if free is not None else ""
+    cause = f"the disk is full{space}" if full else f"{type(err).__name__}: {text}"
+    return (
+        f"Writing the {what} {target} failed: {cause}. Nothing was written under that name: the previous "
+        f"{what} there, if any, is intact and is NOT from this run. Free space (or choose another folder) "
+        "and write it again."
+    )
+
+
+def unreadable_checkpoint(path: Any) -> str | None:
+    """Why ``path`` cannot be resumed from, in a sentence with the fix (None when it is a complete file)."""
+    text = os.fspath(path)
+    if os.path.isdir(text):
+        return (
+            f"ckpt_path={text} is a folder, not a checkpoint file. Pass one file: "
+            "lightning_dp.checkpointing.latest_valid_checkpoint(folder) returns the newest complete one."
+        )
+    if not os.path.exists(text):
+        return f"The checkpoint {text} does not exist. Check the path, or resume from latest_valid_checkpoint(folder)."
+    problem = checkpoint_problem(text)
+    if problem is None:
+        return None
+    return (
+        f"The checkpoint {text} is damaged: {problem}. It was probably being written when the process died. "
+        "Resume from the previous one: lightning_dp.checkpointing.latest_valid_checkpoint(folder) returns the "
+        "newest complete checkpoint."
+    )
+
+
+def check_privacy_state(state: Any, path: Any) -> None:
+    """Refuse a ``lightning_dp`` entry that lacks the ledger, the step count or a slot, naming what is missing."""
+    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
+    if not missing:
+        slots, ledger = state["slots"], state["ledger"]
+        missing = [f"slots.{name}" for name in SLOT_NAMES if not isinstance(slots, dict) or name not in slots]
+        missing += [
+            f"ledger.{key}" for key in LEDGER_KEYS if not isinstance(ledger, dict) or key not in ledger
+        ]
+    if missing:
+        raise DPConfigurationError(
+            f"The checkpoint {path} has an incomplete privacy state: {', '.join(missing)} missing. It was "
+            "edited, or written by something other than DPStrategy, so ε cannot be continued from it. Resume "
+            "from a checkpoint DPStrategy wrote (latest_valid_checkpoint(folder)), or start a new run."
+        )
+
+
+def check_resumed_counts(engine: Any, state: dict[str, Any], global_step: Any, path: Any) -> None:
+    """The restored ledger must agree with the loop's step count, the engine's and the slots' own.
+
+    Every private step records at least one event (steps that also release a search or a statistic
+    record more), so ``ledger events ≥ private steps == global_step``; the ledger's size at save time
+    is stored beside it, and no slot can have taken more steps than the engine. A lowered count or an
+    emptied history would resume at a smaller ε than was spent.
+    """
+    steps, events = engine.steps, engine.ledger.steps
+    problems = []
+    saved_events = state.get("ledger_events")
+    if saved_events is not None and int(saved_events) != events:
+        problems.append(f"its ledger holds {events} events but was saved holding {int(saved_events)}")
+    if events < steps:
+        problems.append(f"its ledger holds {events} events for {steps} private steps (at least one each)")
+    if isinstance(global_step, int) and global_step != steps:
+        problems.append(f"it records {steps} private steps at global_step {global_step}")
+    for name, slot in state["slots"].items():
+        slot_state = slot.get("state") if isinstance(slot, dict) else None
+        for key in SLOT_STEP_COUNTERS:
+            value = slot_state.get(key) if isinstance(slot_state, dict) else None
+            if isinstance(value, int) and value > steps:
+                problems.append(f"its {name} ({slot.get('name')}) has taken {value} steps, more than {steps}")
+    if problems:
+        raise DPConfigurationError(
+            f"The checkpoint {path} does not add up: {'; '.join(problems)}. It was edited or written by "
+            "something else, and resuming from it would report less ε than was spent. Resume from a checkpoint "
+            "DPStrategy wrote, unchanged (latest_valid_checkpoint(folder)), or start a new run."
+        )

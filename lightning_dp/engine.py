@@ -19,7 +19,7 @@ from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.clipping.flat import weighted_sum
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import BatchDimensionError, GradMode, PerSampleGradients
-from lightning_dp.rng import make_generator
+from lightning_dp.rng import make_generator, without_generator_states
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
 
 AllReduce = Callable[[list[Tensor]], list[Tensor]]
@@ -435,12 +435,19 @@ class PrivateStepEngine:
             "version": 1,
             "steps": self.steps,
             "ledger": self.ledger.state_dict(),
+            "ledger_events": self.ledger.steps,
             "noise_generator": self.generator.get_state() if self.generator is not None else None,
             "slots": slots,
             "max_grad_norm": self.max_grad_norm,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the ledger, the step count and the slots; random streams only where a seed was given.
+
+        Without a seed every generator (noise, and the slots' own) starts afresh from ``os.urandom``:
+        two runs resumed from one checkpoint must not draw the same noise. With ``seed`` the saved
+        states are restored, so the same seed and checkpoint repeat the run exactly.
+        """
         for name, slot in self._slots():
             saved = state["slots"][name]
             if saved["name"] != slot.name:
@@ -448,12 +455,14 @@ class PrivateStepEngine:
                     f"The checkpoint was trained with {name}={saved['name']}, this run uses {slot.name}: "
                     "resuming with a different mechanism cannot be priced by the ledger."
                 )
-            slot.load_state_dict(saved["state"])
+            slot_state = saved["state"]
+            if getattr(slot, "seed", None) is None and isinstance(slot_state, dict):
+                slot_state = without_generator_states(slot_state)
+            slot.load_state_dict(slot_state)
         self.ledger.load_state_dict(state["ledger"])
         self.steps = int(state["steps"])
-        if state.get("noise_generator") is not None:
-            self.generator = None
-            self._pending_generator_state = state["noise_generator"]
+        self.generator = None
+        self._pending_generator_state = state.get("noise_generator") if self.seed is not None else None
 
     def _slots(self) -> list[tuple[str, Any]]:
         return list(iter_slots(self.sampler, self.clipping, self.noise, self.step_slot))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import IO, Any
 
 from lightning_dp.accounting import PrivacyFilter
+from lightning_dp.checkpointing import atomic_write
 
 REPORT_NAME = "privacy_report.json"
 CURVE_NAME = "privacy_curve.png"
@@ -60,14 +61,14 @@ def privacy_report(
 
 
 def write_report(data: dict[str, Any], ledger: Any, directory: str) -> str:
-    """Write ``privacy_report.json`` and ``privacy_curve.png`` into ``directory``; returns the JSON path."""
-    os.makedirs(directory, exist_ok=True)
+    """Write ``privacy_report.json`` and ``privacy_curve.png`` into ``directory``; returns the JSON path.
+
+    Each file is replaced atomically; a failed write (a full disk) raises an ``OSError`` that says the
+    file in place, if any, is from an earlier run, and leaves no temporary file behind.
+    """
     path = os.path.join(directory, REPORT_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=float)
-    os.replace(tmp, path)
-    plot_curve(ledger, os.path.join(directory, CURVE_NAME), data)
+    atomic_write(path, lambda f: f.write(_json_bytes(data)), "privacy report")
+    atomic_write(os.path.join(directory, CURVE_NAME), lambda f: plot_curve(ledger, f, data), "privacy curve")
     return path
 
 
@@ -76,13 +77,14 @@ def add_audit(report_path: str, audit: dict[str, Any]) -> None:
     with open(report_path) as f:
         data = json.load(f)
     data["audit"] = audit
-    tmp = report_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=float)
-    os.replace(tmp, report_path)
+    atomic_write(report_path, lambda f: f.write(_json_bytes(data)), "privacy report")
 
 
-def plot_curve(ledger: Any, path: str, data: dict[str, Any]) -> None:
+def _json_bytes(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, indent=2, default=float).encode()
+
+
+def plot_curve(ledger: Any, path: str | IO[bytes], data: dict[str, Any]) -> None:
     """ε against step, with the target as a dashed line."""
     import matplotlib
 
@@ -103,6 +105,8 @@ def plot_curve(ledger: Any, path: str, data: dict[str, Any]) -> None:
     ax.set_ylabel(f"ε at δ={data['delta']:g}")
     ax.set_title(f"{data['sampler']} · {data['clipping']} · σ={data['noise_multiplier'] or 0:.3g}")
     ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)

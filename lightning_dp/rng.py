@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
 
 import torch
 
@@ -22,3 +23,19 @@ def make_generator(seed: int | None, stream: str, device: torch.device | str = "
     generator = torch.Generator(device=device)
     generator.manual_seed(value)
     return generator
+
+
+#: Keys under which a slot's ``state_dict`` stores generator states (one state, or a dict of named ones).
+GENERATOR_KEYS = ("generator", "generators")
+
+
+def without_generator_states(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` minus its saved generator states, so a resume draws from fresh ``os.urandom`` streams.
+
+    Restoring them would make two runs resumed from one checkpoint draw the *same* noise (the difference
+    of their releases then cancels it); a slot whose generators are absent seeds new ones itself.
+    """
+    out = {key: value for key, value in state.items() if key != "generator"}
+    if "generators" in out:
+        out["generators"] = {}
+    return out

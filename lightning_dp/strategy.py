@@ -30,10 +30,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_dp import validation
 from lightning_dp.accounting import BudgetExceededError
 from lightning_dp.batch_info import BatchWithInfo, InfoDataset
 from lightning_dp.batching import batch_length, split_batch
-from lightning_dp.checkpointing import atomic_save, checkpoint_problem, is_local_path
+from lightning_dp.checkpointing import (
+    atomic_save,
+    check_privacy_state,
+    check_resumed_counts,
+    is_local_path,
+    unreadable_checkpoint,
+)
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
@@ -43,6 +50,7 @@ from lightning_dp.optim import DPOptimizer
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, SamplerRuntime, Step
+from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
 CHECKPOINT_KEY = "lightning_dp"
@@ -144,12 +152,11 @@ class DPStrategyMixin(Strategy):
         grad_sample_mode: GradMode = "auto",
     ) -> None:
         """Validate the privacy arguments and build the engine (called by each concrete __init__)."""
-        if max_physical_batch_size is not None and max_physical_batch_size < 1:
-            raise DPConfigurationError(f"max_physical_batch_size must be ≥ 1, got {max_physical_batch_size}.")
         self.max_physical_batch_size = max_physical_batch_size
         _validate_privacy_arguments(
-            target_epsilon, delta, max_grad_norm, noise_multiplier, accountant, loss_reduction
-        )
+            target_epsilon, delta, max_grad_norm, noise_multiplier, accountant, loss_reduction,
+            max_physical_batch_size, seed, type(self).__name__,
+        )  # fmt: skip
         if noise is not None and noise_multiplier is not None:
             raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")
         if target_epsilon is None and noise_multiplier is None and (noise is None or not noise.is_set):
@@ -317,14 +324,10 @@ class DPStrategyMixin(Strategy):
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except Exception as err:
-            problem = checkpoint_problem(checkpoint_path) if is_local_path(checkpoint_path) else None
+            problem = unreadable_checkpoint(checkpoint_path) if is_local_path(checkpoint_path) else None
             if problem is None:
                 raise
-            raise DPConfigurationError(
-                f"The checkpoint {checkpoint_path} is damaged: {problem}. It was probably being written when "
-                "the process died. Resume from the previous one: lightning_dp.checkpointing."
-                "latest_valid_checkpoint(folder) returns the newest complete checkpoint."
-            ) from err
+            raise DPConfigurationError(problem) from err
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
             state = checkpoint.get(CHECKPOINT_KEY)
@@ -335,10 +338,13 @@ class DPStrategyMixin(Strategy):
                     "to start DP training from non-private weights, load them into the module and call fit "
                     "without ckpt_path."
                 )
+            rank_state = self._rank_dp_state(state)
+            check_privacy_state(rank_state, checkpoint_path)
             try:
-                self.engine.load_state_dict(self._rank_dp_state(state))
+                self.engine.load_state_dict(rank_state)
             except ValueError as err:
                 raise DPConfigurationError(str(err)) from err
+            check_resumed_counts(self.engine, rank_state, checkpoint.get("global_step"), checkpoint_path)
             self._resumed = True
         return checkpoint
 
@@ -485,16 +491,19 @@ class DPStrategyMixin(Strategy):
             module.train(was_training)
 
     def _check_resumed_data(self, sampler: Sampler) -> None:
-        saved = getattr(sampler, "restored_shape", (None, None))
+        saved_n, saved_q = getattr(sampler, "restored_shape", (None, None))
         if (
             self._resumed
-            and saved[0] is not None
-            and (saved[0], saved[1]) != (sampler.num_samples, sampler.sample_rate)
+            and saved_n is not None
+            and saved_q is not None
+            and (saved_n, saved_q) != (sampler.num_samples, sampler.sample_rate)
         ):
             raise DPConfigurationError(
-                f"The checkpoint was trained on N={saved[0]} with sample rate {saved[1]:.6g}; this run has "
+                f"The checkpoint was trained on N={saved_n} with sample rate {saved_q:.6g}; this run has "
                 f"N={sampler.num_samples}, rate {sampler.sample_rate:.6g}. The ledger cannot continue across a "
-                "different data set or batch size."
+                f"different data set or batch size: {_shape_change(saved_n, saved_q, sampler)} Resume with the "
+                "same training set and batch_size, or start a new run without ckpt_path (its ε then adds to "
+                "the first run's)."
             )
 
     def planned_steps(self, trainer: Trainer, steps_per_epoch: int) -> int:
@@ -534,9 +543,12 @@ class DPStrategyMixin(Strategy):
     def _check_first_step_affordable(self) -> None:
         affordable = self.engine.affordable_steps()
         if affordable is not None and affordable < 1 and not self._resumed:
+            sampler = self.engine.sampler
             raise DPConfigurationError(
-                f"Not even one step fits in target_epsilon={self.engine.target_epsilon} at this noise "
-                "multiplier and sample rate. Raise the noise multiplier or the budget."
+                f"Not even one step fits in target_epsilon={self.engine.target_epsilon} at noise multiplier "
+                f"{self.engine.noise_multiplier():.4g} and sample rate q={sampler.sample_rate:.6g} (expected "
+                f"batch {sampler.expected_batch_size:g} of N={sampler.num_samples} examples). Raise the noise "
+                "multiplier or the budget, or lower q (a smaller batch_size; q grows when the data set shrinks)."
             )
 
     # -- 5. training step --------------------------------------------------------------------------------------------------
@@ -755,21 +767,49 @@ def _validate_privacy_arguments(
     noise_multiplier: float | None,
     accountant: str,
     loss_reduction: str,
+    max_physical_batch_size: int | None = None,
+    seed: int | None = None,
+    owner: str = "DPStrategy",
 ) -> None:
-    if target_epsilon is not None and not target_epsilon > 0:
-        raise DPConfigurationError(f"target_epsilon must be > 0, got {target_epsilon}.")
-    if not 0 < delta < 1:
+    """Type and range of every numeric argument, named in the message (lightning_dp/validation.py)."""
+    number(target_epsilon, "target_epsilon", owner=owner, low=0, low_open=True, optional=True)
+    number(
+        delta, "delta", owner=owner, low=0, high=1, low_open=True, high_open=True,
+        hint=" Typical values are 1e-5 or below 1/N.",
+    )  # fmt: skip
+    number(
+        max_grad_norm, "max_grad_norm", owner=owner, low=0, low_open=True, allow_inf=True,
+        hint=" It is the clipping bound C.",
+    )  # fmt: skip
+    number(noise_multiplier, "noise_multiplier", owner=owner, low=0, optional=True)
+    number(
+        max_physical_batch_size, "max_physical_batch_size", owner=owner, low=1, integer=True, optional=True
+    )
+    validation.seed(seed, owner=owner)
+    if math.isinf(max_grad_norm) and (
+        noise_multiplier is None or noise_multiplier > 0 or target_epsilon is not None
+    ):
         raise DPConfigurationError(
-            f"delta must be in (0, 1), got {delta}; typical values are 1e-5 or below 1/N."
+            f"{owner}: max_grad_norm=inf with noise: the noise's standard deviation is σ·C, so an unbounded C "
+            "turns every weight into NaN and bounds no example's contribution. Give a finite clipping bound "
+            "(e.g. max_grad_norm=1.0); C=inf is accepted only with noise_multiplier=0 (no privacy)."
         )
-    if not max_grad_norm > 0:
-        raise DPConfigurationError(f"max_grad_norm (the clipping bound C) must be > 0, got {max_grad_norm}.")
-    if noise_multiplier is not None and (math.isnan(noise_multiplier) or noise_multiplier < 0):
-        raise DPConfigurationError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
     if accountant not in ("rdp", "prv", "pure"):
         raise DPConfigurationError(f"accountant must be 'rdp', 'prv' or 'pure', got {accountant!r}.")
     if loss_reduction not in ("mean", "sum"):
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+
+
+def _shape_change(saved_n: int, saved_q: float, sampler: Sampler) -> str:
+    """One sentence on what changed between the checkpoint's data and this run's, and what it does to q."""
+    n, q = sampler.num_samples, sampler.sample_rate
+    if n == saved_n:
+        return f"the data set has the same N, but batch_size changed q from {saved_q:.6g} to {q:.6g}."
+    change = "shrank" if n < saved_n else "grew"
+    return (
+        f"the training set {change} from {saved_n} to {n} examples (by {abs(n - saved_n)}), which changed q "
+        f"from {saved_q:.6g} to {q:.6g}."
+    )
 
 
 def _warn_on_non_private_gradient_hooks(trainer: Trainer) -> None:

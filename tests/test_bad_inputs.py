@@ -7,6 +7,7 @@ Each row names the problem and checks that the message names the fix. Rows that 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TinyModule, make_trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from test_runtime_checks import SequenceFirstLSTM, TimeMajorTagger, TwoLoaders, TwoOptimizers
@@ -117,6 +119,45 @@ def resume(first: DPStrategy, second: DPStrategy, tmp_path, first_module=None, s
     )
 
 
+def resume_edited(tmp_path, edit: Callable[[dict], object]) -> None:
+    """Resume from a two-step DP checkpoint after ``edit`` changed its saved entries in place."""
+    trainer = make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=2, max_epochs=5)
+    trainer.fit(TinyModule(n=256))
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    checkpoint = torch.load(tmp_path / "run.ckpt", weights_only=True)
+    edit(checkpoint)
+    torch.save(checkpoint, tmp_path / "edited.ckpt")
+    make_trainer(DPStrategy(noise_multiplier=1.0), tmp_path, max_steps=4, max_epochs=5).fit(
+        TinyModule(n=256), ckpt_path=tmp_path / "edited.ckpt"
+    )
+
+
+def lower_ledger_count(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        state["ledger"]["history"][0]["count"] = 1
+
+
+def empty_ledger(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        state["ledger"]["history"] = []
+        state["ledger_events"] = 0
+
+
+def drop_ledger(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        del state["ledger"]
+
+
+def drop_ledger_history(checkpoint: dict) -> None:
+    for state in (checkpoint["lightning_dp"], *checkpoint["lightning_dp"]["ranks"]):
+        state["ledger"].pop("history", None)  # the entries may share one ledger dict
+
+
+def resume_from_folder(tmp_path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    make_trainer(DPStrategy(noise_multiplier=1.0)).fit(TinyModule(), ckpt_path=tmp_path / "checkpoints")
+
+
 def resume_from_plain(tmp_path) -> None:
     plain = make_trainer(SingleDeviceStrategy("cpu"), tmp_path, max_steps=1)
     plain.fit(TinyModule())
@@ -156,12 +197,12 @@ ROWS = [
     Row(
         "clip zero",
         lambda _: DPStrategy(max_grad_norm=0.0),
-        "max_grad_norm (the clipping bound C) must be > 0",
+        "DPStrategy: max_grad_norm must be > 0, got 0.0. Pass a value in that range. It is the clipping bound C.",
     ),
     Row(
         "clip negative",
         lambda _: DPStrategy(max_grad_norm=-1.0),
-        "max_grad_norm (the clipping bound C) must be > 0",
+        "max_grad_norm must be > 0, got -1.0",
     ),
     Row(
         "sigma negative",
@@ -169,7 +210,46 @@ ROWS = [
         "noise_multiplier must be ≥ 0, got -0.5.",
     ),
     Row(
-        "sigma NaN", lambda _: DPStrategy(noise_multiplier=math.nan), "noise_multiplier must be ≥ 0, got nan."
+        "sigma NaN",
+        lambda _: DPStrategy(noise_multiplier=math.nan),
+        "noise_multiplier must be a number ≥ 0, got nan. NaN and infinity are refused: pass a finite value.",
+    ),
+    Row(
+        "epsilon as a string",
+        lambda _: DPStrategy(target_epsilon="3"),
+        "DPStrategy: target_epsilon must be a number > 0, got '3' (str). Pass it as a number (target_epsilon=3), "
+        "not a string.",
+    ),
+    Row(
+        "delta as a bool",
+        lambda _: DPStrategy(delta=True),
+        "DPStrategy: delta must be a number in (0, 1), got True (bool).",
+    ),
+    Row(
+        "infinite clip with noise",
+        lambda _: DPStrategy(max_grad_norm=math.inf, noise_multiplier=1.0),
+        "max_grad_norm=inf with noise: the noise's standard deviation is σ·C, so an unbounded C turns every "
+        "weight into NaN",
+    ),
+    Row(
+        "infinite clip with a target",
+        lambda _: DPStrategy(max_grad_norm=math.inf, target_epsilon=1.0),
+        "C=inf is accepted only with noise_multiplier=0 (no privacy)",
+    ),
+    Row(
+        "infinite sigma",
+        lambda _: DPStrategy(noise_multiplier=math.inf),
+        "noise_multiplier must be a number ≥ 0, got inf",
+    ),
+    Row(
+        "physical batch not an integer",
+        lambda _: DPStrategy(max_physical_batch_size=2.5),
+        "max_physical_batch_size must be an integer ≥ 1 or None, got 2.5 (float)",
+    ),
+    Row(
+        "seed as a string",
+        lambda _: DPStrategy(seed="1"),
+        "DPStrategy: seed must be an integer, got '1' (str)",
     ),
     Row(
         "unknown accountant",
@@ -306,6 +386,23 @@ ROWS = [
         "The checkpoint was trained on N=256 with sample rate 0.125; this run has N=300",
     ),
     Row(
+        "resume with a shrunk data set",
+        lambda tmp: resume(
+            DPStrategy(noise_multiplier=1.0),
+            DPStrategy(noise_multiplier=1.0),
+            tmp,
+            second_module=TinyModule(n=200),
+        ),
+        "the training set shrank from 256 to 200 examples (by 56), which changed q from 0.125 to 0.16. Resume "
+        "with the same training set and batch_size",
+    ),
+    Row(
+        "not one step affordable",
+        lambda _: fit(DPStrategy(noise_multiplier=0.5, target_epsilon=0.05), TinyModule(n=200)),
+        "Not even one step fits in target_epsilon=0.05 at noise multiplier 0.5 and sample rate q=0.16 "
+        "(expected batch 32 of N=200 examples). Raise the noise multiplier or the budget, or lower q",
+    ),
+    Row(
         "resume with another mechanism",
         lambda tmp: resume(
             DPStrategy(noise_multiplier=1.0),
@@ -314,6 +411,29 @@ ROWS = [
         ),
         "The checkpoint was trained with clipping=FlatClipping, this run uses OtherClipping",
     ),
+    Row(
+        "resume with a lowered ledger count",
+        lambda tmp: resume_edited(tmp, lower_ledger_count),
+        "does not add up: its ledger holds 1 events but was saved holding 2; its ledger holds 1 events for 2 "
+        "private steps (at least one each). It was edited or written by something else",
+    ),
+    Row(
+        "resume with an emptied ledger",
+        lambda tmp: resume_edited(tmp, empty_ledger),
+        "its ledger holds 0 events for 2 private steps (at least one each)",
+    ),
+    Row(
+        "resume with the ledger removed",
+        lambda tmp: resume_edited(tmp, drop_ledger),
+        "has an incomplete privacy state: ledger missing.",
+    ),
+    Row(
+        "resume with the ledger's history removed",
+        lambda tmp: resume_edited(tmp, drop_ledger_history),
+        "has an incomplete privacy state: ledger.history missing. It was edited, or written by something other "
+        "than DPStrategy",
+    ),
+    Row("resume from a folder", resume_from_folder, "is a folder, not a checkpoint file. Pass one file"),
     Row(
         "resume with another delta",
         lambda tmp: resume(
@@ -367,3 +487,138 @@ def test_in_place_activations_train():
     before = [p.detach().clone() for p in module.parameters()]
     fit(DPStrategy(noise_multiplier=0.5), module, max_steps=2)
     assert not torch.equal(before[0], next(module.parameters()))
+
+
+def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
+    """(class, required kwargs, argument, 'number' or 'flag') for every typed argument of the public constructors."""
+    import inspect
+
+    from lightning_dp import (
+        DPIS,
+        AdaCliP,
+        AdaptiveGD,
+        ConstantNoise,
+        FixedSize,
+        HeavyBall,
+        LineSearch,
+        Nesterov,
+        NoiseDividing,
+        PrivacyCallback,
+    )
+    from lightning_dp.ddp import DPDDPStrategy
+    from lightning_dp.steps.dp_accelerated import MultiStageNesterov
+
+    required: dict[type, dict] = {
+        AdaCliP: {"h2": 1.0},
+        Nesterov: {"momentum": 0.5},
+        MultiStageNesterov: {"lr": 0.1, "mu": 0.1, "L": 1.0},
+    }
+    classes = [DPStrategy, DPDDPStrategy, Poisson, FixedSize, DPIS, AdaCliP, ConstantNoise, NoiseDividing]
+    classes += [HeavyBall, Nesterov, MultiStageNesterov, LineSearch, AdaptiveGD, PrivacyCallback]
+    out = []
+    for cls in classes:
+        for name, parameter in inspect.signature(cls).parameters.items():
+            annotation = str(parameter.annotation)
+            kind = (
+                "flag"
+                if annotation == "bool"
+                else "number"
+                if {"float", "int"} & set(annotation.split())
+                else None
+            )
+            if kind == "flag" and cls in (DPStrategy, DPDDPStrategy):
+                continue  # a strategy's switches are Lightning's; its numbers are all checked
+            if kind is not None:
+                out.append((cls, required.get(cls, {}), name, kind))
+    return out
+
+
+ARGUMENTS = _numeric_and_flag_arguments()
+
+
+@pytest.mark.parametrize(
+    ("cls", "required", "name", "kind"), ARGUMENTS, ids=[f"{c.__name__}.{n}" for c, _, n, _ in ARGUMENTS]
+)
+def test_every_numeric_argument_refuses_a_string_naming_itself(cls, required, name, kind):
+    """'3' for a number (or 'no' for a switch) is refused at construction with the class and argument named."""
+    from lightning_dp.validation import ArgumentError
+
+    value = "no" if kind == "flag" else "3"
+    with pytest.raises(ArgumentError, match=f"^{cls.__name__}: {name} must be ") as info:
+        cls(**{**required, name: value})
+    assert isinstance(info.value, DPConfigurationError)
+    assert isinstance(info.value, ValueError)
+
+
+def test_argument_list_covers_every_slot_constructor():
+    covered = {cls.__name__ for cls, _, _, _ in ARGUMENTS}
+    assert len(ARGUMENTS) >= 60
+    assert {"DPIS", "AdaCliP", "LineSearch", "AdaptiveGD", "MultiStageNesterov", "PrivacyCallback"} <= covered
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda: DPStrategy(noise_multiplier=1.0, max_grad_norm=math.nan),
+            "max_grad_norm must be a number > 0, got nan",
+        ),
+        (lambda: ConstantNoise(math.inf), "ConstantNoise: noise_multiplier must be a number ≥ 0, got inf"),
+        (lambda: Poisson(seed=1.5), "Poisson: seed must be an integer or None, got 1.5 (float)"),
+    ],
+)
+def test_non_finite_and_non_integer_values_are_refused(make, message):
+    with pytest.raises(DPConfigurationError) as info:
+        make()
+    assert message in str(info.value)
+
+
+def test_infinite_clip_without_noise_is_accepted():
+    """C = ∞ with σ = 0 is a non-private debugging run (already warned about), not NaN weights."""
+    with pytest.warns(UserWarning, match="adds no noise"):
+        strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf)
+    fit(strategy, max_steps=2)
+    assert strategy.engine.steps == 2
+
+
+class WithValidation(TinyModule):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", nn.functional.cross_entropy(self(batch[0]), batch[1]))
+
+    def val_dataloader(self):
+        return DataLoader(TensorDataset(self.x[:64], self.y[:64]), batch_size=64)
+
+
+@pytest.mark.parametrize(
+    ("callback", "named"),
+    [
+        (lambda: EarlyStopping(monitor="train_loss", patience=100), "EarlyStopping(monitor='train_loss')"),
+        (lambda: ModelCheckpoint(monitor="train_loss"), "ModelCheckpoint(monitor='train_loss')"),
+    ],
+    ids=["EarlyStopping", "ModelCheckpoint"],
+)
+def test_monitoring_a_training_metric_warns_that_the_stop_is_not_private(callback, named, tmp_path):
+    with pytest.warns(UserWarning, match="watches a metric logged during training") as record:
+        fit(
+            DPStrategy(noise_multiplier=1.0),
+            WithValidation(),
+            max_epochs=2,
+            callbacks=[callback()],
+            enable_checkpointing=True,
+            default_root_dir=str(tmp_path),
+        )
+    assert sum("logged during training" in str(w.message) for w in record) == 1
+    assert named in next(str(w.message) for w in record if "logged during training" in str(w.message))
+
+
+def test_monitoring_a_validation_metric_does_not_warn(tmp_path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*logged during training.*")
+        fit(
+            DPStrategy(noise_multiplier=1.0),
+            WithValidation(),
+            max_epochs=2,
+            callbacks=[EarlyStopping(monitor="val_loss"), ModelCheckpoint(monitor="val_loss")],
+            enable_checkpointing=True,
+            default_root_dir=str(tmp_path),
+        )

@@ -7,6 +7,7 @@ previous complete one is found and used. Three subprocess launches in all (about
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -186,6 +187,52 @@ def test_checkpoints_written_by_the_strategy_are_complete_at_every_save(tmp_path
     for name in names:
         state = saved_state(str(tmp_path / "ckpt" / name))
         assert state["steps"] == state["global_step"]
+
+
+# -- a full disk ---------------------------------------------------------------------------------------------
+TORCH_FULL_DISK = "[enforce fail at inline_container.cc:664] . unexpected pos 4224 vs 4118"
+
+
+def test_full_disk_while_checkpointing_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    trainer = make_trainer(DPStrategy(noise_multiplier=SIGMA), tmp_path, max_steps=2)
+    trainer.fit(TinyModule(n=N, batch_size=BATCH))
+    path = tmp_path / "last.ckpt"
+    trainer.save_checkpoint(path)
+    before = path.read_bytes()
+
+    def full(obj, f):
+        f.write(b"PK\x03\x04 a first chunk")
+        raise RuntimeError(TORCH_FULL_DISK)  # what torch.save raises when the disk fills mid-write
+
+    monkeypatch.setattr("lightning_dp.checkpointing.torch.save", full)
+    with pytest.raises(
+        OSError, match=r"Writing the checkpoint .*last\.ckpt failed: the disk is full"
+    ) as info:
+        trainer.save_checkpoint(path)
+    assert "the previous checkpoint there, if any, is intact and is NOT from this run" in str(info.value)
+    assert path.read_bytes() == before
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(PARTIAL_SUFFIX)]
+
+
+def test_full_disk_while_writing_the_report_says_so_and_leaves_no_temp_file(tmp_path, monkeypatch):
+    make_trainer(DPStrategy(noise_multiplier=SIGMA), tmp_path, max_steps=1).fit(
+        TinyModule(n=N, batch_size=BATCH)
+    )
+    report = tmp_path / "privacy_report.json"
+    earlier = report.read_text()
+
+    def enospc(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("lightning_dp.checkpointing.os.fsync", enospc)
+    with pytest.raises(
+        OSError, match=r"Writing the privacy report .*privacy_report\.json failed: the disk is full"
+    ):
+        make_trainer(DPStrategy(noise_multiplier=SIGMA), tmp_path, max_steps=2).fit(
+            TinyModule(n=N, batch_size=BATCH)
+        )
+    assert report.read_text() == earlier  # untouched, and the error said it is not this run's
+    assert sorted(os.listdir(tmp_path)) == ["privacy_curve.png", "privacy_report.json"]
 
 
 # -- SIGKILL of one DDP rank mid-step, resume under 2-process DDP ------------------------------------------

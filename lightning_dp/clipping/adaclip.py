@@ -22,6 +22,7 @@ from lightning_dp.clipping.flat import clip_factors, weighted_sum
 from lightning_dp.fast_clipping import materialized_sq_norm
 from lightning_dp.grad_sample import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext, sums_once
+from lightning_dp.validation import number
 
 VarianceMode = Literal["per_example", "literal"]
 
@@ -159,19 +160,19 @@ class AdaCliP(Clipping):
         variance_mode: VarianceMode = "per_example",
         init_std: float | None = None,
     ) -> None:
+        number(h2, "h2", owner="AdaCliP", low=0, low_open=True, optional=True)
+        for name, value in (("h1", h1), ("gamma", gamma)):
+            number(value, name, owner="AdaCliP", low=0, low_open=True)
+        for name, value in (("beta1", beta1), ("beta2", beta2)):
+            number(value, name, owner="AdaCliP", low=0, high=1, high_open=True)
+        number(init_std, "init_std", owner="AdaCliP", low=0, low_open=True, optional=True)
         if h2 is not None and not 0 < h1 <= h2:
             raise ValueError(f"AdaCliP needs 0 < h1 ≤ h2, got h1={h1}, h2={h2}.")
-        if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
-            raise ValueError(f"AdaCliP's beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}.")
-        if not gamma > 0:
-            raise ValueError(f"AdaCliP's gamma must be > 0, got {gamma}.")
         if variance_mode not in ("per_example", "literal"):
             raise ValueError(f"variance_mode must be 'per_example' or 'literal', got {variance_mode!r}.")
         self.h1, self.beta1, self.beta2, self.gamma = h1, beta1, beta2, gamma
         self.h2_arg, self.init_std_arg = h2, init_std
         self.variance_mode: VarianceMode = variance_mode
-        if init_std is not None and not init_std > 0:
-            raise ValueError(f"AdaCliP's init_std must be > 0, got {init_std}.")
         self.h2 = h2 if h2 is not None else math.nan
         """The variance clamp in use: the argument, or C²/d once the first step knows C and d."""
         self.init_std = init_std if init_std is not None else math.sqrt(h1 * self.h2)

@@ -7,14 +7,14 @@ from typing import Any
 
 from lightning_dp.accounting import calibrate_noise
 from lightning_dp.slots import Noise, Sampler
+from lightning_dp.validation import number
 
 
 class ConstantNoise(Noise):
     """The same σ at every step (DP-SGD). ``calibrate`` picks the smallest σ that stays under target."""
 
     def __init__(self, noise_multiplier: float | None = None) -> None:
-        if noise_multiplier is not None and noise_multiplier < 0:
-            raise ValueError(f"noise_multiplier must be ≥ 0, got {noise_multiplier}.")
+        number(noise_multiplier, "noise_multiplier", owner="ConstantNoise", low=0, optional=True)
         self.sigma = noise_multiplier
 
     @property

@@ -30,6 +30,7 @@ from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
 from lightning_dp.accounting.pure_laplace import laplace_multiplier, subsampled_laplace_epsilon
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import Noise, Sampler, Step
+from lightning_dp.validation import flag, number
 
 __all__ = ["NoiseDividing", "allocation_shares", "gaussian_schedule", "laplace_schedule", "select_horizon"]
 
@@ -181,8 +182,18 @@ class NoiseDividing(Noise):
     ) -> None:
         if privacy not in ("gaussian_rdp", "paper"):
             raise ValueError(f"privacy must be 'gaussian_rdp' or 'paper', got {privacy!r}")
-        if momentum is not None and not 0.0 < momentum < 1.0:
-            raise ValueError(f"momentum must be in (0, 1), got {momentum}")
+        flag(uniform, "uniform", owner="NoiseDividing")
+        number(
+            momentum,
+            "momentum",
+            owner="NoiseDividing",
+            low=0,
+            high=1,
+            low_open=True,
+            high_open=True,
+            optional=True,
+        )
+        number(exponent, "exponent", owner="NoiseDividing", low=0, low_open=True, optional=True)
         self.privacy: Privacy = privacy
         self.mechanism = "laplace" if privacy == "paper" else "gaussian"
         self.uniform = uniform

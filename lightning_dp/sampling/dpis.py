@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dp import validation
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent, charge
 from lightning_dp.accounting.rdp import epsilon_from_rdp
 from lightning_dp.batch_info import IndicesWithInfo
@@ -28,6 +29,7 @@ from lightning_dp.clipping.flat import FlatClipping, per_sample_norms
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler, SamplerRuntime, StepContext
+from lightning_dp.validation import flag, number
 
 __all__ = [
     "DPIS",
@@ -181,15 +183,15 @@ class DPIS(Sampler):
         xi: float = 1e-6,
         seed: int | None = None,
     ) -> None:
-        if not k >= 1:
-            raise ValueError(f"k must be ≥ 1, got {k}.")
-        if not 0.0 <= a_E <= 1.0:
-            raise ValueError(f"a_E must be in [0, 1], got {a_E}.")
+        number(k, "k", owner="DPIS", low=1)
+        number(a_E, "a_E", owner="DPIS", low=0, high=1)
         for name, value in (("sigma_N", sigma_N), ("sigma_K", sigma_K), ("C_star", C_star)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}.")
-        if not lam > 0 or not 0 < g_L < 1 or not xi >= 0:
-            raise ValueError(f"need lam > 0, 0 < g_L < 1 and xi ≥ 0, got {lam}, {g_L}, {xi}.")
+            number(value, name, owner="DPIS", low=0, low_open=True, optional=True)
+        number(lam, "lam", owner="DPIS", low=0, low_open=True)
+        number(g_L, "g_L", owner="DPIS", low=0, high=1, low_open=True, high_open=True)
+        number(xi, "xi", owner="DPIS", low=0)
+        flag(adaptive_clipping, "adaptive_clipping", owner="DPIS")
+        validation.seed(seed, owner="DPIS")
         self.k, self.a_E, self.lam, self.g_L, self.xi, self.seed = float(k), float(a_E), lam, g_L, xi, seed
         self.sigma_N_arg, self.sigma_K_arg, self.C_star_arg = sigma_N, sigma_K, C_star
         self.adaptive_clipping = adaptive_clipping

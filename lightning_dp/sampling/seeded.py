@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lightning_dp import validation
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler
 
@@ -18,7 +19,7 @@ class SeededSampler(Sampler):
     """
 
     def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
+        self.seed = validation.seed(seed, owner=type(self).__name__)
         self.generator: torch.Generator | None = None
         self._pending_state: torch.Tensor | None = None
         self.restored_shape: tuple[int | None, float | None] = (None, None)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.slots import Step, StepContext
+from lightning_dp.validation import number
 
 __all__ = ["HeavyBall", "MultiStageNesterov", "Nesterov", "masg_stage_lengths", "nag_momentum"]
 
@@ -65,8 +66,7 @@ class _MomentumStep(Step):
     """
 
     def __init__(self, lr: float | None, step_size: StepSize = "effective") -> None:
-        if lr is not None and not lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        number(lr, "lr", owner=type(self).__name__, low=0, low_open=True, optional=True)
         if step_size not in ("effective", "paper"):
             raise ValueError(f"step_size must be 'effective' or 'paper', got {step_size!r}")
         self.lr = lr
@@ -123,8 +123,7 @@ class HeavyBall(_MomentumStep):
     """
 
     def __init__(self, beta: float = 0.9, lr: float | None = None, step_size: StepSize = "effective") -> None:
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        number(beta, "beta", owner="HeavyBall", low=0, high=1, high_open=True)
         super().__init__(lr, step_size)
         self.beta = beta
 
@@ -155,6 +154,8 @@ class Nesterov(_MomentumStep):
         step_size: StepSize = "effective",
     ) -> None:
         super().__init__(lr, step_size)
+        number(mu, "mu", owner=type(self).__name__, low=0, low_open=True, optional=True)
+        number(momentum, "momentum", owner=type(self).__name__, low=0, high=1, high_open=True, optional=True)
         if momentum is None:
             if lr is None or mu is None:
                 raise ValueError(
@@ -208,6 +209,10 @@ class MultiStageNesterov(Nesterov):
     """
 
     def __init__(self, lr: float, mu: float, L: float, p: int = 1, n1: int | None = None) -> None:
+        for name, value in (("lr", lr), ("mu", mu), ("L", L)):
+            number(value, name, owner="MultiStageNesterov", low=0, low_open=True)
+        number(p, "p", owner="MultiStageNesterov", low=1, integer=True)
+        number(n1, "n1", owner="MultiStageNesterov", low=1, integer=True, optional=True)
         if not L >= mu > 0:
             raise ValueError(f"need L ≥ mu > 0, got L={L}, mu={mu}")
         super().__init__(momentum=nag_momentum(lr, mu), lr=lr, mu=mu)

@@ -31,6 +31,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.probes import LossProbe
 from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.validation import number
 
 __all__ = ["AdaptiveGD", "grad_avg", "initial_budgets", "noisy_min", "step_grid"]
 
@@ -139,17 +140,17 @@ class AdaptiveGD(Step):
         rho_nmax: float | None = None,
         weight_decay: float = 0.0,
     ) -> None:
-        if not loss_clip > 0:
-            raise DPConfigurationError(f"loss_clip (C_obj) must be > 0, got {loss_clip}.")
-        if splits < 1 or grid_size < 1 or tau < 1:
-            raise DPConfigurationError("splits, grid_size and tau must be ≥ 1.")
-        if not gamma > 0 or not alpha_max > 0 or eta < 0 or weight_decay < 0:
-            raise DPConfigurationError("need gamma > 0, alpha_max > 0, eta ≥ 0 and weight_decay ≥ 0.")
+        owner = "AdaptiveGD"
+        for name, positive in (("loss_clip", loss_clip), ("gamma", gamma), ("alpha_max", alpha_max)):
+            number(positive, name, owner=owner, low=0, low_open=True)
+        for name, count in (("splits", splits), ("grid_size", grid_size), ("tau", tau)):
+            number(count, name, owner=owner, low=1, integer=True)
+        for name, rate in (("eta", eta), ("weight_decay", weight_decay)):
+            number(rate, name, owner=owner, low=0)
+        for name, given in (("alpha_max_cap", alpha_max_cap), ("rho_ng", rho_ng), ("rho_nmax", rho_nmax)):
+            number(given, name, owner=owner, low=0, low_open=True, optional=True)
         if noise not in ("exponential", "laplace", "gumbel"):
             raise DPConfigurationError(f"noise must be 'exponential', 'laplace' or 'gumbel', got {noise!r}.")
-        for label, value in (("rho_ng", rho_ng), ("rho_nmax", rho_nmax)):
-            if value is not None and not value > 0:
-                raise DPConfigurationError(f"{label} must be > 0, got {value}.")
         self.loss_clip, self.splits, self.gamma, self.grid_size = float(loss_clip), splits, gamma, grid_size
         self.alpha_max, self.tau, self.eta, self.alpha_max_cap = float(alpha_max), tau, eta, alpha_max_cap
         self.noise_kind: NoiseKind = noise

@@ -29,12 +29,14 @@ from scipy.special import gammaln, logsumexp
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
+from lightning_dp import validation
 from lightning_dp.accounting import PrivacyEvent, charge
 from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, pure_dp_rdp
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.validation import flag, number
 
 Accounting = Literal["safe", "paper"]
 SVTNoise = Literal["laplace", "gaussian"]
@@ -551,10 +553,32 @@ class LineSearch(Step):
                 "batch an adaptive number of times; no theorem prices that jointly. Use "
                 "line_search_batch='fresh' (default), or accounting='paper' to reproduce the paper."
             )
-        if not (0 < beta < 1 and max_it >= 1 and eta0 > 0 and 0 < grad_fraction < 1):
-            raise DPConfigurationError(
-                "LineSearch needs 0 < beta < 1, max_it ≥ 1, eta0 > 0 and 0 < grad_fraction < 1."
-            )
+        positive: dict[str, Any] = {"low": 0, "low_open": True}
+        unit: dict[str, Any] = {"low": 0, "high": 1, "low_open": True, "high_open": True}
+        count: dict[str, Any] = {"low": 1, "integer": True}
+        for name, value, bounds in (
+            ("loss_clip", loss_clip, {**positive, "optional": True}),
+            ("armijo", armijo, {**unit, "optional": True}),
+            ("beta", beta, unit),
+            ("max_it", max_it, count),
+            ("eta0", eta0, positive),
+            ("reset_every", reset_every, {"low": 0, "integer": True}),
+            ("reset_factor", reset_factor, positive),
+            ("grad_fraction", grad_fraction, unit),
+            ("planned_iterations", planned_iterations, {**count, "optional": True}),
+            ("budget_increase", budget_increase, {"low": 0}),
+            ("angle_high", angle_high, positive),
+            ("angle_low", angle_low, positive),
+            ("angle_decay", angle_decay, {"low": 0, "high": 1}),
+            ("clip_decay", clip_decay, {"low": 0}),
+            ("weight_decay", weight_decay, {"low": 0}),
+            ("max_cheb_per_step", max_cheb_per_step, count),
+            ("chunk_size", chunk_size, {**count, "optional": True}),
+        ):
+            number(value, name, owner="LineSearch", **bounds)
+        for name, switch in (("eta0_growth", eta0_growth), ("adapt_clip", adapt_clip)):
+            flag(switch, name, owner="LineSearch")
+        validation.seed(seed, owner="LineSearch")
         self.mode: Mode = mode
         self.noise: SVTNoise = noise
         self.accounting: Accounting = accounting
