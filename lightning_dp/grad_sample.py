@@ -326,15 +326,15 @@ class _Graft(torch.autograd.Function):
 
 class _Tap(torch.autograd.Function):
     """Identity on a layer's output tensors whose backward hands all their gradients to ``callback`` at
-    once (a layer with several outputs needs every one of them); outputs are marked dirty, not copied."""
+    once (a layer with several outputs needs every one of them). The outputs are copied: marking them
+    dirty would break the layer's own backward where it saved them (tanh, sigmoid)."""
 
     @staticmethod
     def forward(
         ctx: Any, callback: Callable[[tuple[Tensor, ...]], None], *outputs: Tensor
     ) -> tuple[Tensor, ...]:
         ctx.callback = callback
-        ctx.mark_dirty(*outputs)
-        return outputs
+        return tuple(o.clone() for o in outputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
@@ -385,6 +385,10 @@ class PerSampleGradients:
         """The batch of the current forward: dimension 0 of the first captured layer's input."""
         self._expanded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self._handles: list[RemovableHandle] = []
+        self._names = {p: name for name, p in root.named_parameters()}
+        self._reached: set[nn.Parameter] = set()
+        """Parameters autograd accumulated a gradient into since the last ``collect`` (first batch only)."""
+        self._reach_handles = [p.register_post_accumulate_grad_hook(self._reached.add) for p in self.params]
         parts = {id(part) for module, _ in self._swapped for _, part in recurrent.parts_of(module) or []}
         for module, _ in self._swapped:  # their parts are called inside their forward
             self._own[module] = [p for _, p in direct_params(module)]
@@ -517,6 +521,9 @@ class PerSampleGradients:
         def on_grads(grads: tuple[Tensor, ...]) -> None:
             self._recomputed(module, saved, positions, grads)
 
+        if isinstance(output, Tensor):  # one output: a hook on it, no copy
+            output.register_hook(lambda grad: on_grads((grad,)))
+            return output
         flat, spec = tree_flatten(output)
         for i, tapped in zip(positions, _Tap.apply(on_grads, *(t for _, t in taps)), strict=True):
             flat[i] = tapped
@@ -576,11 +583,29 @@ class PerSampleGradients:
                     "Per-example gradients disagree on the batch size "
                     f"({sample.shape[0]} vs {batch}): every layer must see the batch on dimension 0."
                 )
+        if self._reach_handles and batch:
+            self._check_reached()
         materialized = dict(self.grad_samples)
         records = self._split_shared(materialized, self._scale(batch))
         self._uses = Counter()  # the next forward starts a new count
         self._batch_hint = None
         return PerExampleGradients(self.params, batch, materialized, records, self._scale(batch)), batch
+
+    def _check_reached(self) -> None:
+        """Once: a parameter that got an ordinary gradient but no per-example one is used outside the
+        forward of the layer that holds it (e.g. another module reads ``layer.weight``): refuse it."""
+        captured = set(self.grad_samples) | {p for r in self.records for p in self._own[r.module]}
+        missed = [self._names.get(p, "?") for p in self.params if p in self._reached and p not in captured]
+        self._reached.clear()
+        if missed:
+            raise DPConfigurationError(
+                f"The parameters {missed} received a gradient but no per-example gradient: they are used "
+                "outside the forward of the module that holds them (another module reads them, or the loss "
+                "does). Call that module instead of reading its parameters, or freeze them."
+            )
+        for handle in self._reach_handles:  # checked on the first batch; later steps pay nothing
+            handle.remove()
+        self._reach_handles = []
 
     def _scale(self, batch: int) -> float:
         """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
@@ -610,9 +635,9 @@ class PerSampleGradients:
 
     def remove(self) -> None:
         """Remove the hooks and give swapped layers back their original classes."""
-        for handle in self._handles:
+        for handle in [*self._handles, *self._reach_handles]:
             handle.remove()
-        self._handles = []
+        self._handles, self._reach_handles = [], []
         recurrent.unswap(self._swapped)
         self._swapped = []
         self.clear()

@@ -90,3 +90,84 @@ def test_one_private_step_through_the_trainer(entry: ZooModel) -> None:
         replace_batchnorm(fresh)
     fresh.load_state_dict(module.state_dict())  # same keys: checkpoints load into the original classes
     assert [type(m) for m in module.modules()] == [type(m) for m in fresh.modules()]  # swaps undone
+
+
+class _TwoOutputs(nn.Module):
+    """A custom layer (no formula) returning a tuple, as RNNs and attention do."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 3))
+        self.v = nn.Parameter(torch.randn(4, 2))
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        x = nn.functional.dropout(x, self.dropout, self.training)
+        return torch.tanh(x @ self.w), x @ self.v
+
+
+class _UsesBoth(nn.Module):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.layer = _TwoOutputs(dropout)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        a, b = self.layer(x)
+        return nn.functional.cross_entropy(a, y) + b.square().mean()
+
+
+def test_a_layer_with_a_tuple_output_gets_every_output_s_gradient() -> None:
+    torch.manual_seed(0)
+    model = _UsesBoth().double()
+    batch = (torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))
+    expected = reference_grads(model, batch)
+    grads = PerSampleGradients(model)
+    assert grads.path_of(model.layer) == "functorch"
+    model(*batch).backward()
+    samples, _ = grads.collect()
+    for i, reference in enumerate(expected):
+        for p, g in zip(samples.params, samples.materialize(), strict=True):
+            assert close(g[i], reference[p], float(reference[p].abs().max()))
+
+
+def test_a_recomputed_layer_that_draws_random_numbers_is_refused() -> None:
+    model = _UsesBoth(dropout=0.5)
+    PerSampleGradients(model)
+    with pytest.raises(DPConfigurationError, match="draws random numbers"):
+        model(torch.randn(5, 4), torch.randint(0, 3, (5,))).backward()
+
+
+class _ReadsAnotherLayersWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(self.a(x), self.b.weight).sum()
+
+
+def test_a_parameter_used_outside_its_layer_is_refused_naming_it() -> None:
+    model = _ReadsAnotherLayersWeight()
+    grads = PerSampleGradients(model)
+    model(torch.randn(4, 3)).backward()
+    with pytest.raises(DPConfigurationError, match=r"\['b.weight'\]"):
+        grads.collect()
+
+
+def test_swapped_layers_keep_their_parameters_and_state_dict_keys() -> None:
+    lstm = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
+    keys, params = list(lstm.state_dict()), list(lstm.parameters())
+    grads = PerSampleGradients(nn.Sequential(lstm))
+    assert type(lstm) is not nn.LSTM
+    assert isinstance(lstm, nn.LSTM)
+    assert list(lstm.state_dict()) == keys
+    assert list(lstm.parameters()) == params
+    grads.remove()
+    assert type(lstm) is nn.LSTM
+
+
+def test_unsupported_recurrent_options_are_refused_naming_the_layer() -> None:
+    with pytest.raises(DPConfigurationError, match=r"Layer 0: nn\.LSTM with proj_size"):
+        PerSampleGradients(nn.Sequential(nn.LSTM(3, 4, proj_size=2)))
+    with pytest.raises(DPConfigurationError, match="kdim/vdim"):
+        PerSampleGradients(nn.Sequential(nn.MultiheadAttention(4, 2, kdim=3, vdim=3)))

@@ -389,7 +389,7 @@ ZOO: list[ZooModel] = [
     ZooModel("timm_vit", _vit, _images),
     ZooModel("timm_convnext", _convnext, functools.partial(_images, size=32)),
     ZooModel("timm_resnet_groupnorm", _timm_resnet_groupnorm, _images),
-    ZooModel("torchvision_resnet18", _torchvision_resnet18, functools.partial(_images, size=32), "replace"),
+    ZooModel("torchvision_resnet18", _torchvision_resnet18, _images, "replace"),
     ZooModel("lstm", _classify(Recurrent, "LSTM", True), _tokens_with_lengths),
     ZooModel(
         "lstm_seq_first_2_layers", _classify(Recurrent, "LSTM", False, num_layers=2), _tokens_with_lengths
