@@ -11,7 +11,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import PerSampleGradients
 from lightning_dp.prepare import replace_batchnorm
 from tests.conftest import make_trainer
-from tests.zoo import ZOO, ZooModel, zoo_lightning_module
+from tests.zoo import DOC, TABLE_END, TABLE_START, ZOO, ZooModel, paths_table, zoo_lightning_module
 
 RTOL = 1e-6
 
@@ -171,3 +171,10 @@ def test_unsupported_recurrent_options_are_refused_naming_the_layer() -> None:
         PerSampleGradients(nn.Sequential(nn.LSTM(3, 4, proj_size=2)))
     with pytest.raises(DPConfigurationError, match="kdim/vdim"):
         PerSampleGradients(nn.Sequential(nn.MultiheadAttention(4, 2, kdim=3, vdim=3)))
+
+
+def test_the_models_page_table_is_the_zoo_s() -> None:
+    """docs/models.md's table of paths is produced by ``python -m tests.zoo``, never edited by hand."""
+    text = DOC.read_text()
+    table = text.split(TABLE_START)[1].split(TABLE_END)[0].strip()
+    assert table == paths_table(), "docs/models.md is stale: run `python -m tests.zoo`"

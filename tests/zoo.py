@@ -10,8 +10,10 @@ neighbour test: one private step with and without an example).
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 from torch.utils.data import DataLoader, TensorDataset
 
-B, T, V, D, CLASSES = 4, 6, 23, 16, 3
+B, T, V, D, CLASSES = 3, 6, 23, 16, 3
 """Batch, sequence length (≠ B, so a sequence-first mix-up cannot pass), vocabulary, width, classes."""
 
 
@@ -443,3 +445,61 @@ class ZooLightningModule(LightningModule):
 
 def zoo_lightning_module(entry: ZooModel, **kwargs: Any) -> ZooLightningModule:
     return ZooLightningModule(entry, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The table of per-example paths in docs/models.md
+# --------------------------------------------------------------------------------------------------
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+TABLE_START, TABLE_END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
+
+
+def path_summary(entry: ZooModel) -> dict[str, Counter[str]]:
+    """Which path each trainable layer of the model takes: path → Counter of layer type names."""
+    from lightning_dp.grad_sample import PerSampleGradients
+    from lightning_dp.prepare import replace_batchnorm
+
+    torch.manual_seed(0)
+    model = entry.build()
+    if entry.on_batchnorm == "replace":
+        replace_batchnorm(model)
+    grads = PerSampleGradients(model)
+    try:
+        summary: dict[str, Counter[str]] = {}
+        for _, layer in grads.layers:
+            summary.setdefault(grads.path_of(layer), Counter())[type(layer).__name__] += 1
+        summary.setdefault(f"{grads.mode} mode", Counter())
+        return summary
+    finally:
+        grads.remove()
+
+
+def paths_table() -> str:
+    """The Markdown table of docs/models.md, computed from the zoo."""
+    order = ["fast", "formula", "functorch", "direct"]
+    lines = [
+        "| model | mode | " + " | ".join(order) + " |",
+        "|---|---|" + "---|" * len(order),
+    ]
+    for entry in ZOO:
+        summary = path_summary(entry)
+        mode = next(k for k in summary if k.endswith(" mode")).removesuffix(" mode")
+        cells = [
+            ", ".join(f"{name}×{n}" for name, n in sorted(summary.get(path, Counter()).items())) or "–"
+            for path in order
+        ]
+        lines.append(f"| {entry.name} | {mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_table() -> None:
+    """Rewrite the table between the markers of docs/models.md (``python -m tests.zoo``)."""
+    text = DOC.read_text()
+    head, rest = text.split(TABLE_START)
+    _, tail = rest.split(TABLE_END)
+    DOC.write_text(f"{head}{TABLE_START}\n{paths_table()}\n{TABLE_END}{tail}")
+
+
+if __name__ == "__main__":
+    write_table()
