@@ -14,7 +14,7 @@ import functools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from opacus.grad_sample import GradSampleHooks
@@ -290,7 +290,7 @@ def _embedding_with_padding(
     assert isinstance(module, nn.Embedding)
     assert module.padding_idx is not None
     samples = _dense(GradSampleHooks.GRAD_SAMPLERS[nn.Embedding], module, activations, backprops)
-    samples[module.weight][:, module.padding_idx] = 0
+    samples[cast(nn.Parameter, module.weight)][:, module.padding_idx] = 0
     return samples
 
 

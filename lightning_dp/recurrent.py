@@ -39,7 +39,7 @@ class LinearPart(nn.Linear):
         nn.Module.__init__(part)
         part.out_features, part.in_features = weight.shape
         part.weight = weight
-        part.bias = bias
+        part.register_parameter("bias", bias)
         return part
 
 
@@ -230,7 +230,7 @@ class DPMultiheadAttention(nn.MultiheadAttention):
             part.training = self.training
         return parts
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         query: Tensor,
         key: Tensor,
