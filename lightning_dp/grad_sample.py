@@ -271,9 +271,21 @@ def _sampler(module: nn.Module) -> GradSampler:
 def _dense(
     formula: GradSampler, module: nn.Module, activations: list[Any], backprops: Tensor
 ) -> dict[nn.Parameter, Tensor]:
-    """Opacus's formulas assume the default memory format (its convolution one is wrong on channels_last)."""
-    dense = [a.contiguous() if isinstance(a, Tensor) else a for a in activations]
-    return formula(module, dense, backprops.contiguous())
+    """Opacus's formulas assume standard strides (its convolution one is wrong on channels_last, and on
+    a [B, C, 1, 1] tensor whose size-1 dimensions carry other strides, which ``contiguous`` keeps)."""
+    dense = [_standard(a) if isinstance(a, Tensor) else a for a in activations]
+    return formula(module, dense, _standard(backprops))
+
+
+def _standard(t: Tensor) -> Tensor:
+    """``t`` with row-major strides on every dimension (copied only where they differ)."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(strides)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _recompute(module: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
