@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp import fast_clipping, recurrent, vmap_grads
+from lightning_dp import ecosystem, fast_clipping, recurrent, vmap_grads
 from lightning_dp.errors import DPConfigurationError
 
 GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
@@ -375,6 +375,7 @@ class PerSampleGradients:
         self.grad_samples: dict[nn.Parameter, Tensor] = {}
         self.records: list[Record] = []
         self.batch_size: int | None = None
+        ecosystem.register_loaded()
         self._swapped = recurrent.swap(root)
         self.layers = list(trainable_layers(root))
         if mode == "auto":

@@ -53,6 +53,8 @@ def test_per_example_gradients_equal_autograd_on_each_example(entry: ZooModel) -
         samples, n = grads.collect()
         assert n == batch[0].shape[0]
         norms = samples.sq_norms()
+        weights = torch.linspace(0.5, 1.5, n, dtype=torch.float64)
+        sums = dict(zip(samples.params, samples.weighted_sum(weights), strict=True))  # fp32: the clipped sum
         full = dict(zip(samples.params, samples.materialize(), strict=True))
     finally:
         grads.remove()
@@ -67,6 +69,9 @@ def test_per_example_gradients_equal_autograd_on_each_example(entry: ZooModel) -
         assert not wrong, f"example {i}: wrong per-example gradients for {wrong}"
         norm = sum(float(g.double().square().sum()) for g in reference.values())
         assert abs(float(norms[i]) - norm) <= 1e-4 * norm + 1e-12  # fp32 norms
+    for p in trainable:
+        expected_sum = sum(float(w) * r[p] for w, r in zip(weights, expected, strict=True))
+        assert (sums[p].double() - expected_sum).abs().max() <= 1e-4 * scale[p], f"weighted sum of {names[p]}"
 
 
 @pytest.mark.parametrize("entry", ZOO, ids=repr)
