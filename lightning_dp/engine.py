@@ -19,6 +19,7 @@ from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.clipping.flat import weighted_sum
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import BatchDimensionError, GradMode, PerSampleGradients
+from lightning_dp.recurrent import SWAPS
 from lightning_dp.rng import make_generator, without_generator_states
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
 
@@ -61,14 +62,18 @@ def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, account
 
 
 def refuse_sequence_first(root: nn.Module) -> None:
-    """Refuse trainable recurrent and attention layers built sequence-first (``batch_first=False``).
+    """Refuse trainable layers built sequence-first (``batch_first=False``) that no exact path covers.
 
     Their inputs and outputs are [T, B, ...], so the hooks would take time steps for examples; a size
-    check cannot see it when T equals the batch size, this check sees it before the first batch."""
+    check cannot see it when T equals the batch size, this check sees it before the first batch. The
+    recurrent and attention layers that :mod:`lightning_dp.recurrent` swaps in place (exactly
+    ``nn.RNN``/``LSTM``/``GRU``/``MultiheadAttention``/``Transformer*Layer``) put the batch first
+    themselves; subclasses of them, whose forward may differ, are not swapped and stay refused."""
+    exact = tuple(SWAPS)
     for name, module in root.named_modules():
-        if getattr(module, "batch_first", None) is False and any(
-            p.requires_grad for p in module.parameters()
-        ):
+        if type(module) in exact or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        if getattr(module, "batch_first", None) is False:
             raise BatchDimensionError(
                 f"Layer {name or '<root>'!r} ({type(module).__name__}) is built with batch_first=False (PyTorch's "
                 "default): its tensors are [time, batch, ...], and per-example clipping takes dimension 0 as "

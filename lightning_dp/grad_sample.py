@@ -10,35 +10,48 @@ computes the layer's per-example norms (``fast_clipping``) and keeps only what t
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from opacus.grad_sample import GradSampleHooks
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp import fast_clipping
+from lightning_dp import ecosystem, fast_clipping, recurrent, vmap_grads
 from lightning_dp.errors import DPConfigurationError
 
 GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
 
 
-def _has_own_trainable_params(module: nn.Module) -> bool:
-    return any(p.requires_grad for p in module.parameters(recurse=False))
+def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters registered on ``module`` itself and on none of its descendants (aliases such
+    as Opacus's DPLSTM renaming its cells' weights belong to the cells)."""
+    below = {id(p) for child in module.children() for p in child.parameters()}
+    return [
+        (n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in below
+    ]
+
+
+def _has_trainable_children(module: nn.Module) -> bool:
+    return any(p.requires_grad for child in module.children() for p in child.parameters())
 
 
 def trainable_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Layers that own trainable parameters; a layer with no known formula covers its whole subtree."""
+    """Every module that holds trainable parameters directly (or the parts of a swapped recurrent or
+    attention layer, see ``recurrent``); each covers only its own parameters."""
 
     def visit(prefix: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-        if _has_own_trainable_params(module):
+        parts = recurrent.parts_of(module)
+        if parts is not None:
+            for name, part in parts:
+                yield f"{prefix}.{name}" if prefix else name, part
+        elif direct_params(module):
             yield prefix, module
-            if type(module) not in GradSampleHooks.GRAD_SAMPLERS:
-                return
         for name, child in module.named_children():
             yield from visit(f"{prefix}.{name}" if prefix else name, child)
 
@@ -46,8 +59,19 @@ def trainable_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
 
 
 def layer_method(module: nn.Module) -> str:
-    """How a layer's per-example gradients are computed: 'formula' (Opacus sampler) or 'functorch'."""
-    return "formula" if type(module) in GradSampleHooks.GRAD_SAMPLERS else "functorch"
+    """How a layer's per-example gradients are computed when materialised: 'formula' (Opacus's per-layer
+    formula), 'direct' (a container's own parameters, see ``direct_path``) or 'functorch' (recomputed
+    per example, ``vmap_grads``)."""
+    if type(module) in GradSampleHooks.GRAD_SAMPLERS:
+        return "formula"
+    return "direct" if _has_trainable_children(module) else "functorch"
+
+
+def expands_params(module: nn.Module) -> bool:
+    """A container whose own parameters all have a leading dimension of 1 (ViT's ``cls_token`` and
+    ``pos_embed``): they are batch-expanded during its forward so their gradient is per example."""
+    own = direct_params(module)
+    return bool(own) and all(p.dim() > 0 and p.shape[0] == 1 for _, p in own)
 
 
 GradMode = Literal["auto", "fast", "materialize"]
@@ -240,7 +264,35 @@ def _take(value: Any, rows: Tensor) -> Any:
 def _sampler(module: nn.Module) -> GradSampler:
     if isinstance(module, nn.Embedding) and module.padding_idx is not None:
         return _embedding_with_padding
-    return GradSampleHooks.GRAD_SAMPLERS.get(type(module), ft_compute_per_sample_gradient)
+    formula = GradSampleHooks.GRAD_SAMPLERS.get(type(module))
+    return _recompute if formula is None else functools.partial(_dense, formula)
+
+
+def _dense(
+    formula: GradSampler, module: nn.Module, activations: list[Any], backprops: Tensor
+) -> dict[nn.Parameter, Tensor]:
+    """Opacus's formulas assume standard strides (its convolution one is wrong on channels_last, and on
+    a [B, C, 1, 1] tensor whose size-1 dimensions carry other strides, which ``contiguous`` keeps)."""
+    dense = [_standard(a) if isinstance(a, Tensor) else a for a in activations]
+    return formula(module, dense, _standard(backprops))
+
+
+def _standard(t: Tensor) -> Tensor:
+    """``t`` with row-major strides on every dimension (copied only where they differ)."""
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= size
+    if t.stride() == tuple(reversed(strides)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _recompute(module: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
+    """A layer without a formula, from its positional inputs and single output (``vmap_grads``)."""
+    return vmap_grads.per_example_grads(
+        module, dict(direct_params(module)), (activations, {}), [0], [backprops]
+    )
 
 
 def _embedding_with_padding(
@@ -249,15 +301,22 @@ def _embedding_with_padding(
     """Opacus's embedding formula gives the ``padding_idx`` row a gradient; torch gives it none."""
     assert isinstance(module, nn.Embedding)
     assert module.padding_idx is not None
-    samples = GradSampleHooks.GRAD_SAMPLERS[nn.Embedding](module, activations, backprops)
-    samples[module.weight][:, module.padding_idx] = 0
+    samples = _dense(GradSampleHooks.GRAD_SAMPLERS[nn.Embedding], module, activations, backprops)
+    samples[cast(nn.Parameter, module.weight)][:, module.padding_idx] = 0
     return samples
 
 
 def _add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, Tensor]) -> None:
+    """Sum each parameter's per-example gradients over the calls (and tied layers) that use it."""
     for param, sample in samples.items():
         if param.requires_grad:
             previous = into.get(param)
+            if previous is not None and previous.shape != sample.shape:
+                raise RuntimeError(
+                    f"A parameter of shape {tuple(param.shape)} is used by layer calls that see different "
+                    f"batches ({previous.shape[0]} vs {sample.shape[0]} examples): every call must see the whole "
+                    "batch on dimension 0 (a PackedSequence through Opacus's DPLSTM does not; use nn.LSTM)."
+                )
             into[param] = sample if previous is None else previous + sample
 
 
@@ -277,6 +336,24 @@ class _Graft(torch.autograd.Function):
         return None, grad
 
 
+class _Tap(torch.autograd.Function):
+    """Identity on a layer's output tensors whose backward hands all their gradients to ``callback`` at
+    once (a layer with several outputs needs every one of them). The outputs are copied: marking them
+    dirty would break the layer's own backward where it saved them (tanh, sigmoid)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, callback: Callable[[tuple[Tensor, ...]], None], *outputs: Tensor
+    ) -> tuple[Tensor, ...]:
+        ctx.callback = callback
+        return tuple(o.clone() for o in outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
+        ctx.callback(grads)
+        return (None, *grads)
+
+
 class PerSampleGradients:
     """Hooks on every trainable layer of ``root`` that capture what per-example clipping needs.
 
@@ -284,7 +361,8 @@ class PerSampleGradients:
     each layer's output gradient is multiplied by the batch size to get per-example gradients.
     ``mode``: ``"fast"`` keeps (inputs, output gradients) for layers with a fast formula and
     materialises the rest; ``"materialize"`` materialises every layer (Opacus's formulas);
-    ``"auto"`` is fast when every layer has a fast formula, else materialise.
+    ``"auto"`` is fast when every layer has a fast formula, else materialise. Recurrent and attention
+    layers are swapped in place for exact equivalents (``recurrent``) until :meth:`remove`.
     """
 
     def __init__(self, root: nn.Module, loss_reduction: str = "mean", mode: GradMode = "auto") -> None:
@@ -299,32 +377,56 @@ class PerSampleGradients:
         self.batch_size: int | None = None
         self.calls: list[tuple[nn.Module, int]] = []
         """(layer, size of dim 0 of its output gradient) of every call since the last ``clear``."""
+        ecosystem.register_loaded()
+        self._swapped = recurrent.swap(root)
         self.layers = list(trainable_layers(root))
         if mode == "auto":
-            mode = "fast" if all(fast_clipping.is_supported(m) for _, m in self.layers) else "materialize"
+            layers = [m for _, m in self.layers if layer_method(m) != "direct"]
+            mode = "fast" if all(fast_clipping.is_supported(m) for m in layers) else "materialize"
         self.mode = mode
-        for _, module in self.layers:  # Opacus prepares functorch layers before any forward, so do we
-            if self.path_of(module) == "functorch":
-                prepare_layer(module)
-        self.params = [p for _, m in self.layers for p in m.parameters() if p.requires_grad]
+        self._own: dict[nn.Module, list[nn.Parameter]] = {
+            m: [p for _, p in direct_params(m)] for _, m in self.layers
+        }
+        self.params = list(dict.fromkeys(p for _, m in self.layers for p in self._own[m]))
+        """Each trainable parameter once, tied ones included (their uses are summed per example)."""
+        _check_covered(root, set(self.params))
         self.skip_param_grads = False
         """Book-keeping: when True, autograd computes no weight gradients (the engine builds the
         private gradient from inputs and output gradients alone), which saves a third of the backward."""
-        tracked = set(self.params)
-        self._own: dict[nn.Module, list[nn.Parameter]] = {
-            m: [p for p in m.parameters() if p in tracked] for _, m in self.layers
-        }
         self._anchor: Tensor | None = None
         self._uses: Counter[nn.Parameter] = Counter()
         """How many captured layer calls use each parameter since the last ``collect`` (shared if > 1)."""
+        self._batch_hint: int | None = None
+        """The batch of the current forward: dimension 0 of the first captured layer's input."""
+        self._expanded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self._handles: list[RemovableHandle] = []
+        self._names = {p: name for name, p in root.named_parameters()}
+        self._reached: set[nn.Parameter] = set()
+        """Parameters autograd accumulated a gradient into since the last ``collect`` (first batch only)."""
+        self._reach_handles = [p.register_post_accumulate_grad_hook(self._reached.add) for p in self.params]
+        parts = {id(part) for module, _ in self._swapped for _, part in recurrent.parts_of(module) or []}
+        for module, _ in self._swapped:  # their parts are called inside their forward
+            self._own[module] = [p for _, p in direct_params(module)]
+            self._hook_freeze(module)
         for _, module in self.layers:
-            self._handles.append(module.register_forward_pre_hook(self._freeze))
-            self._handles.append(module.register_forward_hook(self._thaw, always_call=True))
-            self._handles.append(module.register_forward_hook(self._capture))
+            path = self.path_of(module)
+            if path == "direct" and expands_params(module):
+                self._handles.append(module.register_forward_pre_hook(self._expand, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._restore, always_call=True))
+                continue
+            if id(module) not in parts and path != "direct":
+                self._hook_freeze(module)
+            if path in ("functorch", "direct"):
+                self._handles.append(module.register_forward_hook(self._capture_call, with_kwargs=True))
+            else:
+                self._handles.append(module.register_forward_hook(self._capture))
+
+    def _hook_freeze(self, module: nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(self._freeze))
+        self._handles.append(module.register_forward_hook(self._thaw, always_call=True))
 
     def path_of(self, module: nn.Module) -> str:
-        """'fast' (norms from inputs and output gradients), 'formula' or 'functorch' (materialised)."""
+        """'fast' (norms from inputs and output gradients), 'formula', 'functorch' or 'direct' (materialised)."""
         if self.mode == "fast" and fast_clipping.is_supported(module):
             return "fast"
         return layer_method(module)
@@ -341,8 +443,38 @@ class PerSampleGradients:
     def _thaw(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Undo :meth:`_freeze` (also when the forward raised)."""
         del inputs, output
+        if not self.enabled:  # a per-example recomputation (``_recomputed``): nothing was frozen
+            return
         for p in self._own[module]:
             p.requires_grad_(True)
+
+    def _note_batch(self, first: Any) -> None:
+        """The forward's batch size, from the first captured layer's input (unless already known)."""
+        if self._batch_hint is None and isinstance(first, Tensor) and first.dim() > 0:
+            self._batch_hint = first.shape[0]
+
+    def _broadcast(
+        self, module: nn.Module, inputs: tuple[Any, ...], output: Tensor
+    ) -> tuple[tuple[Any, ...], Tensor]:
+        """A layer called on one input shared by the whole batch (GPT-2's ``wpe`` on positions [1, T],
+        nanoGPT's ``wpe(arange(T))``) gets its output expanded to the batch, so its output gradient, and
+        so its per-example gradient, is each example's own slice instead of their sum."""
+        first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+        self._note_batch(first)
+        batch = self._batch_hint
+        if batch is None or batch <= 1 or first is None or output.dim() == 0:
+            return inputs, output
+        if first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1:
+            expanded = tuple(
+                x.expand(batch, *x.shape[1:])
+                if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == 1
+                else x
+                for x in inputs
+            )
+            return expanded, output.expand(batch, *output.shape[1:])
+        if isinstance(module, nn.Embedding) and first.dim() == 1 and first.shape[0] != batch:
+            return (first.expand(batch, -1), *inputs[1:]), output.expand(batch, *output.shape)
+        return inputs, output
 
     def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
         if not (self._active(module) and isinstance(output, Tensor)):
@@ -355,6 +487,7 @@ class PerSampleGradients:
             if self._anchor is None or self._anchor.device != output.device:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
+        inputs, output = self._broadcast(module, inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
         # shares this list and empties it when it releases or spends its inputs, so they are freed.
@@ -385,6 +518,78 @@ class PerSampleGradients:
             )
         self.batch_size = batch
 
+    def _capture_call(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """Layers recomputed per example: keep every input (keyword ones too) and tap every output tensor."""
+        if not self._active(module):
+            return None
+        taps = vmap_grads.output_tensors(output)
+        if not taps:
+            return None
+        first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
+        self._note_batch(first)
+        self._uses.update(self._own[module])
+        detach = lambda x: x.detach() if isinstance(x, Tensor) else x  # noqa: E731
+        saved = ([detach(a) for a in args], {k: detach(v) for k, v in kwargs.items()})
+        positions = [i for i, _ in taps]
+
+        def on_grads(grads: tuple[Tensor, ...]) -> None:
+            self._recomputed(module, saved, positions, grads)
+
+        if isinstance(output, Tensor):  # one output: a hook on it, no copy
+            output.register_hook(lambda grad: on_grads((grad,)))
+            return output
+        flat, spec = tree_flatten(output)
+        for i, tapped in zip(positions, _Tap.apply(on_grads, *(t for _, t in taps)), strict=True):
+            flat[i] = tapped
+        return tree_unflatten(flat, spec)
+
+    def _recomputed(
+        self,
+        module: nn.Module,
+        saved: tuple[list[Any], dict[str, Any]],
+        positions: list[int],
+        grads: tuple[Tensor, ...],
+    ) -> None:
+        batch = grads[0].shape[0]
+        scale = self._scale(batch)
+        self.enabled = False  # the recomputation must not reach the hooks of the layer or its children
+        try:
+            samples = vmap_grads.per_example_grads(
+                module, dict(direct_params(module)), saved, positions, [g * scale for g in grads]
+            )
+        finally:
+            self.enabled = True
+        _add_samples(self.grad_samples, samples)
+        self.batch_size = batch
+
+    def _expand(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A container's own [1, ...] parameters become [B, ...] expansions for its forward."""
+        if not self._active(module):
+            return
+        self._note_batch(next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None))
+        batch = self._batch_hint or 1
+        saved = {}
+        for name, p in direct_params(module):
+            expanded = p.expand(batch, *p.shape[1:])
+            expanded.register_hook(functools.partial(self._expanded_grad, p))
+            module._parameters[name] = expanded  # type: ignore[assignment]
+            saved[name] = p
+            self._uses[p] += 1
+        self._expanded[module] = saved
+
+    def _restore(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+        """Undo :meth:`_expand` (also when the forward raised)."""
+        del inputs, output
+        for name, p in self._expanded.pop(module, {}).items():
+            module._parameters[name] = p
+
+    def _expanded_grad(self, param: nn.Parameter, grad: Tensor) -> None:
+        batch = grad.shape[0]
+        _add_samples(self.grad_samples, {param: (grad.detach() * self._scale(batch)).unsqueeze(1)})
+        self.batch_size = batch
+
     def collect(self, expected: int | None = None) -> tuple[PerExampleGradients, int]:
         """The batch's per-example gradients (lazy where possible) and the batch size.
 
@@ -399,10 +604,29 @@ class PerSampleGradients:
                     "Per-example gradients disagree on the batch size "
                     f"({sample.shape[0]} vs {batch}): every layer must see the batch on dimension 0."
                 )
+        if self._reach_handles and batch:
+            self._check_reached()
         materialized = dict(self.grad_samples)
         records = self._split_shared(materialized, self._scale(batch))
         self._uses = Counter()  # the next forward starts a new count
+        self._batch_hint = None
         return PerExampleGradients(self.params, batch, materialized, records, self._scale(batch)), batch
+
+    def _check_reached(self) -> None:
+        """Once: a parameter that got an ordinary gradient but no per-example one is used outside the
+        forward of the layer that holds it (e.g. another module reads ``layer.weight``): refuse it."""
+        captured = set(self.grad_samples) | {p for r in self.records for p in self._own[r.module]}
+        missed = [self._names.get(p, "?") for p in self.params if p in self._reached and p not in captured]
+        self._reached.clear()
+        if missed:
+            raise DPConfigurationError(
+                f"The parameters {missed} received a gradient but no per-example gradient: they are used "
+                "outside the forward of the module that holds them (another module reads them, or the loss "
+                "does). Call that module instead of reading its parameters, or freeze them."
+            )
+        for handle in self._reach_handles:  # checked on the first batch; later steps pay nothing
+            handle.remove()
+        self._reach_handles = []
 
     def _scale(self, batch: int) -> float:
         """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
@@ -432,9 +656,12 @@ class PerSampleGradients:
         self.calls = []
 
     def remove(self) -> None:
-        for handle in self._handles:
+        """Remove the hooks and give swapped layers back their original classes."""
+        for handle in [*self._handles, *self._reach_handles]:
             handle.remove()
-        self._handles = []
+        self._handles, self._reach_handles = [], []
+        recurrent.unswap(self._swapped)
+        self._swapped = []
         self.clear()
 
 
@@ -468,3 +695,14 @@ def check_batch_dimension(
         f"Layer {name!r} ({type(module).__name__}) has {size} on its batch dimension (dim 0), but this batch "
         f"has {expected} examples. Likely cause: {cause}"
     )
+
+
+def _check_covered(root: nn.Module, covered: set[nn.Parameter]) -> None:
+    """Every trainable parameter needs a per-example path; one without would get noise only."""
+    missing = [name for name, p in root.named_parameters() if p.requires_grad and p not in covered]
+    if missing:
+        raise DPConfigurationError(
+            f"No per-example gradient path covers the trainable parameters {missing}: they would receive "
+            "noise only. Hold them in an nn.Module that uses them in its forward, or freeze them "
+            "(requires_grad=False)."
+        )

@@ -127,11 +127,20 @@ class SequenceFirstLSTM(TinyModule):
         return self.net(out[-1])
 
 
-def test_sequence_first_recurrent_layer_is_refused_at_fit_start():
+class MyLSTM(nn.LSTM):
+    """A subclass may change forward, so it is not swapped for the exact sequence-first LSTM."""
+
+
+def test_sequence_first_recurrent_layer_is_refused_at_fit_start_unless_swapped_exactly():
+    model = SequenceFirstLSTM()
+    model.lstm = MyLSTM(4, 6)
     strategy = DPStrategy(noise_multiplier=1.0, seed=0)
-    with pytest.raises(BatchDimensionError, match=r"Layer 'lstm' \(LSTM\) is built with batch_first=False"):
-        fit(SequenceFirstLSTM(), strategy, max_steps=1)
+    with pytest.raises(BatchDimensionError, match=r"Layer 'lstm' \(MyLSTM\) is built with batch_first=False"):
+        fit(model, strategy, max_steps=1)
     assert released(strategy) == 0
+    # nn.LSTM itself is swapped in place for an exact layer that puts the batch first (tests/zoo.py).
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    assert fit(SequenceFirstLSTM(), strategy, max_steps=1).engine.steps == 1
 
 
 def test_virtual_batching_checks_each_chunk_and_trains():

@@ -1,0 +1,240 @@
+"""Step time and peak memory on the model zoo (tests/zoo.py): plain vs lightning-dp vs Opacus.
+
+Each zoo model (tiny configurations, random weights) trains its own copy of the same initial model on
+one fixed batch of ``--batch-size`` examples (zoo batches concatenated), in one process, on one CPU
+thread. Variants run in interleaved rounds with the measuring helpers of ``bench/step_time.py``
+(``run_step``, ``check_variant``, ``measure_peak``, ``schedule``), and the table reports medians:
+
+* plain           forward (the zoo model returns its batch-mean loss), backward, ``optimizer.step()``
+* lightning-dp    ``PrivateStepEngine`` (auto mode): forward, backward, ``privatize()``, ``apply_step``
+* opacus hooks    ``PrivacyEngine().make_private(...)`` (Opacus's only mode for a model that computes
+                  its own loss: ghost clipping needs the criterion outside the model); "n/a" with the
+                  reason where Opacus refuses or fails on the model
+
+Run from the repository root::
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/model_zoo.py [--models lstm,hf_bert] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import warnings
+from collections import Counter
+from typing import Any
+
+import torch
+from opacus import PrivacyEngine
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from bench.step_time import (
+    DATASET_SIZE,
+    LR,
+    MAX_GRAD_NORM,
+    SIGMA,
+    Variant,
+    _reason,
+    check_variant,
+    measure_peak,
+    run_step,
+    schedule,
+)
+from lightning_dp.clipping import FlatClipping
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.noise import ConstantNoise
+from lightning_dp.prepare import replace_batchnorm
+from lightning_dp.sampling import Poisson
+from lightning_dp.slots import Step
+from tests.zoo import ZOO, ZooModel
+
+Batch = tuple[Tensor, ...]
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def build_plain(base: nn.Module, batch: Batch) -> Variant:
+    model = copy.deepcopy(base)
+    opt = _sgd(model)
+    return Variant(
+        "plain",
+        [("fwd+bwd", lambda: model(*batch).backward()), ("update", opt.step)],
+        zero=lambda: opt.zero_grad(set_to_none=True),
+        params=[p for p in model.parameters() if p.requires_grad],
+    )
+
+
+def build_lightning_dp(base: nn.Module, batch: Batch) -> Variant:
+    model = copy.deepcopy(base)
+    opt = _sgd(model)
+    engine = PrivateStepEngine(
+        sampler=Poisson(seed=0), clipping=FlatClipping(), noise=ConstantNoise(SIGMA), step=Step(),
+        max_grad_norm=MAX_GRAD_NORM, delta=1e-5, target_epsilon=None, accountant="rdp",
+        loss_reduction="mean", seed=0, grad_sample_mode="auto",
+    )  # fmt: skip
+    engine.attach(model)
+    engine.sampler.bind(DATASET_SIZE, len(batch[0]))
+    grads = engine.grads
+    assert grads is not None
+
+    def zero() -> None:
+        opt.zero_grad(set_to_none=True)
+        grads.clear()
+
+    variant = Variant(
+        "lightning-dp",
+        [
+            ("fwd+bwd", lambda: model(*batch).backward()),
+            ("privatize", lambda: setattr(variant, "ctx", engine.privatize())),
+            ("update", lambda: engine.apply_step(opt)),
+        ],
+        zero=zero,
+        params=[p for p in model.parameters() if p.requires_grad],
+    )
+    variant.engine = engine
+    paths = Counter(grads.path_of(m) for _, m in grads.layers)
+    variant.paths = f"{grads.mode} mode: " + ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
+    return variant
+
+
+def build_opacus(base: nn.Module, batch: Batch) -> Variant:
+    model = copy.deepcopy(base)
+    loader = DataLoader(TensorDataset(*(t.cpu() for t in batch)), batch_size=len(batch[0]))
+    gsm, dp_opt, _ = PrivacyEngine().make_private(
+        module=model, optimizer=_sgd(model), data_loader=loader, noise_multiplier=SIGMA,
+        max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False,
+    )  # fmt: skip
+    return Variant(
+        "opacus hooks",
+        [("fwd+bwd", lambda: gsm(*batch).backward()), ("step", dp_opt.step)],
+        zero=lambda: dp_opt.zero_grad(set_to_none=True),
+        params=[p for p in model.parameters() if p.requires_grad],
+    )
+
+
+BUILDERS = {"plain": build_plain, "lightning-dp": build_lightning_dp, "opacus hooks": build_opacus}
+
+
+def zoo_batch(entry: ZooModel, size: int) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    parts = [entry.batch(g) for _ in range(-(-size // len(entry.batch(torch.Generator())[0])))]
+    return tuple(torch.cat(ts)[:size] for ts in zip(*parts, strict=True))
+
+
+def bench_entry(entry: ZooModel, args: argparse.Namespace) -> list[Variant]:
+    torch.manual_seed(0)
+    base = entry.build()
+    if entry.on_batchnorm == "replace":
+        replace_batchnorm(base)
+    base.train()
+    batch = zoo_batch(entry, args.batch_size)
+    device = torch.device("cpu")
+    variants = []
+    for name, build in BUILDERS.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                v = build(base, batch)
+                check_variant(v, device)
+        except Exception as err:  # a library that does not support this model: report, don't crash
+            v = Variant(name, error=_reason(err))
+        variants.append(v)
+    live = [v for v in variants if v.error is None]
+    for v in live:
+        for _ in range(args.warmup):
+            run_step(v, device, record=False)
+    plan = {v.name: schedule(args.rounds, args.rounds) for v in live}
+    gc.collect()
+    gc.disable()
+    try:
+        for r in range(args.rounds):
+            for v in live[r % len(live) :] + live[: r % len(live)]:
+                if v.error is None and r in plan[v.name]:
+                    try:
+                        run_step(v, device, record=True)
+                    except Exception as err:
+                        v.error = _reason(err)
+    finally:
+        gc.enable()
+    for v in live:
+        v.rounds = len(v.times)
+        if v.error is None:
+            v.peak_bytes = measure_peak(v, device)
+    return variants
+
+
+def rows(entry: ZooModel, variants: list[Variant]) -> list[dict[str, Any]]:
+    plain = next((v for v in variants if v.name == "plain" and v.times), None)
+    plain_ms = statistics.median(plain.times) * 1e3 if plain else None
+    plain_mb = plain.peak_bytes / 2**20 if plain and plain.peak_bytes else None
+    out = []
+    for v in variants:
+        row: dict[str, Any] = {"model": entry.name, "variant": v.name}
+        if v.error is not None or not v.times:
+            row["error"] = v.error or "no timed rounds"
+        else:
+            ms = statistics.median(v.times) * 1e3
+            mb = v.peak_bytes / 2**20 if v.peak_bytes is not None else None
+            row.update(
+                median_ms=ms,
+                ratio=ms / plain_ms if plain_ms else None,
+                peak_mb=mb,
+                mem_ratio=mb / plain_mb if mb is not None and plain_mb else None,
+                phases_ms={k: statistics.median(t) * 1e3 for k, t in v.phase_times.items()},
+                paths=v.paths or None,
+            )
+        out.append(row)
+    return out
+
+
+def print_rows(table: list[dict[str, Any]]) -> None:
+    print(f"{'model':<32}{'variant':<15}{'median ms':>10}{'× plain':>9}{'peak MB':>9}{'mem ×':>7}")
+    for row in table:
+        if "error" in row:
+            print(f"{row['model']:<32}{row['variant']:<15}  n/a ({row['error']})")
+            continue
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] else "n/a"
+        mem = f"{row['mem_ratio']:.2f}" if row["mem_ratio"] else "n/a"
+        peak = f"{row['peak_mb']:.2f}" if row["peak_mb"] is not None else "n/a"
+        print(f"{row['model']:<32}{row['variant']:<15}{row['median_ms']:>10.2f}{ratio:>9}{peak:>9}{mem:>7}")
+        if row.get("paths"):
+            print(f"{'':<47}{row['paths']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    names = args.models.split(",") if args.models else [e.name for e in ZOO]
+    table: list[dict[str, Any]] = []
+    for entry in (e for e in ZOO if e.name in names):
+        table.extend(rows(entry, bench_entry(entry, args)))
+    print_rows(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(table, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Fast kernels and formulas for common layers of timm and Hugging Face transformers.
+
+Without them these layers hold parameters but have no formula, so they are recomputed per example
+(functorch) and put the whole model in materialize mode. Each is registered by exact type, and only
+when its library is already imported (a model using it has imported it): importing lightning_dp never
+imports timm or transformers.
+
+* timm ``LayerNorm`` (``nn.LayerNorm``'s computation) and ``LayerNorm2d`` (LayerNorm over the channels
+  of [B, C, H, W]: the LayerNorm kernels on the channels-last view);
+* transformers ``Conv1D`` (GPT-2's Linear with a transposed [in, out] weight): the Linear kernels,
+  per-example gradients transposed back;
+* transformers ``LlamaRMSNorm``: per-example gradient Σ_t normed_t · δ_t, materialised ([B, D], small).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from opacus.grad_sample import GradSampleHooks
+from torch import Tensor, nn
+
+from lightning_dp import fast_clipping
+from lightning_dp.fast_clipping import Cache, FastClipper, materialized_sq_norm, materialized_weighted_grad
+
+Samples = dict[nn.Parameter, Tensor]
+Formula = Callable[[nn.Module, list[Tensor], Tensor], Samples]
+
+
+def _trainable(p: Any) -> bool:
+    return isinstance(p, nn.Parameter) and p.requires_grad
+
+
+def _weight_bias(layer: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None]:
+    return cast(nn.Parameter, layer.weight), cast("nn.Parameter | None", getattr(layer, "bias", None))
+
+
+def _materialising(formula: Formula) -> FastClipper:
+    """Kernels for a layer with small parameters: per-example gradients materialised, kept for the sum."""
+
+    def sq_norms(layer: nn.Module, acts: list[Tensor], bp: Tensor, cache: Cache | None = None) -> Samples:
+        samples = formula(layer, acts, bp)
+        if cache is not None:
+            cache.update(samples)
+        return {p: materialized_sq_norm(g) for p, g in samples.items()}
+
+    def weighted_grad(
+        layer: nn.Module, acts: list[Tensor], bp: Tensor, weights: Tensor, cache: Cache | None = None
+    ) -> Samples:
+        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        samples = {p: cache[p] for p in params if cache and p in cache}
+        if len(samples) < len(params):
+            samples.update(formula(layer, acts, bp))
+        return materialized_weighted_grad(samples, weights)
+
+    return FastClipper(sq_norms, weighted_grad)
+
+
+def _channels_last_layer_norm(layer: nn.Module, acts: list[Tensor], bp: Tensor) -> Samples:
+    """timm's LayerNorm2d: LayerNorm over dim 1, computed on the [B, H, W, C] view."""
+    formula = GradSampleHooks.GRAD_SAMPLERS[nn.LayerNorm]
+    x = acts[0].permute(0, 2, 3, 1).contiguous()
+    return dict(formula(layer, [x], bp.permute(0, 2, 3, 1).contiguous()))
+
+
+def _rms_norm(layer: nn.Module, acts: list[Tensor], bp: Tensor) -> Samples:
+    """LlamaRMSNorm: y = w · (x / rms(x)) (normalised in fp32, cast back before the weight)."""
+    weight, _ = _weight_bias(layer)
+    if not _trainable(weight):
+        return {}
+    x = acts[0].float()
+    eps = float(cast(float, layer.variance_epsilon))
+    normed = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)).to(acts[0].dtype)
+    per = (normed.float() * bp.float()).reshape(bp.shape[0], -1, bp.shape[-1]).sum(1)
+    return {weight: per}
+
+
+def _conv1d_samples(layer: nn.Module, acts: list[Tensor], bp: Tensor) -> Samples:
+    """transformers' Conv1D, y = x W + b with W [in, out]: per-example Σ_t x_tᵀ δ_t and Σ_t δ_t."""
+    weight, bias = _weight_bias(layer)
+    B = bp.shape[0]
+    x = acts[0].reshape(B, -1, weight.shape[0]).to(bp.dtype)
+    d = bp.reshape(B, -1, bp.shape[-1])
+    out: Samples = {}
+    if _trainable(weight):
+        out[weight] = torch.bmm(x.transpose(1, 2), d)
+    if bias is not None and _trainable(bias):
+        out[bias] = d.sum(1)
+    return out
+
+
+def _conv1d_as_linear(layer: nn.Module) -> nn.Linear:
+    """A Linear view (not registered anywhere) that the Linear kernels accept: same parameters, keyed
+    as the layer's; only per-example gradients they materialise come out transposed."""
+    from lightning_dp.recurrent import LinearPart
+
+    weight, bias = _weight_bias(layer)
+    part = LinearPart.__new__(LinearPart)
+    nn.Module.__init__(part)
+    part.in_features, part.out_features = weight.shape
+    part.weight = weight
+    part.register_parameter("bias", bias)
+    return part
+
+
+def _conv1d_kernels() -> FastClipper:
+    linear = fast_clipping.FAST_CLIPPERS[nn.Linear]
+
+    def sq_norms(layer: nn.Module, acts: list[Tensor], bp: Tensor, cache: Cache | None = None) -> Samples:
+        inner: Cache = {}
+        norms = linear.sq_norms(_conv1d_as_linear(layer), acts, bp, inner)
+        if cache is not None:
+            weight = _weight_bias(layer)[0]
+            cache.update({p: g.transpose(1, 2) if p is weight else g for p, g in inner.items()})
+        return norms
+
+    def weighted_grad(
+        layer: nn.Module, acts: list[Tensor], bp: Tensor, weights: Tensor, cache: Cache | None = None
+    ) -> Samples:
+        weight, bias = _weight_bias(layer)
+        params = [p for p in (weight, bias) if p is not None and _trainable(p)]
+        if cache and all(p in cache for p in params):
+            return materialized_weighted_grad({p: cache[p] for p in params}, weights)
+        sums = linear.weighted_grad(_conv1d_as_linear(layer), acts, bp, weights, None)
+        return {p: g.t() if p is weight else g for p, g in sums.items()}
+
+    return FastClipper(sq_norms, weighted_grad)
+
+
+def _register(layer_type: type[nn.Module], kernels: FastClipper, formula: Formula) -> None:
+    fast_clipping.FAST_CLIPPERS.setdefault(layer_type, kernels)
+    GradSampleHooks.GRAD_SAMPLERS.setdefault(layer_type, formula)
+
+
+def register_loaded() -> None:
+    """Register the kernels of every supported layer type whose library is already imported."""
+    timm_norm = sys.modules.get("timm.layers.norm")
+    if timm_norm is not None:
+        if isinstance(getattr(timm_norm, "LayerNorm", None), type):
+            norm = fast_clipping.FAST_CLIPPERS[nn.LayerNorm]
+            _register(timm_norm.LayerNorm, norm, GradSampleHooks.GRAD_SAMPLERS[nn.LayerNorm])
+        if isinstance(getattr(timm_norm, "LayerNorm2d", None), type):
+            _register(
+                timm_norm.LayerNorm2d, _materialising(_channels_last_layer_norm), _channels_last_layer_norm
+            )
+    hf_utils = sys.modules.get("transformers.pytorch_utils")
+    if hf_utils is not None and isinstance(getattr(hf_utils, "Conv1D", None), type):
+        _register(hf_utils.Conv1D, _conv1d_kernels(), _conv1d_samples)
+    llama = sys.modules.get("transformers.models.llama.modeling_llama")
+    if llama is not None and isinstance(getattr(llama, "LlamaRMSNorm", None), type):
+        _register(llama.LlamaRMSNorm, _materialising(_rms_norm), _rms_norm)

@@ -1,0 +1,82 @@
+"""Per-example gradients of any layer by recomputing it per example (``torch.func``: vmap of grad).
+
+The generic rule for layers without a formula and for the parameters a container module holds
+directly: the layer's recorded inputs (positional and keyword, any pytree) are re-run one example at
+a time with ``functional_call``, and each example's output gradient is pulled back to the chosen
+parameters only. Tensors whose first dimension is the batch are split, everything else (masks of a
+batch of 1, constants) is shared; buffers are read from the module as they are; a layer with several
+output tensors gets each one's gradient. Random operations inside are refused (the recomputation
+could not replay the forward's draws).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_dp.errors import DPConfigurationError
+
+
+def output_tensors(output: Any) -> list[tuple[int, Tensor]]:
+    """(position in the flattened output, tensor) of each floating output that carries a gradient."""
+    flat, _ = tree_flatten(output)
+    return [(i, t) for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
+
+
+def per_example_grads(
+    module: nn.Module,
+    params: dict[str, nn.Parameter],
+    inputs: tuple[Sequence[Any], dict[str, Any]],
+    output_positions: Sequence[int],
+    grads: Sequence[Tensor],
+) -> dict[nn.Parameter, Tensor]:
+    """[B, *shape] gradient of each of ``params`` (names relative to ``module``) for each example.
+
+    ``grads`` are the output gradients [B, ...] of the flattened output tensors at ``output_positions``.
+    """
+    batch = grads[0].shape[0]
+    names = list(params)
+    values = tuple(p.detach() for p in params.values())
+    dtype = values[0].dtype
+    flat, spec = tree_flatten((list(inputs[0]), dict(inputs[1])))
+
+    def batched(x: Any) -> bool:
+        return isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch
+
+    flat = [x.detach().to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x for x in flat]
+    dims = tuple(0 if batched(x) else None for x in flat)
+    split = tuple(x if d == 0 else None for x, d in zip(flat, dims, strict=True))
+    shared = tuple(None if d == 0 else x for x, d in zip(flat, dims, strict=True))
+    positions = list(output_positions)
+
+    def loss(weights: tuple[Tensor, ...], one: tuple[Any, ...], out_grads: tuple[Tensor, ...]) -> Tensor:
+        leaves = [s if d is None else o.unsqueeze(0) for s, o, d in zip(shared, one, dims, strict=True)]
+        args, kwargs = tree_unflatten(leaves, spec)
+        output = torch.func.functional_call(
+            module, dict(zip(names, weights, strict=True)), tuple(args), kwargs
+        )
+        outs, _ = tree_flatten(output)
+        return sum(
+            ((outs[i] * g.unsqueeze(0)).sum() for i, g in zip(positions, out_grads, strict=True)),
+            torch.zeros((), dtype=dtype, device=g_device),
+        )
+
+    g_device = grads[0].device
+    cast = tuple(g.detach().to(dtype) for g in grads)
+    compute = torch.func.vmap(torch.func.grad(loss), in_dims=(None, dims, 0))
+    try:
+        with torch.no_grad():
+            samples = compute(values, split, cast)
+    except RuntimeError as error:
+        if "randomness" not in str(error):
+            raise
+        raise DPConfigurationError(
+            f"{type(module).__name__} draws random numbers (dropout) inside its forward, and its per-example "
+            "gradients are recomputed one example at a time, which cannot replay those draws. Move the "
+            "dropout out of the layer (into a parent module), or set its probability to 0."
+        ) from error
+    return dict(zip(params.values(), samples, strict=True))
