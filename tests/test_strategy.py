@@ -29,7 +29,7 @@ def test_zero_noise_infinite_clip_equals_plain_training(optimizer):
     private = copy.deepcopy(plain)
     make_trainer(SingleDeviceStrategy("cpu"), max_epochs=5).fit(plain)
     make_trainer(DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0), max_epochs=5).fit(private)
-    assert private.seen_batch_sizes == [64] * 5
+    assert private.seen_batch_sizes[-5:] == [64] * 5  # before them: the sensitivity check's passes
     for a, b in zip(_params(plain), _params(private), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
