@@ -7,7 +7,7 @@ breaking the engine's consistency warning (the per-example gradients still add u
 
 The check runs the user's own ``training_step`` (train mode, logging detached) on a few real train
 examples twice, with and without the last one, from the same random state (so dropout draws the same
-masks), in two trials with different random states, and compares every other example's per-example gradient as the engine computes it (with
+masks), in a second trial from another random state when ``training_step`` draws random numbers, and compares every other example's per-example gradient as the engine computes it (with
 ``loss_reduction``'s scaling by the realised batch size). Any change beyond a dtype-scaled tolerance
 is refused before the first noisy release. Nothing is released, priced or stepped, and everything the
 passes touch (``.grad``, buffers, the global RNG streams, the hooks) is put back.
@@ -40,10 +40,15 @@ CHECK_EXAMPLES = 4
 """Examples in the check's larger batch (the smaller one leaves the last out): two trials of two passes
 over 4 and 3 examples cost less than one training step at the batch sizes DP training uses."""
 
+MATERIALIZE_LIMIT = 2**25
+"""Up to this many per-example gradient entries (batch × parameters, 128 MiB in fp32 per pass) the check
+forms every row at once; above it, one row at a time (a one-hot weighted sum), so memory stays ~2× the
+parameters."""
+
 TRIAL_SEEDS = (0, 1)
 """Each trial seeds the global RNGs afresh (inside the fork) for its two passes: mixing driven by a random
 draw (mixup's permutation) that happens to leave the kept examples' partners alone in one trial shows
-in the other."""
+in the other. The second trial runs only when ``training_step`` drew random numbers in the first."""
 
 RELATIVE_FLOOR = 1e-3
 """The smallest relative change refused: a full forward and backward in fp32 over batches of 4 and 3
@@ -140,23 +145,26 @@ def check_sensitivity(strategy: DPStrategyMixin) -> SensitivityResult | None:
     device = strategy.root_device
     tolerance = relative_tolerance(str(strategy.precision_plugin.precision), device)
     result: SensitivityResult | None = None
-    with fork_rng(device) as reseed:
+    with fork_rng(device) as rng:
         indices = spread_indices(len(dataset), count)
         samples = [dataset[i] for i in indices]
         batches = [strategy.batch_to_device(collate(samples[:n]), device) for n in (count, count - 1)]
         for seed in TRIAL_SEEDS:
+            drew = [False]
 
-            def loss_fn(batch: Any, seed: int = seed) -> Tensor | None:
-                reseed(seed)  # both passes draw the same dropout masks (the kept examples come first)
+            def loss_fn(batch: Any, seed: int = seed, drew: list[bool] = drew) -> Tensor | None:
+                rng.reseed(seed)  # both passes draw the same dropout masks (the kept examples come first)
+                start = rng.state()
                 with strategy.precision_plugin.train_step_context():
-                    return training_step_loss(module, batch)
+                    loss = training_step_loss(module, batch)
+                drew[0] = drew[0] or not rng.same(start, rng.state())
+                return loss
 
             trial = leave_one_out(strategy.engine, module, batches[0], batches[1], count, loss_fn, tolerance)
-            if trial is None or (result is not None and trial.worst_change <= result.worst_change):
-                continue
-            result = trial
-            if not result.passed:
-                break
+            if trial is not None and (result is None or trial.worst_change > result.worst_change):
+                result = trial
+            if (result is not None and not result.passed) or not drew[0]:
+                break  # refused, or nothing random: another trial would compute the same
     if result is None:
         rank_zero_info("lightning-dp: sensitivity check skipped: training_step returned no loss.")
         return None
@@ -176,31 +184,51 @@ def spread_indices(num_samples: int, count: int) -> list[int]:
     return sorted({round(k * (num_samples - 1) / (count - 1)) for k in range(count)})
 
 
-@contextlib.contextmanager
-def fork_rng(device: torch.device) -> Iterator[Callable[[int], None]]:
-    """Save the global RNG states (torch CPU and CUDA, Python, NumPy) and put them back on exit, so the
-    check neither consumes nor perturbs the user's streams; yields ``reseed(seed)`` for use inside."""
-    cuda = device.type == "cuda" and torch.cuda.is_available()
-    torch_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if cuda else None
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
+class GlobalRNG:
+    """The global random streams user code may draw from: torch (CPU, and CUDA on a CUDA device),
+    Python's ``random`` and NumPy's."""
 
-    def reseed(seed: int) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda" and torch.cuda.is_available()
+
+    def state(self) -> tuple[Any, ...]:
+        cuda = torch.cuda.get_rng_state_all() if self.cuda else []
+        return torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()
+
+    def restore(self, state: tuple[Any, ...]) -> None:
+        torch.set_rng_state(state[0])
+        if self.cuda:
+            torch.cuda.set_rng_state_all(state[1])
+        random.setstate(state[2])
+        np.random.set_state(state[3])
+
+    def reseed(self, seed: int) -> None:
         torch.random.default_generator.manual_seed(seed)
-        if cuda:
+        if self.cuda:
             torch.cuda.manual_seed_all(seed)
         random.seed(seed)
         np.random.seed(seed)
 
+    @staticmethod
+    def same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+        """Whether nothing was drawn between the two states."""
+        return (
+            torch.equal(a[0], b[0])
+            and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+            and a[2] == b[2]
+            and all(np.array_equal(x, y) for x, y in zip(a[3], b[3], strict=True))
+        )
+
+
+@contextlib.contextmanager
+def fork_rng(device: torch.device) -> Iterator[GlobalRNG]:
+    """Put the global random states back on exit, so the check neither consumes nor perturbs them."""
+    rng = GlobalRNG(device)
+    saved = rng.state()
     try:
-        yield reseed
+        yield rng
     finally:
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
+        rng.restore(saved)
 
 
 @contextlib.contextmanager
@@ -265,24 +293,36 @@ def _compare(
     full: PerExampleGradients, kept: PerExampleGradients, rows: int, tolerance: float
 ) -> SensitivityResult:
     """The largest relative change ‖g_i − g_i'‖ / max(‖g_i‖, ‖g_i'‖) over the kept rows."""
-    norms_full, norms_kept = full.sq_norms().sqrt(), kept.sq_norms().sqrt()
+    diff_sq, full_sq, kept_sq = (torch.zeros(rows, dtype=torch.float64) for _ in range(3))
+    for part, a, b in _row_blocks(full, kept, rows):
+        for x, y in zip(a, b, strict=True):
+            x, y = x.double().flatten(1), y.double().flatten(1)
+            diff_sq[part] += (x - y).pow(2).sum(1).cpu()
+            full_sq[part] += x.pow(2).sum(1).cpu()
+            kept_sq[part] += y.pow(2).sum(1).cpu()
     worst, worst_row = 0.0, 0
     for i in range(rows):
-        a, b = float(norms_full[i]), float(norms_kept[i])
+        a, b, diff = math.sqrt(full_sq[i]), math.sqrt(kept_sq[i]), math.sqrt(diff_sq[i])
         if not (math.isfinite(a) and math.isfinite(b)):
             change = 0.0 if math.isfinite(a) == math.isfinite(b) else math.inf
         else:
-            diff = math.sqrt(
-                sum(
-                    float((x - y).double().pow(2).sum())
-                    for x, y in zip(_row(full, i), _row(kept, i), strict=True)
-                )
-            )
             scale = max(a, b)
             change = diff / scale if scale > 0 else 0.0
         if change > worst:
             worst, worst_row = change, i
     return SensitivityResult(rows + 1, worst, worst_row, tolerance)
+
+
+def _row_blocks(
+    full: PerExampleGradients, kept: PerExampleGradients, rows: int
+) -> Iterator[tuple[slice, list[Tensor], list[Tensor]]]:
+    """(the rows, their gradients in each pass as [r, *shape] per parameter): all rows at once for a
+    small model (few large operations), else one row at a time (a one-hot weighted sum)."""
+    if full.batch * sum(p.numel() for p in full.params) <= MATERIALIZE_LIMIT:
+        yield slice(0, rows), [g[:rows] for g in full.materialize()], [g[:rows] for g in kept.materialize()]
+        return
+    for i in range(rows):
+        yield slice(i, i + 1), [g[None] for g in _row(full, i)], [g[None] for g in _row(kept, i)]
 
 
 def _row(samples: PerExampleGradients, row: int) -> list[Tensor]:

@@ -125,7 +125,7 @@ def test_a_correct_model_with_dropout_passes_and_the_check_leaves_no_trace(tmp_p
     assert torch.equal(on.engine.generator.get_state(), off.engine.generator.get_state())
     on_log = (tmp_path / "on" / "metrics.csv").read_text()
     assert on_log == (tmp_path / "off" / "metrics.csv").read_text()
-    assert on_module.seen_batch_sizes[:2] == [4, 3]  # the check's two passes, then the real steps
+    assert on_module.seen_batch_sizes[:4] == [4, 3, 4, 3]  # dropout draws random numbers: two trials
 
 
 def test_a_refused_check_leaves_grads_and_rng_untouched(monkeypatch):
@@ -172,9 +172,11 @@ def test_virtual_batching_checks_within_a_physical_chunk(chunk, refused, monkeyp
 
 
 def test_the_check_runs_under_bf16_mixed_and_with_dpis():
-    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
-    make_trainer(strategy, max_steps=1, precision="bf16-mixed").fit(TinyModule(n=64, batch_size=16))
+    strategy, module = DPStrategy(noise_multiplier=1.0, seed=0), TinyModule(n=64, batch_size=16)
+    make_trainer(strategy, max_steps=1, precision="bf16-mixed").fit(module)
     assert strategy.engine.steps == 1
+    assert module.seen_batch_sizes[:2] == [4, 3]  # nothing random: one trial, then the step
+    assert len(module.seen_batch_sizes) == 3
     dpis = make_trainer(DPStrategy(sampler=DPIS(k=3, seed=0), noise_multiplier=1.0, seed=0), max_steps=1)
     with pytest.raises(DPConfigurationError, match=REFUSED):
         dpis.fit(Mixup(n=400, batch_size=10))
