@@ -302,12 +302,12 @@ def _compare(
             kept_sq[part] += y.pow(2).sum(1).cpu()
     worst, worst_row = 0.0, 0
     for i in range(rows):
-        a, b, diff = math.sqrt(full_sq[i]), math.sqrt(kept_sq[i]), math.sqrt(diff_sq[i])
-        if not (math.isfinite(a) and math.isfinite(b)):
-            change = 0.0 if math.isfinite(a) == math.isfinite(b) else math.inf
+        norm_full, norm_kept = math.sqrt(full_sq[i]), math.sqrt(kept_sq[i])
+        if not (math.isfinite(norm_full) and math.isfinite(norm_kept)):
+            change = 0.0 if math.isfinite(norm_full) == math.isfinite(norm_kept) else math.inf
         else:
-            scale = max(a, b)
-            change = diff / scale if scale > 0 else 0.0
+            scale = max(norm_full, norm_kept)
+            change = math.sqrt(diff_sq[i]) / scale if scale > 0 else 0.0
         if change > worst:
             worst, worst_row = change, i
     return SensitivityResult(rows + 1, worst, worst_row, tolerance)
