@@ -10,6 +10,7 @@ from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
+from lightning_dp.losses import per_example_token_loss
 from lightning_dp.noise import ConstantNoise, NoiseDividing
 from lightning_dp.sampling import DPIS, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
@@ -59,6 +60,7 @@ __all__ = [
     "StepContext",
     "__version__",
     "audit",
+    "per_example_token_loss",
     "register",
     "tune",
 ]

@@ -114,6 +114,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
         per_device_batch_size: bool = False,
         max_physical_batch_size: int | None = None,
         grad_sample_mode: GradMode = "auto",
+        check_sensitivity: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -150,6 +151,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             seed=seed,
             max_physical_batch_size=max_physical_batch_size,
             grad_sample_mode=grad_sample_mode,
+            check_sensitivity=check_sensitivity,
         )
         self.per_device_batch_size = per_device_batch_size
 

@@ -49,6 +49,7 @@ from lightning_dp.noise import ConstantNoise
 from lightning_dp.optim import DPOptimizer
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.sampling import Poisson
+from lightning_dp.sensitivity import check_sensitivity, training_step_loss
 from lightning_dp.slots import Clipping, Noise, Sampler, SamplerRuntime, Step
 from lightning_dp.validation import number
 
@@ -150,8 +151,13 @@ class DPStrategyMixin(Strategy):
         seed: int | None,
         max_physical_batch_size: int | None = None,
         grad_sample_mode: GradMode = "auto",
+        check_sensitivity: bool = True,
     ) -> None:
         """Validate the privacy arguments and build the engine (called by each concrete __init__)."""
+        self.check_sensitivity = validation.flag(
+            check_sensitivity, "check_sensitivity", owner=type(self).__name__
+        )
+        self._sensitivity_checked = False
         self.max_physical_batch_size = max_physical_batch_size
         _validate_privacy_arguments(
             target_epsilon, delta, max_grad_norm, noise_multiplier, accountant, loss_reduction,
@@ -471,15 +477,8 @@ class DPStrategyMixin(Strategy):
             if per_sample is not None:
                 losses = per_sample(batch)
                 return losses.mean() if mean else losses.sum()
-            trainer, module._trainer = module._trainer, None  # self.log becomes a no-op
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    out = module.training_step(batch, 0)
-            finally:
-                module._trainer = trainer
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            if not isinstance(loss, Tensor):
+            loss = training_step_loss(module, batch)
+            if loss is None:
                 raise DPConfigurationError("DPIS's norm pass needs training_step to return the loss.")
             return loss
 
@@ -560,6 +559,9 @@ class DPStrategyMixin(Strategy):
         return super().batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._sensitivity_checked:  # once per fit, before the first release
+            self._sensitivity_checked = True
+            check_sensitivity(self)
         batch = args[0] if args else kwargs.get("batch")
         if isinstance(batch, BatchWithInfo):  # the sampler's snapshot for this batch, then the user's batch
             self.engine.sampler.begin_step(batch.info)
@@ -689,6 +691,8 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
             (virtual batching): memory no longer limits the logical batch, q or ε. Noise is added once.
         grad_sample_mode: ``"auto"`` (fast clipping without per-example gradients when every layer
             supports it), ``"fast"`` (fast where supported, materialised elsewhere) or ``"materialize"``.
+        check_sensitivity: at fit start, refuse a loss or forward that mixes examples (leave-one-out
+            check on a few train examples; nothing is released). Turn off only for a verified model.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
     """
 
@@ -710,6 +714,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         seed: int | None = None,
         max_physical_batch_size: int | None = None,
         grad_sample_mode: GradMode = "auto",
+        check_sensitivity: bool = True,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
@@ -739,6 +744,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
             seed=seed,
             max_physical_batch_size=max_physical_batch_size,
             grad_sample_mode=grad_sample_mode,
+            check_sensitivity=check_sensitivity,
         )
 
     # -- device ----------------------------------------------------------------------------------------

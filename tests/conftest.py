@@ -149,3 +149,11 @@ def run_worker(script: str, out: Path, *args: str) -> subprocess.CompletedProces
     )
     assert run.returncode == 0, run.stderr[-5000:]
     return run
+
+
+@pytest.fixture
+def neighbour():
+    """The neighbour test (tests/neighbour.py): one private step on D and on D minus one example."""
+    import neighbour as helper
+
+    return helper

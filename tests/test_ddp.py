@@ -40,7 +40,8 @@ def test_two_processes_equal_single_process_training(ddp_results):
     for key, value in single.state_dict().items():
         torch.testing.assert_close(ddp_state[key], value, rtol=1e-5, atol=1e-6)
     ranks = load("exact")
-    assert [r["batches"] for r in ranks] == [[32] * 5, [32] * 5]  # each rank: its half of the logical batch
+    # each rank: its half of the logical batch (after the sensitivity check's passes)
+    assert [r["batches"][-5:] for r in ranks] == [[32] * 5, [32] * 5]
     assert ranks[0]["sample_rate"] == 1.0
 
 

@@ -65,7 +65,7 @@ def test_paper_mode_spends_exactly_epsilon_by_basic_composition():
     assert strategy.ledger.steps == 12
     assert abs(strategy.epsilon - 1.0) < 1e-9
     assert strategy.epsilon <= 1.0
-    assert set(module.seen_batch_sizes) == {32}  # fixed-size batches
+    assert set(module.seen_batch_sizes[-12:]) == {32}  # fixed-size batches (after the sensitivity check)
     assert {event.kind for event, _ in strategy.ledger.history} == {"pure_laplace"}
 
 

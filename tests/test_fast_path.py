@@ -354,7 +354,10 @@ def test_the_engine_frees_per_example_terms_in_its_last_sum_only(monkeypatch):
         return original(self, weights)
 
     monkeypatch.setattr(PerExampleGradients, "weighted_sum", spy)
-    make_trainer(DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3), max_steps=3).fit(TinyModule())
+    off = {"check_sensitivity": False}  # spies on every weighted sum: the sensitivity check takes its own
+    make_trainer(DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, **off), max_steps=3).fit(
+        TinyModule()
+    )
     assert flags == [False, True, True, True]
 
     class Peeking(FlatClipping):  # reads the per-example gradients again after its sum
@@ -366,7 +369,7 @@ def test_the_engine_frees_per_example_terms_in_its_last_sum_only(monkeypatch):
     assert FlatClipping().sums_once
     assert not Peeking().sums_once
     flags.clear()
-    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, clipping=Peeking())
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, clipping=Peeking(), **off)
     make_trainer(strategy, max_steps=3).fit(TinyModule())
     assert flags == [False, False, False, False]
 
@@ -384,7 +387,8 @@ def test_in_a_lightning_fit_the_backward_hooks_take_the_norms_and_release(monkey
 
     monkeypatch.setattr(PerSampleGradients, "_accumulate", spy)
     torch.manual_seed(0)
-    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3)
+    # spies on every backward hook: the sensitivity check's passes would add to it
+    strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, check_sensitivity=False)
     make_trainer(strategy, max_steps=3).fit(SequenceModel())
     assert len(seen) == 3 * 4, "four fast layers, three steps"
     assert all(eager for eager, _ in seen), "every norm is taken in the backward hook"
