@@ -30,10 +30,12 @@ def assert_close_scaled(
     dtype: torch.dtype = torch.float32,
     terms: int = 1,
     scale: float | Tensor | None = None,
+    rtol: float | None = None,
 ) -> None:
-    """``got`` ≈ ``want`` within :func:`rtol_for` relative to each entry, and absolutely within the same
-    tolerance times ``scale`` (default: the largest |want|): the magnitude the entries were summed from."""
-    tol = rtol_for(dtype, terms)
+    """``got`` ≈ ``want`` within ``rtol`` (default :func:`rtol_for`) relative to each entry, and absolutely
+    within the same tolerance times ``scale`` (default: the largest |want|), the magnitude the entries were
+    summed from; ``rtol`` for results of many steps (trained weights), where rounding compounds."""
+    tol = rtol_for(dtype, terms) if rtol is None else rtol
     if scale is None:
         scale = float(want.abs().max()) if want.numel() else 0.0
     scale = float(scale)
