@@ -1020,9 +1020,10 @@ class _EmbeddingKernels(_Kernels):
 
 def _norm_layer_terms(
     layer: nn.Module, activations: list[Tensor], backprops: Tensor, dtype: torch.dtype = torch.float32
-) -> tuple[dict[nn.Parameter, Tensor], int]:
-    """Per-position terms [B, P, *shape] in ``dtype`` of a LayerNorm or GroupNorm layer's per-example
-    affine gradients (their sum over the P positions), and P."""
+) -> tuple[dict[nn.Parameter, Tensor], int, int]:
+    """Per-position terms in ``dtype`` of a LayerNorm or GroupNorm layer's per-example affine gradients
+    (their sum over the P positions), P, and the positions' dim: [B, P, *shape] (LayerNorm, dim 1) or
+    [B, C, P] (GroupNorm, dim 2, the layout as stored)."""
     x, d = activations[0].to(dtype), backprops.to(dtype)
     B = d.shape[0]
     out: dict[nn.Parameter, Tensor] = {}
@@ -1034,23 +1035,27 @@ def _norm_layer_terms(
         assert isinstance(layer, nn.GroupNorm)
         shape = (layer.num_channels,)
         normed = F.group_norm(x, layer.num_groups, eps=layer.eps) if weight is not None else x
-        # [B, C, *spatial] -> [B, spatial, C]: positions second, like a LayerNorm's
-        normed, d = normed.flatten(2).transpose(1, 2), d.flatten(2).transpose(1, 2)
+        d = d.flatten(2)
+        if weight is not None:
+            out[weight] = normed.flatten(2) * d
+        if bias is not None:
+            out[bias] = d
+        return out, d.shape[2], 2
     positions = math.prod(d.shape[1 : d.dim() - len(shape)])
     d = d.reshape(B, positions, *shape)
     if weight is not None:
         out[weight] = normed.reshape(B, positions, *shape) * d
     if bias is not None:
         out[bias] = d
-    return out, positions
+    return out, positions, 1
 
 
 def _norm_layer_grad_samples(
     layer: nn.Module, activations: list[Tensor], backprops: Tensor, dtype: torch.dtype = torch.float32
 ) -> dict[nn.Parameter, Tensor]:
     """Per-example affine gradients [B, *shape] in ``dtype`` (fp32) of a LayerNorm or GroupNorm layer."""
-    terms, _ = _norm_layer_terms(layer, activations, backprops, dtype)
-    return {p: t.sum(1) for p, t in terms.items()}
+    terms, _, dim = _norm_layer_terms(layer, activations, backprops, dtype)
+    return {p: t.sum(dim) for p, t in terms.items()}
 
 
 @register_fast_clipper(nn.LayerNorm, nn.GroupNorm)
@@ -1061,9 +1066,9 @@ class _NormKernels(_Kernels):
     def sq_norms(
         layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
-        terms, positions = _norm_layer_terms(layer, activations, backprops)
+        terms, positions, dim = _norm_layer_terms(layer, activations, backprops)
         if positions == 1:  # one position per example: nothing summed, nothing cancels
-            return {p: _cached(cache, p, t[:, 0]) for p, t in terms.items()}
+            return {p: _cached(cache, p, t.select(dim, 0)) for p, t in terms.items()}
 
         def exact(p: nn.Parameter) -> Callable[[Tensor], Tensor]:
             return lambda i: _norm_layer_grad_samples(
@@ -1071,7 +1076,9 @@ class _NormKernels(_Kernels):
             )[p]
 
         return {
-            p: _certified_cached(cache, p, t.sum(1), _position_sum_err(t.abs().sum(1), positions), exact(p))
+            p: _certified_cached(
+                cache, p, t.sum(dim), _position_sum_err(t.abs().sum(dim), positions), exact(p)
+            )
             for p, t in terms.items()
         }
 

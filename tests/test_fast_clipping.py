@@ -22,7 +22,10 @@ from torch import Tensor, nn
 from lightning_dp import fast_clipping as fc
 
 NORM_OVERSTATE = 1e-3
-"""Most a certified norm may exceed the exact one in these tests (the rounding bound the guard adds)."""
+"""Most a certified norm exceeds the exact one on the fixed cases here (the rounding bound the guard adds)."""
+GUARD_OVERSTATE = 2.1 * fc.GUARD_FRACTION
+"""Most it may exceed it on any input: a value plus a bound ≤ GUARD_FRACTION of it, itself within the
+bound of the exact one. Random shapes can cancel by chance (p = o = 1) and get near it."""
 
 torch.set_num_threads(1)
 
@@ -87,6 +90,7 @@ def check_layer(
     seed: int = 0,
     cast: torch.dtype | None = None,
     cache: fc.Cache | None = None,
+    overstate: float = NORM_OVERSTATE,
 ) -> None:
     """sq_norms and weighted_grad (random weights) against materialised fp64 per-example gradients.
 
@@ -109,7 +113,7 @@ def check_layer(
         assert value.dtype == torch.float32
         assert value.shape == (B,)
         # never below the exact norm: the guard adds its fp32 rounding bound (≤ 1e-3 on these shapes)
-        assert_certified(value, expected, max(rtol, NORM_OVERSTATE))
+        assert_certified(value, expected, max(rtol, overstate))
 
     weights = torch.rand(B, generator=torch.Generator().manual_seed(seed + 2))
     sums = fc.weighted_grad(layer, activations, backprops, weights, cache)
@@ -334,7 +338,7 @@ def test_conv_random_shapes(
     )
     shape = (size, size + 1) if two_d else (size,)
     with fc.force_conv_method(method):
-        check_layer(layer, torch.randn(B, c_in * groups, *shape), seed=B, cache={})
+        check_layer(layer, torch.randn(B, c_in * groups, *shape), seed=B, cache={}, overstate=GUARD_OVERSTATE)
 
 
 @settings(max_examples=15, deadline=None)
@@ -347,7 +351,7 @@ def test_conv_random_shapes(
 )
 def test_linear_random_shapes(B: int, T: int, d_in: int, d_out: int, bias: bool) -> None:
     layer = make_layer(lambda: nn.Linear(d_in, d_out, bias=bias), T)
-    check_layer(layer, torch.randn(B, T, d_in), seed=T)
+    check_layer(layer, torch.randn(B, T, d_in), seed=T, overstate=GUARD_OVERSTATE)
 
 
 # --------------------------------------------------------------------------------------------------
