@@ -16,6 +16,13 @@ backprops: a matmul (Linear), the layer's own weight-gradient convolution (Conv,
 matmul of the unfolded patches but without unfolding) or ``index_add_`` (Embedding). All results
 are fp32 whatever the input dtype. Each layer's formula assumes the layer is called once per forward
 pass: a shared layer's norm is not the sum of its calls' norms, so the engine must materialise those.
+
+Norms never understate (:func:`certified_sq_norms`): every norm formed from sums over positions (Gram
+identities, per-example gradients summed over positions, bias sums) comes with a bound on its fp32
+rounding error from the magnitudes of its terms; where the terms cancel so much that the bound exceeds
+:data:`GUARD_FRACTION` of the value (crafted inputs), that example is recomputed exactly in fp64,
+elsewhere the value plus its bound is returned. DP is a worst case over data sets: one example whose
+per-position gradients nearly cancel must not pass as a small norm and be summed unclipped.
 """
 
 from __future__ import annotations
@@ -36,9 +43,11 @@ from torch.nn import grad as nn_grad
 __all__ = [
     "CONV_METHODS",
     "FAST_CLIPPERS",
+    "GUARD_FRACTION",
     "Cache",
     "ConvMethod",
     "FastClipper",
+    "certified_sq_norms",
     "embedding_use_gram",
     "force_conv_method",
     "is_supported",
@@ -47,6 +56,7 @@ __all__ = [
     "materialized_weighted",
     "materialized_weighted_grad",
     "register_fast_clipper",
+    "rounding_gamma",
     "sq_norms",
     "use_gram",
     "weighted_grad",
@@ -239,11 +249,128 @@ def _mask(x: Tensor, keep: Tensor) -> Tensor:
     )
 
 
-def _gram_sq_norm(a: Tensor, d: Tensor) -> Tensor:
-    """‖Σ_t d_t a_tᵀ‖²_F per example for a [B, T, p] and d [B, T, o] by the Gram trick (fp32)."""
+# --------------------------------------------------------------------------------------------------
+# The guard: norms that never understate
+# --------------------------------------------------------------------------------------------------
+
+GUARD_FRACTION = 1e-2
+"""Largest rounding-error bound, as a fraction of the computed squared norm, that is accepted (and added
+to it); beyond it the terms cancel and the example is recomputed exactly in fp64. Typical data sit far
+below (a transformer's Linear at T = 128, d = 768: about 5e-4), crafted cancelling data far above."""
+_U32 = 2.0**-24
+_SLACK = 1.125
+"""Covers second-order terms and the fp32 rounding of the bound itself (every γ used is ≤ 1/64)."""
+
+
+def rounding_gamma(n: int) -> float:
+    """γ_n = n·u/(1 − n·u), u = 2⁻²⁴: bound on the relative error of an fp32 sum or dot product of n
+    terms in ANY order (blocked, pairwise, FMA), relative to the sum of the terms' magnitudes (Higham,
+    *Accuracy and Stability of Numerical Algorithms*, §3.1). ∞ past n·u = 1/64, so the caller recomputes."""
+    nu = n * _U32
+    return nu / (1 - nu) if nu <= 1 / 64 else math.inf
+
+
+def certified_sq_norms(
+    values: Tensor,
+    bound: Tensor,
+    exact: Callable[[Tensor], Tensor],
+    spread: Tensor | None = None,
+    fold_terms: int = 0,
+) -> Tensor:
+    """Squared norms [B] (fp32) that never understate the exact ones, from fp32 ``values`` and a bound
+    on their rounding error: ``values + bound`` where the bound is at most :data:`GUARD_FRACTION` of the
+    value, else (cancellation, non-finite, negative) ``exact(index)``, the fp64 norms of those examples.
+
+    With ``spread`` (Σ_t ‖a_t‖‖δ_t‖ per example) the clipped sum is recomputed from (a, δ) in fp32 by
+    sums of at most ``fold_terms`` terms, so a recomputed example also gets that sum's rounding bound
+    γ·spread added to its norm: a crafted example whose huge terms cancel still contributes at most C.
+    """
+    flagged = ~(bound <= GUARD_FRACTION * values)  # NaN-safe: a NaN value or bound is flagged
+    out = values + bound
+    if not bool(flagged.any()):
+        return out
+    index = flagged.nonzero().squeeze(1)
+    exact_values = exact(index).double()
+    if spread is not None:
+        exact_values = (exact_values.sqrt() + rounding_gamma(fold_terms) * spread[index].double()).square()
+    return out.index_put((index,), exact_values.float())
+
+
+def _gram_certified(aa: Tensor, dd: Tensor, p_len: int, o_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(Σ_ts aa_ts·dd_ts, a bound on its fp32 rounding error, Σ_t ‖a_t‖‖δ_t‖) per row of the [N, T, T]
+    Gram matrices aa = AAᵀ (dot products of length ``p_len``) and dd = DDᵀ (``o_len``).
+
+    Each aa_ts is off by at most γ_p‖a_t‖‖a_s‖ (‖a_t‖² = aa_tt), each dd_ts by γ_o‖δ_t‖‖δ_s‖; the T²
+    products and their sum are formed in fp64 (exact products, negligible rounding; O(T²) next to the
+    Gram matrices' O(T²(p + o))), so cancellation among them costs nothing. A few O(T²) ops on matrices
+    already made. Takes ``aa`` and ``dd`` over (their absolute values are taken in place).
+    """
+    value = torch.linalg.vecdot(
+        aa.double().flatten(1), dd.double().flatten(1)
+    ).float()  # 15× faster than mul-sum
+    n = aa.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt()
+    m = dd.diagonal(dim1=1, dim2=2).clamp(min=0).sqrt()
+    spread = (n * m).sum(1)
+    gp, go = rounding_gamma(p_len), rounding_gamma(o_len)
+    if math.inf in (gp, go):
+        return value, torch.full_like(value, math.inf), spread
+    # rounding the fp64 sum to fp32 (u·|value|); the fp64 sum's own error, ≤ T²·2⁻⁵³ Σ|aa∘dd|, is below
+    # u·Σ|aa∘dd| ≤ the entry terms below (|aa_ts| ≤ n_t n_s, |dd_ts| ≤ m_t m_s) while T² < 2²⁹
+    bound = _U32 * value.abs() + gp * go * spread.square()
+    if gp:
+        bound += gp * (torch.bmm(dd.abs_(), n.unsqueeze(2)).squeeze(2) * n).sum(1)
+    if go:
+        bound += go * (torch.bmm(aa.abs_(), m.unsqueeze(2)).squeeze(2) * m).sum(1)
+    return value, bound * _SLACK, spread
+
+
+def _gram_sq_norm(a: Tensor, d: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """‖Σ_t d_t a_tᵀ‖²_F per example for a [B, T, p] and d [B, T, o] by the Gram trick (fp32), with its
+    rounding bound and spread (see :func:`_gram_certified`)."""
     aa = torch.bmm(a, a.transpose(1, 2))
     dd = torch.bmm(d, d.transpose(1, 2))
-    return (aa * dd).flatten(1).sum(1)
+    return _gram_certified(aa, dd, a.shape[2], d.shape[2])
+
+
+def _sum_bound(values: Tensor, err: Tensor) -> Tensor:
+    """Bound on ‖g‖² − ‖ĝ‖² given ‖ĝ‖² = ``values`` and ‖g − ĝ‖ ≤ ``err``: (‖ĝ‖ + err)² − ‖ĝ‖²."""
+    return err * (2 * values.clamp(min=0).sqrt() + err) * _SLACK
+
+
+def _certified_cached(
+    cache: Cache | None,
+    param: nn.Parameter,
+    samples: Tensor,
+    err: Tensor,
+    exact: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """:func:`_cached` for per-example gradients summed over positions in fp32, ``err`` bounding each
+    example's rounding error (Frobenius): norms that never understate; the examples the guard flags are
+    recomputed in fp64 by ``exact(index)`` ([k, *shape]) and replaced in ``samples`` too, so the clipped
+    sum that reuses them adds the exact gradient."""
+    values = materialized_sq_norm(samples)
+    bound = _sum_bound(values, err)
+
+    def recompute(index: Tensor) -> Tensor:
+        exact_samples = exact(index)
+        samples[index] = exact_samples.to(samples.dtype)
+        return exact_samples.flatten(1).square().sum(1)
+
+    norms = certified_sq_norms(values, bound, recompute)
+    if cache is not None:
+        cache[param] = samples
+    return norms
+
+
+def _position_sum_err(terms_abs_sum: Tensor, positions: int) -> Tensor:
+    """γ_T‖Σ_t |term_t|‖ per example: the rounding bound of a per-example gradient summed over T
+    positions, from the entrywise sums of the terms' magnitudes [B, ...]."""
+    return rounding_gamma(positions) * terms_abs_sum.flatten(1).norm(dim=1)
+
+
+def _outer_sum_err(a: Tensor, d: Tensor) -> Tensor:
+    """γ_T Σ_t ‖a_t‖‖δ_t‖ per example: the rounding bound of Σ_t δ_t a_tᵀ for a [B, T, p], d [B, T, o]."""
+    return rounding_gamma(a.shape[1]) * (a.norm(dim=2) * d.norm(dim=2)).sum(1)
 
 
 def _cached(cache: Cache | None, param: nn.Parameter, samples: Tensor) -> Tensor:
@@ -294,15 +421,35 @@ class _LinearKernels(_Kernels):
         a, d = _linear_inputs(layer, activations, backprops)
         weight, bias = _weight_bias(layer)
         out: dict[nn.Parameter, Tensor] = {}
+        B, T = d.shape[0], d.shape[1]
         if weight is not None:
-            if a.shape[1] == 1:  # ‖δ aᵀ‖² = ‖δ‖²‖a‖², reduced without a squared copy of either
+            if T == 1:  # ‖δ aᵀ‖² = ‖δ‖²‖a‖², reduced without a squared copy of either: nothing cancels
                 out[weight] = materialized_sq_norm(d) * materialized_sq_norm(a)
-            elif use_gram(a.shape[1], layer.in_features, layer.out_features):
-                out[weight] = _gram_sq_norm(a, d)
+            elif use_gram(T, layer.in_features, layer.out_features):
+                values, bound, spread = _gram_sq_norm(a, d)
+                out[weight] = certified_sq_norms(
+                    values,
+                    bound,
+                    lambda i: _outer_samples(a[i], d[i]).flatten(1).square().sum(1),
+                    spread,
+                    B * T,
+                )
             else:  # materialise this layer's per-example gradients [B, o, p], kept for the sum
-                out[weight] = _cached(cache, weight, torch.bmm(d.transpose(1, 2), a))
+                samples = torch.bmm(d.transpose(1, 2), a)
+                out[weight] = _certified_cached(
+                    cache, weight, samples, _outer_sum_err(a, d), lambda i: _outer_samples(a[i], d[i])
+                )
         if bias is not None:  # per-example bias gradients [B, O]: position sums, kept for the sum
-            out[bias] = _cached(cache, bias, d[:, 0] if d.shape[1] == 1 else d.sum(1))  # a view if T = 1
+            if T == 1:
+                out[bias] = _cached(cache, bias, d[:, 0])  # a view
+            else:
+                out[bias] = _certified_cached(
+                    cache,
+                    bias,
+                    d.sum(1),
+                    _position_sum_err(d.abs().sum(1), T),
+                    lambda i: d[i].double().sum(1),
+                )
         return out
 
     @staticmethod
@@ -326,6 +473,11 @@ class _LinearKernels(_Kernels):
                 _linear_folded_matmul(layer, activations[0], backprops, weights) if reused is None else reused
             )
         return out
+
+
+def _outer_samples(a: Tensor, d: Tensor) -> Tensor:
+    """Exact per-example gradients Σ_t δ_t a_tᵀ [k, o, p] in fp64 of a few examples (the guard's recompute)."""
+    return torch.bmm(d.double().transpose(1, 2), a.double())
 
 
 FOLD_FLOATS = 1 << 17
@@ -357,9 +509,10 @@ def _linear_folded_matmul(layer: nn.Linear, a: Tensor, backprops: Tensor, weight
 _Conv = nn.Conv1d | nn.Conv2d
 
 
-def _conv_padded_input(layer: _Conv, x: Tensor) -> Tensor:
-    """fp32 input padded exactly as the layer pads it (zeros, reflect, ..., 'same' possibly asymmetric)."""
-    x = x.float()
+def _conv_padded_input(layer: _Conv, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Input in ``dtype`` (fp32) padded exactly as the layer pads it (zeros, reflect, ..., 'same' possibly
+    asymmetric)."""
+    x = x.to(dtype)
     pad = list(layer._reversed_padding_repeated_twice)
     if not any(pad):
         return x
@@ -421,30 +574,55 @@ def force_conv_method(method: ConvMethod | None) -> Iterator[None]:
         _forced_conv_method = previous
 
 
-def _conv_weight_grad(layer: _Conv, x: Tensor, grad_output: Tensor, groups: int, shape: Any) -> Tensor:
-    """The layer's weight-gradient convolution on its fp32 input (zero padding done by the convolution
-    itself, other padding modes and 'same' padded here first)."""
+def _conv_weight_grad(
+    layer: _Conv, x: Tensor, grad_output: Tensor, groups: int, shape: Any, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """The layer's weight-gradient convolution on its input in ``dtype`` (fp32; zero padding done by the
+    convolution itself, other padding modes and 'same' padded here first)."""
     conv_weight = nn_grad.conv1d_weight if isinstance(layer, nn.Conv1d) else nn_grad.conv2d_weight
     padding: Any = layer.padding
     if layer.padding_mode == "zeros" and not isinstance(padding, str):
-        x = x.float()
+        x = x.to(dtype)
     else:
-        x, padding = _conv_padded_input(layer, x), 0
+        x, padding = _conv_padded_input(layer, x, dtype), 0
     return conv_weight(
         x, shape, grad_output, stride=layer.stride, padding=padding, dilation=layer.dilation, groups=groups
     )
 
 
-def _conv_samples_grouped(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
-    """Per-example weight gradients [B, *weight.shape] from ONE weight-gradient convolution with the
-    batch folded into the channels (B·groups groups): no unfolded patches, no per-example bmm."""
+def _conv_samples_grouped(
+    layer: _Conv, x: Tensor, backprops: Tensor, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Per-example weight gradients [B, *weight.shape] in ``dtype`` (fp32; fp64 for the guard's exact
+    recompute) from ONE weight-gradient convolution with the batch folded into the channels (B·groups
+    groups): no unfolded patches, no per-example bmm."""
     B = backprops.shape[0]
     if B == 0:
-        return backprops.new_zeros((0, *layer.weight.shape), dtype=torch.float32)
+        return backprops.new_zeros((0, *layer.weight.shape), dtype=dtype)
     xb = x.reshape(1, B * x.shape[1], *x.shape[2:])
-    db = backprops.float().reshape(1, B * backprops.shape[1], *backprops.shape[2:])
+    db = backprops.to(dtype).reshape(1, B * backprops.shape[1], *backprops.shape[2:])
     shape = (B * layer.out_channels, *layer.weight.shape[1:])
-    return _conv_weight_grad(layer, xb, db, B * layer.groups, shape).view(B, *layer.weight.shape)
+    return _conv_weight_grad(layer, xb, db, B * layer.groups, shape, dtype).view(B, *layer.weight.shape)
+
+
+def _conv_exact_sq_norms(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
+    """Exact squared weight-gradient norms (fp64) of a few examples: the guard's recompute."""
+    return _conv_samples_grouped(layer, x, backprops, torch.float64).flatten(1).square().sum(1)
+
+
+def _conv_sum_err(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
+    """Rounding bound of per-example weight gradients summed over the L output positions in fp32:
+    γ_L Σ_t ‖a_t‖‖δ_t‖ ≤ γ_L √K ‖x_padded‖‖δ‖ (Cauchy–Schwarz; an input position lies in at most K =
+    prod(kernel) patches), from two norms per example instead of the patches."""
+    xp = x.float() if layer.padding_mode == "zeros" else _conv_padded_input(layer, x)
+    K = math.prod(layer.kernel_size)
+    L = math.prod(backprops.shape[2:])
+    return (
+        rounding_gamma(L)
+        * math.sqrt(K)
+        * xp.flatten(1).norm(dim=1)
+        * backprops.float().flatten(1).norm(dim=1)
+    )
 
 
 def _conv_samples_correlate(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
@@ -502,14 +680,13 @@ def _conv_samples_unfold(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
 
 def _conv_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
     """Per-example squared weight-gradient norms by the Gram trick over output positions, per group."""
-    norms = backprops.new_zeros(backprops.shape[0], dtype=torch.float32)
+    terms = backprops.new_zeros((3, backprops.shape[0]), dtype=torch.float32)  # value, bound, spread
     for rows in _chunks(layer, x, backprops, gram=True):
         a, d = _conv_inputs(layer, x[rows], backprops[rows])
         b, G = a.shape[0], a.shape[1]
-        norms[rows] = (
-            _gram_sq_norm(a.reshape(b * G, *a.shape[2:]), d.reshape(b * G, *d.shape[2:])).view(b, G).sum(1)
-        )
-    return norms
+        found = _gram_sq_norm(a.reshape(b * G, *a.shape[2:]), d.reshape(b * G, *d.shape[2:]))
+        terms[:, rows] = _sum_groups(found, b, G)
+    return _conv_certified(layer, x, backprops, terms)
 
 
 def _conv_position_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
@@ -525,7 +702,8 @@ def _conv_position_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
     zero_padded = layer.padding_mode == "zeros"
     out = backprops.shape[2:]
     L = math.prod(out)
-    norms = backprops.new_zeros(backprops.shape[0], dtype=torch.float32)
+    terms = backprops.new_zeros((3, backprops.shape[0]), dtype=torch.float32)  # value, bound, spread
+    offsets = list(itertools.product(*(range(k) for k in layer.kernel_size)))
     for rows in _chunks(layer, x, backprops, gram=True, positions=True):
         xs = x[rows].float() if zero_padded else _conv_padded_input(layer, x[rows])
         b, spatial = xs.shape[0], xs.shape[2:]
@@ -534,7 +712,7 @@ def _conv_position_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
         if zero_padded and any(layer._reversed_padding_repeated_twice):
             M = F.pad(M, list(layer._reversed_padding_repeated_twice) * 2)  # zero rows/columns
         aa = M.new_zeros((b * G, *out, *out))
-        for offset in itertools.product(*(range(k) for k in layer.kernel_size)):
+        for offset in offsets:
             window = tuple(
                 slice(k * d, k * d + s * (o - 1) + 1, s)
                 for k, d, s, o in zip(offset, layer.dilation, layer.stride, out, strict=True)
@@ -542,8 +720,27 @@ def _conv_position_gram(layer: _Conv, x: Tensor, backprops: Tensor) -> Tensor:
             aa += M[(slice(None), *window, *window)]
         d = backprops[rows].float().reshape(b * G, layer.out_channels // G, L)
         dd = torch.bmm(d.transpose(1, 2), d)
-        norms[rows] = (aa.view(b * G, L, L) * dd).sum((1, 2)).view(b, G).sum(1)
-    return norms
+        # each entry of aa is a dot product of length C/G·K: C/G for M, K windows added
+        found = _gram_certified(aa.view(b * G, L, L), dd, X.shape[1] + len(offsets), d.shape[1])
+        terms[:, rows] = _sum_groups(found, b, G)
+    return _conv_certified(layer, x, backprops, terms)
+
+
+def _sum_groups(found: tuple[Tensor, Tensor, Tensor], b: int, G: int) -> Tensor:
+    """(value, bound, spread) per example [3, b] from those per (example, group); the bound covers the
+    sum over the groups too."""
+    value, bound, spread = (t.view(b, G) for t in found)
+    total = value.sum(1)
+    return torch.stack([total, bound.sum(1) + rounding_gamma(G) * value.abs().sum(1), spread.sum(1)])
+
+
+def _conv_certified(layer: _Conv, x: Tensor, backprops: Tensor, terms: Tensor) -> Tensor:
+    """The Gram methods' norms through the guard (exact recompute by a fp64 weight-gradient convolution;
+    the clipped sum's convolution adds at most B·L terms per entry)."""
+    B, L = backprops.shape[0], math.prod(backprops.shape[2:])
+    return certified_sq_norms(
+        terms[0], terms[1], lambda i: _conv_exact_sq_norms(layer, x[i], backprops[i]), terms[2], B * L
+    )
 
 
 def _saved_per_example(x: Tensor, backprops: Tensor) -> int:
@@ -695,10 +892,25 @@ class _ConvKernels(_Kernels):
         x = activations[0]
         if weight is not None:
             method = _conv_method(layer, x, backprops)
-            result = _CONV_NORMS[method](layer, x, backprops)  # per-example gradients or norms
-            out[weight] = _cached(cache, weight, result) if method in _MATERIALISING else result
+            result = _CONV_NORMS[method](layer, x, backprops)  # per-example gradients or certified norms
+            if method in _MATERIALISING:
+                result = _certified_cached(
+                    cache,
+                    weight,
+                    result,
+                    _conv_sum_err(layer, x, backprops),
+                    lambda i: _conv_samples_grouped(layer, x[i], backprops[i], torch.float64),
+                )
+            out[weight] = result
         if bias is not None:  # per-example bias gradients [B, O]: position sums, kept for the sum
-            out[bias] = _cached(cache, bias, backprops.float().flatten(2).sum(2))
+            flat = backprops.float().flatten(2)
+            out[bias] = _certified_cached(
+                cache,
+                bias,
+                flat.sum(2),
+                _position_sum_err(flat.abs().sum(2), flat.shape[2]),
+                lambda i: backprops[i].double().flatten(2).sum(2),
+            )
         return out
 
     @staticmethod
@@ -745,6 +957,16 @@ def _embedding_inputs(
     return idx, d
 
 
+def _embedding_rows_sq_norms(layer: nn.Embedding, idx: Tensor, d: Tensor) -> Tensor:
+    """Per-example squared norms in d's dtype: δ_t summed per distinct (example, row) pair, then squared
+    (O(B·T·D), no [B, T, T] tensor)."""
+    B = idx.shape[0]
+    key = idx + layer.num_embeddings * torch.arange(B, device=idx.device).unsqueeze(1)
+    unique, inverse = torch.unique(key.reshape(-1), return_inverse=True)
+    rows = d.new_zeros(unique.numel(), layer.embedding_dim).index_add_(0, inverse, d.reshape(-1, d.shape[2]))
+    return d.new_zeros(B).index_add_(0, unique // layer.num_embeddings, rows.square().sum(1))
+
+
 @register_fast_clipper(nn.Embedding)
 class _EmbeddingKernels(_Kernels):
     """Rows gathered by index: the per-example gradient is a sparse sum of δ_t into rows i_t."""
@@ -759,19 +981,21 @@ class _EmbeddingKernels(_Kernels):
             return {}
         idx, d = _embedding_inputs(layer, activations, backprops)
         B, T = idx.shape
+
+        def exact(i: Tensor) -> Tensor:
+            return _embedding_rows_sq_norms(layer, idx[i], d[i].double())
+
         if embedding_use_gram(T, layer.embedding_dim):
-            same = idx.unsqueeze(2) == idx.unsqueeze(1)
+            same = (idx.unsqueeze(2) == idx.unsqueeze(1)).float()  # the exact Gram of one-hot inputs
             dd = torch.bmm(d, d.transpose(1, 2))
-            norms = (dd * same).flatten(1).sum(1)
+            values, bound, spread = _gram_certified(same, dd, 0, layer.embedding_dim)
         else:
-            # Sum δ_t per distinct (example, row) pair, then square: O(B·T·D), no [B,T,T] tensor.
-            key = idx + layer.num_embeddings * torch.arange(B, device=idx.device).unsqueeze(1)
-            unique, inverse = torch.unique(key.reshape(-1), return_inverse=True)
-            rows = d.new_zeros(unique.numel(), layer.embedding_dim).index_add_(
-                0, inverse, d.reshape(-1, d.shape[2])
-            )
-            norms = d.new_zeros(B).index_add_(0, unique // layer.num_embeddings, rows.square().sum(1))
-        return {weight: norms}
+            # the rows are sums of up to T output gradients each: γ_T Σ_t ‖δ_t‖ bounds their error
+            values = _embedding_rows_sq_norms(layer, idx, d)
+            spread = d.norm(dim=2).sum(1)
+            bound = _sum_bound(values, rounding_gamma(T) * spread)
+        # the clipped sum index-adds w_i·δ_t of the whole batch into the table: B·T terms at most
+        return {weight: certified_sq_norms(values, bound, exact, spread, B * T)}
 
     @staticmethod
     def weighted_grad(
@@ -796,31 +1020,44 @@ class _EmbeddingKernels(_Kernels):
 # --------------------------------------------------------------------------------------------------
 
 
-def _norm_layer_grad_samples(
-    layer: nn.Module, activations: list[Tensor], backprops: Tensor
-) -> dict[nn.Parameter, Tensor]:
-    """Per-example affine gradients [B, *shape] in fp32 of a LayerNorm or GroupNorm layer."""
-    x, d = activations[0].float(), backprops.float()
+def _norm_layer_terms(
+    layer: nn.Module, activations: list[Tensor], backprops: Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[dict[nn.Parameter, Tensor], int, int]:
+    """Per-position terms in ``dtype`` of a LayerNorm or GroupNorm layer's per-example affine gradients
+    (their sum over the P positions), P, and the positions' dim: [B, P, *shape] (LayerNorm, dim 1) or
+    [B, C, P] (GroupNorm, dim 2, the layout as stored)."""
+    x, d = activations[0].to(dtype), backprops.to(dtype)
     B = d.shape[0]
     out: dict[nn.Parameter, Tensor] = {}
     weight, bias = _weight_bias(layer)
     if isinstance(layer, nn.LayerNorm):
-        n = len(layer.normalized_shape)
-        reduce = tuple(range(1, d.dim() - n))  # every dim but the batch and the normalised ones
+        shape = tuple(layer.normalized_shape)
+        normed = F.layer_norm(x, layer.normalized_shape, eps=layer.eps) if weight is not None else x
+    else:
+        assert isinstance(layer, nn.GroupNorm)
+        shape = (layer.num_channels,)
+        normed = F.group_norm(x, layer.num_groups, eps=layer.eps) if weight is not None else x
+        d = d.flatten(2)
         if weight is not None:
-            normed = F.layer_norm(x, layer.normalized_shape, eps=layer.eps)
-            out[weight] = (normed * d).sum(reduce) if reduce else normed * d
+            out[weight] = normed.flatten(2) * d
         if bias is not None:
-            out[bias] = d.sum(reduce) if reduce else d
-        return out
-    assert isinstance(layer, nn.GroupNorm)
-    shape = (B, layer.num_channels, math.prod(d.shape[2:]))
+            out[bias] = d
+        return out, d.shape[2], 2
+    positions = math.prod(d.shape[1 : d.dim() - len(shape)])
+    d = d.reshape(B, positions, *shape)
     if weight is not None:
-        normed = F.group_norm(x, layer.num_groups, eps=layer.eps)
-        out[weight] = (normed * d).reshape(shape).sum(2)
+        out[weight] = normed.reshape(B, positions, *shape) * d
     if bias is not None:
-        out[bias] = d.reshape(shape).sum(2)
-    return out
+        out[bias] = d
+    return out, positions, 1
+
+
+def _norm_layer_grad_samples(
+    layer: nn.Module, activations: list[Tensor], backprops: Tensor, dtype: torch.dtype = torch.float32
+) -> dict[nn.Parameter, Tensor]:
+    """Per-example affine gradients [B, *shape] in ``dtype`` (fp32) of a LayerNorm or GroupNorm layer."""
+    terms, _, dim = _norm_layer_terms(layer, activations, backprops, dtype)
+    return {p: t.sum(dim) for p, t in terms.items()}
 
 
 @register_fast_clipper(nn.LayerNorm, nn.GroupNorm)
@@ -831,8 +1068,21 @@ class _NormKernels(_Kernels):
     def sq_norms(
         layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
     ) -> dict[nn.Parameter, Tensor]:
-        samples = _norm_layer_grad_samples(layer, activations, backprops)
-        return {p: _cached(cache, p, g) for p, g in samples.items()}
+        terms, positions, dim = _norm_layer_terms(layer, activations, backprops)
+        if positions == 1:  # one position per example: nothing summed, nothing cancels
+            return {p: _cached(cache, p, t.select(dim, 0)) for p, t in terms.items()}
+
+        def exact(p: nn.Parameter) -> Callable[[Tensor], Tensor]:
+            return lambda i: _norm_layer_grad_samples(
+                layer, [activations[0][i]], backprops[i], torch.float64
+            )[p]
+
+        return {
+            p: _certified_cached(
+                cache, p, t.sum(dim), _position_sum_err(t.abs().sum(dim), positions), exact(p)
+            )
+            for p, t in terms.items()
+        }
 
     @staticmethod
     def weighted_grad(

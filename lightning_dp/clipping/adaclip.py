@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
-from lightning_dp.fast_clipping import materialized_sq_norm
+from lightning_dp.fast_clipping import certified_sq_norms, materialized_sq_norm, rounding_gamma
 from lightning_dp.grad_sample import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext, sums_once
 from lightning_dp.validation import number
@@ -107,17 +107,17 @@ def _linear_transformed_sq_norms(
         j = index[weight]
         x2, d2 = x.float().reshape(batch, layer.in_features), d.float().reshape(batch, layer.out_features)
         norms, magnitude = _expanded_sq_norms(x2, d2, shift[j].float(), inv_scale[j].float())
-        # The terms can be much larger than their sum (an example near the mean a): where fp32
-        # cancellation could exceed clip_factors' 1e-5 margin, recompute those examples in fp64, so an
+        # The terms can be much larger than their sum (an example near the mean a): the shared guard
+        # adds the fp32 rounding bound, or recomputes in fp64 the examples where it is not small, so an
         # underestimated norm never lets a clipped contribution exceed the sensitivity 1.
-        risky = norms < 0.5 * magnitude
-        if bool(risky.any()):
-            f64 = torch.float64
-            exact, _ = _expanded_sq_norms(
-                x2[risky].to(f64), d2[risky].to(f64), shift[j].to(f64), inv_scale[j].to(f64)
-            )
-            norms = norms.masked_scatter(risky, exact.float())
-        out[weight] = norms.clamp(min=0)
+        # |cross| ≤ (square + const)/2 by Cauchy–Schwarz; products of length out + in, P and Q rounded.
+        bound = 3 * rounding_gamma(layer.in_features + layer.out_features + 8) * magnitude
+        f64 = torch.float64
+
+        def exact(i: Tensor) -> Tensor:
+            return _expanded_sq_norms(x2[i].to(f64), d2[i].to(f64), shift[j].to(f64), inv_scale[j].to(f64))[0]
+
+        out[weight] = certified_sq_norms(norms, bound, exact).clamp(min=0)
     if isinstance(bias, nn.Parameter) and bias in index:
         j = index[bias]
         out[bias] = _transformed_sq_norm(d.reshape(batch, layer.out_features), shift[j], inv_scale[j])
@@ -130,7 +130,8 @@ def _expanded_sq_norms(x: Tensor, d: Tensor, a: Tensor, inv_b: Tensor) -> tuple[
     p_mat = inv_b.square()  # [out, in]
     square = ((d.square() @ p_mat) * x.square()).sum(1)
     cross = ((d @ (a * p_mat)) * x).sum(1)
-    const = (a.square() * p_mat).sum()
+    # one sum of out·in terms, the same for every example: in fp64 so its rounding is negligible
+    const = (a.double().square() * p_mat.double()).sum().to(x.dtype)
     return square - 2 * cross + const, square + const
 
 
