@@ -34,7 +34,7 @@ import numpy as np
 
 from .events import PrivacyEvent
 from .ledger import _MAX_COUNT, BudgetExceededError, PrivacyLedger, _check_count, _check_event, _check_target
-from .rdp import DEFAULT_ORDERS, check_delta, event_rdp
+from .rdp import SPARSE_ORDERS, check_delta, event_rdp
 from .zcdp import epsilon_from_rho, rho_from_epsilon, zcdp_rho
 
 __all__ = ["FilterMode", "PrivacyFilter"]
@@ -46,6 +46,9 @@ _MODES = ("zcdp", "rdp", "rdp_paper")
 class PrivacyFilter(PrivacyLedger):
     """A :class:`PrivacyLedger` whose budget checks are a privacy filter (see the module docstring).
 
+    Its default orders are the sparse grid (the strict RDP rule pays ln|Λ|), and every event is priced
+    with its exact RDP, so a check and the history it admits use the same costs.
+
     Args:
         target_epsilon: ε of the guarantee; also the default target of every check.
         delta: δ of the guarantee.
@@ -56,12 +59,14 @@ class PrivacyFilter(PrivacyLedger):
             reported as ε(ρ_tot, δ)); otherwise ρ_tot is derived from ``target_epsilon``.
     """
 
+    _bound_short_runs = False
+
     def __init__(
         self,
         target_epsilon: float | None,
         delta: float,
         mode: FilterMode = "zcdp",
-        orders: Sequence[float] = DEFAULT_ORDERS,
+        orders: Sequence[float] = SPARSE_ORDERS,
         reserve: PrivacyEvent | None = None,
         rho: float | None = None,
     ) -> None:

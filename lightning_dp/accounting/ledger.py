@@ -12,7 +12,15 @@ import numpy as np
 
 from .events import PrivacyEvent
 from .prv import PRVNumericalError, prv_epsilon
-from .rdp import DEFAULT_ORDERS, check_delta, check_orders, epsilon_from_rdp, event_rdp
+from .rdp import (
+    DEFAULT_ORDERS,
+    check_delta,
+    check_orders,
+    epsilon_from_rdp,
+    event_rdp,
+    event_rdp_bound,
+    segment_rdp,
+)
 
 __all__ = ["Accountant", "BudgetExceededError", "PrivacyLedger"]
 
@@ -157,11 +165,25 @@ class PrivacyLedger:
                 f"({event!r}); use accountant='rdp'"
             )
 
+    #: Price short runs of subsampled Gaussians with the cached grid bound (see ``rdp.segment_rdp``);
+    #: a privacy filter turns this off, so its checks and its history use the same exact costs.
+    _bound_short_runs = True
+
     def _event_rdp(self, event: PrivacyEvent) -> np.ndarray:
-        """The event's RDP vector, or zeros under the pure accountant (which never composes RDP)."""
+        """An upper bound on the event's RDP (exact where cheap; validates it), zeros under "pure"."""
         if self._accountant == "pure":
             return np.zeros(len(self._orders))
+        if self._bound_short_runs:
+            return event_rdp_bound(event, self._orders)
         return event_rdp(event, self._orders)
+
+    def _segment_rdp(self, event: PrivacyEvent, count: int) -> np.ndarray:
+        """RDP of a run of ``count`` equal events as the ledger composes it (a function of the run only)."""
+        if self._accountant == "pure":
+            return np.zeros(len(self._orders))
+        if self._bound_short_runs:
+            return segment_rdp(event, count, self._orders)
+        return count * event_rdp(event, self._orders)
 
     def record(self, event: PrivacyEvent, count: int = 1) -> None:
         """Append ``count`` occurrences of ``event`` (merged into the last segment when equal)."""
@@ -176,7 +198,7 @@ class PrivacyLedger:
         else:
             if self._history:
                 last_event, last_count = self._history[-1]
-                self._closed_rdp = self._closed_rdp + last_count * self._event_rdp(last_event)
+                self._closed_rdp = self._closed_rdp + self._segment_rdp(last_event, last_count)
             self._history.append((event, count))
             self._generation += 1
         self._steps += count
@@ -188,16 +210,16 @@ class PrivacyLedger:
         if event is not None and count > 0:
             if self._history and self._history[-1][0] == event:
                 last_event, last_count = self._history[-1]
-                return self._closed_rdp + (last_count + count) * self._event_rdp(last_event)
+                return self._closed_rdp + self._segment_rdp(last_event, last_count + count)
             closed = self._closed_rdp
             if self._history:
                 last_event, last_count = self._history[-1]
-                closed = closed + last_count * self._event_rdp(last_event)
-            return closed + count * self._event_rdp(event)
+                closed = closed + self._segment_rdp(last_event, last_count)
+            return closed + self._segment_rdp(event, count)
         if not self._history:
             return self._closed_rdp
         last_event, last_count = self._history[-1]
-        return self._closed_rdp + last_count * self._event_rdp(last_event)
+        return self._closed_rdp + self._segment_rdp(last_event, last_count)
 
     def _history_with(self, event: PrivacyEvent | None, count: int) -> list[tuple[PrivacyEvent, int]]:
         """The history as it would be after recording ``count`` × ``event``."""
