@@ -113,6 +113,7 @@ class PrivacyLedger:
         # Sum of count·rdp over all segments but the last; the total is a deterministic function of
         # the history (closed + last_count·rdp_last), so reloading a state_dict reproduces ε bit-for-bit.
         self._closed_rdp = np.zeros(len(self._orders))
+        self._last_rdp: np.ndarray | None = None  # _segment_rdp of the last run, as it stands
         self._generation = 0  # bumped whenever a segment is added or the history is replaced
         self._eps_cache: dict[float, tuple[float, float | None]] = {}
         self._afford_cache: dict[tuple[PrivacyEvent, float], tuple[int, int, bool, int]] = {}
@@ -204,14 +205,21 @@ class PrivacyLedger:
             self._history[-1] = (event, self._history[-1][1] + count)
         else:
             if self._history:
-                last_event, last_count = self._history[-1]
-                self._closed_rdp = self._closed_rdp + self._segment_rdp(last_event, last_count)
+                self._closed_rdp = self._closed_rdp + self._last_segment_rdp()
             self._history.append((event, count))
             self._generation += 1
+        self._last_rdp = None
         self._steps += count
         self._eps_cache.clear()
 
     # ---------------------------------------------------------------- readout
+    def _last_segment_rdp(self) -> np.ndarray:
+        """RDP of the last run of the history (cached until the history changes)."""
+        if self._last_rdp is None:
+            last_event, last_count = self._history[-1]
+            self._last_rdp = self._segment_rdp(last_event, last_count)
+        return self._last_rdp
+
     def _total_rdp_with(self, event: PrivacyEvent | None = None, count: int = 0) -> np.ndarray:
         """Composed RDP of the history plus ``count`` × ``event``, computed exactly as after recording."""
         if event is not None and count > 0:
@@ -220,13 +228,11 @@ class PrivacyLedger:
                 return self._closed_rdp + self._segment_rdp(last_event, last_count + count)
             closed = self._closed_rdp
             if self._history:
-                last_event, last_count = self._history[-1]
-                closed = closed + self._segment_rdp(last_event, last_count)
+                closed = closed + self._last_segment_rdp()
             return closed + self._segment_rdp(event, count)
         if not self._history:
             return self._closed_rdp
-        last_event, last_count = self._history[-1]
-        return self._closed_rdp + self._segment_rdp(last_event, last_count)
+        return self._closed_rdp + self._last_segment_rdp()
 
     def _history_with(self, event: PrivacyEvent | None, count: int) -> list[tuple[PrivacyEvent, int]]:
         """The history as it would be after recording ``count`` × ``event``."""

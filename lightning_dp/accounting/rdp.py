@@ -25,41 +25,19 @@ __all__ = [
 ]
 
 
-def _geometric_orders(start: int, stop: int, ratio: float) -> tuple[float, ...]:
-    """Integer orders from ``start`` to ``stop`` (both included), each about ``ratio`` times the last."""
-    out, x = [start], float(start)
-    while out[-1] < stop:
-        x *= ratio
-        out.append(min(stop, max(out[-1] + 1, round(x))))
-    return tuple(float(a) for a in out)
+class _Orders(tuple[float, ...]):
+    """A tuple of orders that hashes once: the RDP caches are keyed by it, and a 300-float tuple
+    would otherwise be re-hashed (microseconds) on every lookup. Equal, and hashes equal, to the tuple."""
 
+    _hash: int
 
-#: The RDP orders of lightning-dp up to 0.1.x: Opacus's ``DEFAULT_ALPHAS`` (1.1 … 10.9, 12 … 63) plus
-#: 64, 80, 96, 128, 192, 256, 512, 1024. Kept as the privacy filter's default, whose strict rule pays
-#: ln|Λ| (a dense grid would cost it more than it gains), and for comparisons with Opacus.
-SPARSE_ORDERS: tuple[float, ...] = (
-    *(float(a) for a in RDPAccountant.DEFAULT_ALPHAS),
-    *(64.0, 80.0, 96.0, 128.0, 192.0, 256.0, 512.0, 1024.0),
-)
-
-#: Opacus's orders 1.1 … 10.9 (by 0.1), every integer 11 … 128, then integers about 3 % apart up to
-#: 2048, and every sparse order. At small ε the optimal order sits on a sharp bend of the subsampled Gaussian's RDP curve, so
-#: SPARSE_ORDERS over-reported ε by up to ~100 % (σ = 5, q = 1e-4); this grid is within ~1 % of every
-#: order up to 20,000. Reading ε stays a few vector operations over these ~310 orders.
-DEFAULT_ORDERS: tuple[float, ...] = tuple(
-    sorted(
-        {
-            *SPARSE_ORDERS,  # so ε is never above the sparse grid's
-            *(float(a) for a in range(11, 129)),
-            *_geometric_orders(128, 2048, 1.03),
-        }
-    )
-)
-
-#: A run of at least this many equal consecutive events is priced with its exact RDP; shorter runs of a
-#: subsampled Gaussian use the cached grid bound (:func:`~lightning_dp.accounting.sgm.sgm_rdp_bound`),
-#: so an exact evaluation (~1-5 ms) is paid at most once per EXACT_RUN events.
-EXACT_RUN = 128
+    def __hash__(self) -> int:
+        """The plain tuple's hash, computed on first use."""
+        try:
+            return self._hash
+        except AttributeError:
+            self._hash = tuple.__hash__(self)
+            return self._hash
 
 
 def check_orders(orders: Sequence[float]) -> tuple[float, ...]:
@@ -73,7 +51,43 @@ def check_orders(orders: Sequence[float]) -> tuple[float, ...]:
     bad = [a for a in out if not (math.isfinite(a) and a > 1.0)]
     if bad:
         raise ValueError(f"orders must all be finite and > 1, got {bad[:5]}")
-    return out
+    return _Orders(out)
+
+
+def _geometric_orders(start: int, stop: int, ratio: float) -> tuple[float, ...]:
+    """Integer orders from ``start`` to ``stop`` (both included), each about ``ratio`` times the last."""
+    out, x = [start], float(start)
+    while out[-1] < stop:
+        x *= ratio
+        out.append(min(stop, max(out[-1] + 1, round(x))))
+    return tuple(float(a) for a in out)
+
+
+#: The RDP orders of lightning-dp up to 0.1.x: Opacus's ``DEFAULT_ALPHAS`` (1.1 … 10.9, 12 … 63) plus
+#: 64, 80, 96, 128, 192, 256, 512, 1024. Kept as the privacy filter's default, whose strict rule pays
+#: ln|Λ| (a dense grid would cost it more than it gains), and for comparisons with Opacus.
+SPARSE_ORDERS: tuple[float, ...] = check_orders(
+    (*RDPAccountant.DEFAULT_ALPHAS, 64.0, 80.0, 96.0, 128.0, 192.0, 256.0, 512.0, 1024.0)
+)
+
+#: Opacus's orders 1.1 … 10.9 (by 0.1), every integer 11 … 128, then integers about 3 % apart up to
+#: 2048, and every sparse order. At small ε the optimal order sits on a sharp bend of the subsampled Gaussian's RDP curve, so
+#: SPARSE_ORDERS over-reported ε by up to ~100 % (σ = 5, q = 1e-4); this grid is within ~1 % of every
+#: order up to 20,000. Reading ε stays a few vector operations over these ~310 orders.
+DEFAULT_ORDERS: tuple[float, ...] = check_orders(
+    sorted(
+        {
+            *SPARSE_ORDERS,  # so ε is never above the sparse grid's
+            *(float(a) for a in range(11, 129)),
+            *_geometric_orders(128, 2048, 1.03),
+        }
+    )
+)
+
+#: A run of at least this many equal consecutive events is priced with its exact RDP; shorter runs of a
+#: subsampled Gaussian use the cached grid bound (:func:`~lightning_dp.accounting.sgm.sgm_rdp_bound`),
+#: so an exact evaluation (~1-5 ms) is paid at most once per EXACT_RUN events.
+EXACT_RUN = 128
 
 
 def check_delta(delta: object, name: str = "delta") -> float:
@@ -107,7 +121,6 @@ def event_rdp(event: PrivacyEvent, orders: tuple[float, ...]) -> np.ndarray:
     return _validated(event, orders, np.array(event.rdp(orders), dtype=np.float64))
 
 
-@functools.lru_cache(maxsize=4096)
 def event_rdp_bound(event: PrivacyEvent, orders: tuple[float, ...]) -> np.ndarray:
     """A cheap upper bound on :func:`event_rdp`: a subsampled Gaussian's exact RDP at a nearby grid point
     with less noise and a higher rate (cached across events); the exact vector for every other event."""
@@ -117,7 +130,7 @@ def event_rdp_bound(event: PrivacyEvent, orders: tuple[float, ...]) -> np.ndarra
     sigma, q = params
     if sigma == 0.0 or q in (0.0, 1.0):
         return event_rdp(event, orders)
-    return _validated(event, orders, np.array(sgm_rdp_bound(sigma, q, orders)))
+    return sgm_rdp_bound(sigma, q, orders)
 
 
 def segment_rdp(event: PrivacyEvent, count: int, orders: tuple[float, ...]) -> np.ndarray:
@@ -149,19 +162,37 @@ def epsilon_from_rdp(
     delta = check_delta(delta)
     orders_vec = np.asarray(orders, dtype=np.float64)
     rdp_vec = np.asarray(rdp, dtype=np.float64)
+    if isinstance(orders, _Orders) and rdp_vec.shape == orders_vec.shape:  # the ledger's path, every step
+        return _min_epsilon(rdp_vec + _conversion_offset(orders, delta), orders)
     if orders_vec.ndim != 1 or orders_vec.shape != rdp_vec.shape:
         raise ValueError(
             f"rdp and orders must be 1-D and the same length, got shapes {rdp_vec.shape} and {orders_vec.shape}"
         )
     if orders_vec.size == 0:
         raise ValueError("orders must not be empty")
-    eps = (
-        rdp_vec
-        - (math.log(delta) + np.log(orders_vec)) / (orders_vec - 1.0)
-        + np.log((orders_vec - 1.0) / orders_vec)
-    )
+    return _min_epsilon(rdp_vec + _offset(orders_vec, delta), orders)
+
+
+def _offset(orders: np.ndarray, delta: float) -> np.ndarray:
+    """ε(α) − rdp(α) of the conversion: −(ln δ + ln α)/(α − 1) + ln((α − 1)/α)."""
+    out: np.ndarray = -(math.log(delta) + np.log(orders)) / (orders - 1.0) + np.log((orders - 1.0) / orders)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _conversion_offset(orders: tuple[float, ...], delta: float) -> np.ndarray:
+    """:func:`_offset` for a hashed orders tuple, cached (the ledger converts at the same δ every step)."""
+    out = _offset(np.asarray(orders, dtype=np.float64), delta)
+    out.flags.writeable = False
+    return out
+
+
+def _min_epsilon(eps: np.ndarray, orders: Sequence[float]) -> tuple[float, float]:
+    """(ε, order) at the smallest finite ε over the orders, ε clamped at 0; (inf, nan) if none is finite."""
     finite = np.isfinite(eps)
-    if not finite.any():
-        return math.inf, math.nan
-    idx = int(np.argmin(np.where(finite, eps, np.inf)))
-    return max(0.0, float(eps[idx])), float(orders_vec[idx])
+    if not finite.all():
+        if not finite.any():
+            return math.inf, math.nan
+        eps = np.where(finite, eps, np.inf)
+    idx = int(np.argmin(eps))
+    return max(0.0, float(eps[idx])), float(orders[idx])
