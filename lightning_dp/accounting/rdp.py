@@ -87,7 +87,7 @@ DEFAULT_ORDERS: tuple[float, ...] = check_orders(
 #: A run of at least this many equal consecutive events is priced with its exact RDP; shorter runs of a
 #: subsampled Gaussian use the cached grid bound (:func:`~lightning_dp.accounting.sgm.sgm_rdp_bound`),
 #: so an exact evaluation (~1-5 ms) is paid at most once per EXACT_RUN events.
-EXACT_RUN = 128
+EXACT_RUN = 64
 
 
 def check_delta(delta: object, name: str = "delta") -> float:
