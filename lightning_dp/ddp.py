@@ -103,7 +103,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
         delta: float = 1e-5,
         max_grad_norm: float = 1.0,
         noise_multiplier: float | None = None,
-        accountant: Literal["rdp", "prv"] = "rdp",
+        accountant: Literal["rdp", "prv", "pld"] = "rdp",
         sampler: Sampler | None = None,
         clipping: Clipping | None = None,
         noise: Noise | None = None,

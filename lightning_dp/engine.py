@@ -45,7 +45,8 @@ def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, account
     """Refuse slot combinations the ledger cannot price (e.g. Laplace noise with Poisson/RDP events).
 
     Slots declare ``mechanism`` ("gaussian" unless set): Laplace needs all of fixed-size sampling,
-    L1 clipping, Laplace noise and the pure-ε accountant (basic composition); Gaussian needs none.
+    L1 clipping, Laplace noise and the pure-ε accountant (basic composition); Gaussian needs none
+    (its accountant is "rdp", "prv" or "pld").
     """
     kinds = {
         name: getattr(slot, "mechanism", "gaussian")
@@ -95,7 +96,7 @@ class PrivateStepEngine:
         max_grad_norm: float,
         delta: float,
         target_epsilon: float | None,
-        accountant: Literal["rdp", "prv", "pure"],
+        accountant: Literal["rdp", "prv", "pld", "pure"],
         loss_reduction: str,
         seed: int | None,
         grad_sample_mode: GradMode = "auto",

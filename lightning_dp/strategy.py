@@ -141,7 +141,7 @@ class DPStrategyMixin(Strategy):
         delta: float,
         max_grad_norm: float,
         noise_multiplier: float | None,
-        accountant: Literal["rdp", "prv", "pure"],
+        accountant: Literal["rdp", "prv", "pld", "pure"],
         sampler: Sampler | None,
         clipping: Clipping | None,
         noise: Noise | None,
@@ -681,7 +681,8 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
         max_grad_norm: per-example clipping bound C.
         noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
-        accountant: ``"rdp"`` or ``"prv"``; ``"pure"`` sums pure ε (basic composition) for Laplace steps.
+        accountant: ``"rdp"``, ``"prv"`` or ``"pld"`` (needs ``pip install dp-accounting``); ``"pure"`` sums
+            pure ε (basic composition) for Laplace steps.
         sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
             user's optimizer).
         on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
@@ -704,7 +705,7 @@ class DPStrategy(DPStrategyMixin, SingleDeviceStrategy):
         delta: float = 1e-5,
         max_grad_norm: float = 1.0,
         noise_multiplier: float | None = None,
-        accountant: Literal["rdp", "prv", "pure"] = "rdp",
+        accountant: Literal["rdp", "prv", "pld", "pure"] = "rdp",
         sampler: Sampler | None = None,
         clipping: Clipping | None = None,
         noise: Noise | None = None,
@@ -800,8 +801,8 @@ def _validate_privacy_arguments(
             "turns every weight into NaN and bounds no example's contribution. Give a finite clipping bound "
             "(e.g. max_grad_norm=1.0); C=inf is accepted only with noise_multiplier=0 (no privacy)."
         )
-    if accountant not in ("rdp", "prv", "pure"):
-        raise DPConfigurationError(f"accountant must be 'rdp', 'prv' or 'pure', got {accountant!r}.")
+    if accountant not in ("rdp", "prv", "pld", "pure"):
+        raise DPConfigurationError(f"accountant must be 'rdp', 'prv', 'pld' or 'pure', got {accountant!r}.")
     if loss_reduction not in ("mean", "sum"):
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
 

@@ -36,6 +36,7 @@ from lightning_dp.accounting import (
     epsilon_from_rdp,
 )
 from lightning_dp.accounting.prv import prv_epsilon
+from lightning_dp.accounting.rdp import EXACT_RUN
 
 DELTA = 1e-5
 GOLDEN = {"noise_multiplier": 1.5, "sample_rate": 0.04, "steps": 2250, "delta": DELTA}
@@ -146,6 +147,7 @@ HISTORIES = [
     [((3.0, 1.0), 5)],
     [((1.1, 0.02), 300), ((2.0, 0.05), 100), ((1.1, 0.02), 50)],
     [((0.9, 0.001), 5000), ((4.0, 0.3), 20)],
+    [((1.1, 0.02), 300), ((2.0, 0.05), 200), ((1.1, 0.02), 150)],
 ]
 
 
@@ -161,14 +163,18 @@ def test_rdp_matches_dp_accounting(history):
         ours.record(PoissonGaussian(sigma, q), n)
         theirs.compose(_dp_event(sigma, q), n)
     eps, order = theirs.get_epsilon_and_optimal_order(DELTA)
-    assert ours.epsilon() == pytest.approx(eps, rel=1e-9)
-    assert ours.epsilon_and_order()[1] == order
+    if min(n for _, n in history) >= EXACT_RUN:
+        assert ours.epsilon() == pytest.approx(eps, rel=1e-9)
+        assert ours.epsilon_and_order()[1] == order
+    else:  # a run shorter than EXACT_RUN is priced by the grid bound: never below, at most ~0.3 % above
+        assert eps * (1 - 1e-9) <= ours.epsilon() <= eps * (1 + 3e-3)
     # At fractional orders dp_accounting sums |terms| of the alternating series, a looser upper bound
     # (up to ~15% larger at α = 1.1); ours (Opacus's signed series) is exact, so never looser.
     full = rdp_privacy_accountant.RdpAccountant(orders=list(DEFAULT_ORDERS))
     for (sigma, q), n in history:
         full.compose(_dp_event(sigma, q), n)
-    assert _ledger(history).epsilon() <= full.get_epsilon(DELTA) * (1 + 1e-9)
+    slack = 1e-9 if min(n for _, n in history) >= EXACT_RUN else 3e-3  # the short-run grid bound
+    assert _ledger(history).epsilon() <= full.get_epsilon(DELTA) * (1 + slack)
 
 
 @pytest.mark.parametrize(
@@ -212,15 +218,22 @@ def test_gaussian_is_poisson_gaussian_with_q_one():
 def test_heterogeneous_history_is_sum_of_parts():
     a, b = PoissonGaussian(1.1, 0.02), PoissonGaussian(2.0, 0.05)
     ledger = PrivacyLedger(DELTA)
-    for _ in range(30):
+    for _ in range(EXACT_RUN + 30):
         ledger.record(a)
-    ledger.record(b, 10)
-    ledger.record(a, 5)
-    assert ledger.history == [(a, 30), (b, 10), (a, 5)]
-    assert ledger.steps == len(ledger) == 45
-    expected = 35 * a.rdp(DEFAULT_ORDERS) + 10 * b.rdp(DEFAULT_ORDERS)
+    ledger.record(b, EXACT_RUN + 10)
+    ledger.record(a, EXACT_RUN + 5)
+    assert ledger.history == [(a, EXACT_RUN + 30), (b, EXACT_RUN + 10), (a, EXACT_RUN + 5)]
+    assert ledger.steps == len(ledger) == 3 * EXACT_RUN + 45
+    # Runs of EXACT_RUN or more are priced exactly.
+    expected = (2 * EXACT_RUN + 35) * a.rdp(DEFAULT_ORDERS) + (EXACT_RUN + 10) * b.rdp(DEFAULT_ORDERS)
     np.testing.assert_allclose(ledger.rdp, expected, rtol=1e-12)
     assert ledger.epsilon() == pytest.approx(epsilon_from_rdp(expected, DEFAULT_ORDERS, DELTA)[0], rel=1e-12)
+    # Shorter runs: an upper bound at every order, whose ε is within 0.3 % of the exact one.
+    short = _ledger([((1.1, 0.02), 30), ((2.0, 0.05), 10), ((1.1, 0.02), 5)])
+    exact = 35 * a.rdp(DEFAULT_ORDERS) + 10 * b.rdp(DEFAULT_ORDERS)
+    assert np.all(short.rdp >= exact)
+    exact_eps = epsilon_from_rdp(exact, DEFAULT_ORDERS, DELTA)[0]
+    assert exact_eps <= short.epsilon() <= exact_eps * 1.003
     # PRV: order does not matter, equal (σ, q) segments are merged.
     prv_ledger = _ledger([((1.1, 0.02), 30), ((2.0, 0.05), 10), ((1.1, 0.02), 5)], accountant="prv")
     assert prv_ledger.epsilon() == prv_epsilon([(a, 35), (b, 10)], DELTA)
@@ -457,7 +470,6 @@ def test_events_are_hashable_values():
         (lambda: PrivacyLedger(1.0), "delta"),
         (lambda: PrivacyLedger(DELTA, accountant="gdp"), "accountant"),
         (lambda: PrivacyLedger(DELTA, orders=[0.5, 2.0]), "orders"),
-        (lambda: PrivacyLedger(DELTA, orders=[2.0, 2048.0]).record(PoissonGaussian(1.0, 0.1)), "orders"),
         (lambda: PrivacyLedger(DELTA).record(PoissonGaussian(1.0, 0.1), -1), "count"),
         (lambda: PrivacyLedger(DELTA).record(1.0), "event"),
         (lambda: PrivacyLedger(DELTA).affordable_count(PoissonGaussian(1.0, 0.1), -1.0), "target_epsilon"),

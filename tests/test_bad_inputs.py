@@ -254,7 +254,7 @@ ROWS = [
     Row(
         "unknown accountant",
         lambda _: DPStrategy(accountant="gdp"),
-        "accountant must be 'rdp', 'prv' or 'pure', got 'gdp'.",
+        "accountant must be 'rdp', 'prv', 'pld' or 'pure', got 'gdp'.",
     ),
     Row(
         "bad loss reduction",

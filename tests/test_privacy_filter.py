@@ -48,22 +48,24 @@ ORDERS = (1.5, 2.0, 3.0, 5.0, 10.0, 32.0, 100.0, 500.0)
     ],
 )
 def test_rho_closed_form_matches_table_root_finder_and_round_trip(eps, delta, rho):
-    got = rho_from_epsilon(eps, delta)
+    got = rho_from_epsilon(eps, delta, "bun_steinke")
     assert got == pytest.approx(rho, rel=2e-6)
-    root = brentq(lambda r: epsilon_from_rho(r, delta) - eps, 0.0, eps, xtol=1e-300, rtol=1e-15)
+    root = brentq(
+        lambda r: epsilon_from_rho(r, delta, "bun_steinke") - eps, 0.0, eps, xtol=1e-300, rtol=1e-15
+    )
     assert got == pytest.approx(root, rel=1e-10)
-    assert epsilon_from_rho(got, delta) == pytest.approx(eps, abs=1e-12)
+    assert epsilon_from_rho(got, delta, "bun_steinke") == pytest.approx(eps, abs=1e-12)
 
 
 def test_rho_for_epsilon_one_delta_1e8():
-    assert rho_from_epsilon(1.0, 1e-8) == pytest.approx(0.0132154, abs=5e-8)
-    assert rho_from_epsilon(1.0, 1e-8) == pytest.approx(0.01321536285, rel=1e-9)
+    assert rho_from_epsilon(1.0, 1e-8, "bun_steinke") == pytest.approx(0.0132154, abs=5e-8)
+    assert rho_from_epsilon(1.0, 1e-8, "bun_steinke") == pytest.approx(0.01321536285, rel=1e-9)
 
 
 def test_lemma_3_8_forward_and_gaussian_std():
-    assert epsilon_from_rho(0.01, 1e-8) == pytest.approx(0.868386410515739, rel=1e-12)
-    assert epsilon_from_rho(1 / 32, 1e-8) == pytest.approx(1.5486771293851465, rel=1e-12)
-    assert epsilon_from_rho(0.5, 1e-5) == pytest.approx(5.298525912188081, rel=1e-12)
+    assert epsilon_from_rho(0.01, 1e-8, "bun_steinke") == pytest.approx(0.868386410515739, rel=1e-12)
+    assert epsilon_from_rho(1 / 32, 1e-8, "bun_steinke") == pytest.approx(1.5486771293851465, rel=1e-12)
+    assert epsilon_from_rho(0.5, 1e-5, "bun_steinke") == pytest.approx(5.298525912188081, rel=1e-12)
     assert gaussian_std_for_rho(0.01, 3) == pytest.approx(21.21320344, rel=1e-9)
     assert gaussian_std_for_rho(1e-4, 3) == pytest.approx(212.1320344, rel=1e-9)
     assert gaussian_std_for_rho(0.5, 1) == 1.0
@@ -192,7 +194,7 @@ def test_zcdp_filter_reserve_counts_iterations_and_refuses_useless_gradient():
 
 
 def test_zcdp_filter_target_and_reporting():
-    f = PrivacyFilter(1.0, 1e-8)
+    f = PrivacyFilter(1.0, 1e-8, conversion="bun_steinke")
     assert f.rho_budget() == pytest.approx(0.01321536285, rel=1e-9)
     rho_ng0, rho_nmax = 9.311990306e-07, 3.4722222e-05
     for _ in range(100):  # T7: 100 iterations without rejections

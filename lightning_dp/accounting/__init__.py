@@ -5,7 +5,7 @@ Typical use::
     from lightning_dp.accounting import PoissonGaussian, PrivacyLedger, calibrate_noise, compute_epsilon
 
     sigma = calibrate_noise(target_epsilon=8, delta=1e-5, sample_rate=0.04, steps=2250)
-    ledger = PrivacyLedger(delta=1e-5)            # RDP by default; accountant="prv" is tighter but slower
+    ledger = PrivacyLedger(delta=1e-5)   # RDP by default; "prv" / "pld" are tighter but slower
     ledger.spend(PoissonGaussian(sigma, 0.04), target_epsilon=8)   # raises BudgetExceededError if over
 """
 
@@ -14,6 +14,7 @@ from .calibrate import calibrate_noise, compute_epsilon
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .filter import PrivacyFilter
 from .ledger import BudgetExceededError, PrivacyLedger
+from .pld import PLDNumericalError
 from .prv import PRVNumericalError
 from .pure_laplace import SubsampledLaplace
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
@@ -39,6 +40,7 @@ __all__ = [
     "LaplaceMechanism",
     "LaplaceSVT",
     "NoisyMin",
+    "PLDNumericalError",
     "PRVNumericalError",
     "PoissonGaussian",
     "PrivacyEvent",

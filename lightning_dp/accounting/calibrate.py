@@ -34,9 +34,9 @@ def _check_steps(steps: Any, *, minimum: int) -> int:
 
 
 def _check_accountant(accountant: str) -> Accountant:
-    """Accept the accountant as a plain string (config/CLI values) and check it is ``"rdp"`` or ``"prv"``."""
-    if accountant not in ("rdp", "prv"):
-        raise ValueError(f"accountant must be 'rdp' or 'prv', got {accountant!r}")
+    """Accept the accountant as a plain string (config/CLI values): ``"rdp"``, ``"prv"`` or ``"pld"``."""
+    if accountant not in ("rdp", "prv", "pld"):
+        raise ValueError(f"accountant must be 'rdp', 'prv' or 'pld', got {accountant!r}")
     return cast(Accountant, accountant)
 
 
@@ -73,7 +73,7 @@ def calibrate_noise(
     """Smallest σ (to relative ``tol``) whose ε after ``steps`` steps is ≤ ``target_epsilon``.
 
     Conservative: brackets σ, bisects, and returns the upper end, whose ε was actually computed and is
-    never above target (a PRV evaluation that fails counts as "above target").
+    never above target (a PRV or PLD evaluation that fails counts as "above target").
     """
     try:
         target = float(target_epsilon)
@@ -113,8 +113,32 @@ def calibrate_noise(
     def fits(sigma: float) -> bool:
         return eps_at(sigma) <= target
 
-    # Bracket: lo does not meet the target (or is ~0), hi does.
+    def bisect(lo: float, hi: float) -> float:
+        while hi - lo > rel_tol * hi:  # invariant: not fits(lo), fits(hi)
+            mid = 0.5 * (lo + hi)
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    # Bracket: lo does not meet the target (or is ~0), hi does. PRV and PLD are tighter than RDP, so the
+    # (cheap) RDP answer meets the target for them too: start just below it and step down.
     hi = 1.0
+    if accountant in ("prv", "pld"):
+        try:
+            rdp_sigma = calibrate_noise(
+                target_epsilon=target, delta=delta, sample_rate=q, steps=n, tol=rel_tol, orders=orders
+            )
+        except ValueError:  # out of RDP's reach: the general search below may still find one
+            rdp_sigma = math.inf
+        if rdp_sigma < math.inf and fits(rdp_sigma):
+            hi, lo = rdp_sigma, 0.85 * rdp_sigma
+            while fits(lo):
+                hi, lo = lo, 0.85 * lo
+                if lo < _MIN_NOISE_MULTIPLIER:
+                    return hi
+            return bisect(lo, hi)
     if fits(hi):
         lo = hi / 2
         while fits(lo):
@@ -135,10 +159,4 @@ def calibrate_noise(
                     "or a larger target_epsilon."
                 )
             lo = hi
-    while hi - lo > rel_tol * hi:  # invariant: not fits(lo), fits(hi)
-        mid = 0.5 * (lo + hi)
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return bisect(lo, hi)

@@ -9,9 +9,11 @@ still fits, the whole run meets the budget (Feldman & Zrnic 2021, Rényi filter;
 :class:`PrivacyFilter` is a :class:`PrivacyLedger` (same history, checkpoints, report, ``spend``/
 ``can_afford``/``affordable_count``) with the filter's rules:
 
-* ``mode="zcdp"``: budget ρ_tot = (√(L + ε) − √L)², L = ln(1/δ); a release of cost ρ_i runs iff
+* ``mode="zcdp"``: budget ρ_tot, the largest ρ whose ρ-zCDP implies (ε, δ)-DP by the tight conversion
+  of Canonne, Kamath & Steinke 2020 (Prop. 12; ``conversion="bun_steinke"``: (√(L + ε) − √L)²,
+  L = ln(1/δ), Bun & Steinke Prop. 1.3, as in the DP-AGD paper); a release of cost ρ_i runs iff
   Σρ + ρ_i ≤ ρ_tot. Every order stops at the same time, so the run is ρ_tot-zCDP and therefore
-  (ε, δ)-DP by Bun & Steinke Prop. 1.3 (DP-AGD, Thm 5.1 with a filter). Events must be zCDP
+  (ε, δ)-DP (DP-AGD, Thm 5.1 with a filter). Events must be zCDP
   (:func:`~lightning_dp.accounting.zcdp.zcdp_rho`).
 * ``mode="rdp"`` (strict, default for RDP): per-order budgets B(α) = ε − ln(|Λ|/δ)/(α−1); a release
   runs iff SOME order α still has spent(α) + c(α) ≤ B(α). Each order's filtered process is
@@ -34,8 +36,8 @@ import numpy as np
 
 from .events import PrivacyEvent
 from .ledger import _MAX_COUNT, BudgetExceededError, PrivacyLedger, _check_count, _check_event, _check_target
-from .rdp import DEFAULT_ORDERS, check_delta, event_rdp
-from .zcdp import epsilon_from_rho, rho_from_epsilon, zcdp_rho
+from .rdp import SPARSE_ORDERS, check_delta, event_rdp
+from .zcdp import ZCDPConversion, epsilon_from_rho, rho_from_epsilon, zcdp_rho
 
 __all__ = ["FilterMode", "PrivacyFilter"]
 
@@ -46,26 +48,37 @@ _MODES = ("zcdp", "rdp", "rdp_paper")
 class PrivacyFilter(PrivacyLedger):
     """A :class:`PrivacyLedger` whose budget checks are a privacy filter (see the module docstring).
 
+    Its default orders are the sparse grid (the strict RDP rule pays ln|Λ|), and every event is priced
+    with its exact RDP, so a check and the history it admits use the same costs.
+
     Args:
         target_epsilon: ε of the guarantee; also the default target of every check.
         delta: δ of the guarantee.
         mode: ``"zcdp"``, ``"rdp"`` (strict union over orders) or ``"rdp_paper"``.
         orders: RDP orders Λ (RDP modes); keep |Λ| small: the strict rule pays ln|Λ|.
         reserve: event that must fit with every release counted by :meth:`affordable_count`.
+        conversion: zCDP mode: ρ ↔ (ε, δ) by ``"cks"`` (Canonne, Kamath & Steinke 2020, the default:
+            17-100 % more ρ for the same ε than ``"bun_steinke"``, ρ + 2√(ρ ln(1/δ)), the DP-AGD paper's).
         rho: zCDP mode only: the budget ρ_tot itself (then ``target_epsilon`` may be ``None`` and is
             reported as ε(ρ_tot, δ)); otherwise ρ_tot is derived from ``target_epsilon``.
     """
+
+    _bound_short_runs = False
 
     def __init__(
         self,
         target_epsilon: float | None,
         delta: float,
         mode: FilterMode = "zcdp",
-        orders: Sequence[float] = DEFAULT_ORDERS,
+        orders: Sequence[float] = SPARSE_ORDERS,
         reserve: PrivacyEvent | None = None,
         rho: float | None = None,
+        conversion: ZCDPConversion = "cks",
     ) -> None:
         super().__init__(delta, "rdp", orders)
+        if conversion not in ("cks", "bun_steinke"):
+            raise ValueError(f"conversion must be 'cks' or 'bun_steinke', got {conversion!r}")
+        self.conversion: ZCDPConversion = conversion
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         self._rho_tot: float | None = None
@@ -74,7 +87,7 @@ class PrivacyFilter(PrivacyLedger):
                 raise ValueError("a ρ budget needs mode='zcdp'")
             self._rho_tot = float(rho)
             if target_epsilon is None:
-                target_epsilon = epsilon_from_rho(self._rho_tot, self.delta)
+                target_epsilon = epsilon_from_rho(self._rho_tot, self.delta, conversion)
         target = _check_target(target_epsilon)
         if not 0 < target < math.inf:
             raise ValueError(f"a privacy filter needs a finite target_epsilon > 0, got {target_epsilon!r}")
@@ -93,7 +106,7 @@ class PrivacyFilter(PrivacyLedger):
         target = self.target_epsilon if target_epsilon is None else _check_target(target_epsilon)
         if self._rho_tot is not None and target == self.target_epsilon:
             return self._rho_tot
-        return rho_from_epsilon(target, self.delta)
+        return rho_from_epsilon(target, self.delta, self.conversion)
 
     def rdp_budgets(self, target_epsilon: float | None = None) -> np.ndarray:
         """B(α) per order of the RDP filter (≤ 0: that order is unusable)."""
@@ -201,7 +214,7 @@ class PrivacyFilter(PrivacyLedger):
     def _filter_epsilon(self, rdp: np.ndarray, rho: float | None, delta: float) -> tuple[float, float | None]:
         if self.mode == "zcdp":
             assert rho is not None
-            return epsilon_from_rho(rho, delta), None
+            return epsilon_from_rho(rho, delta, self.conversion), None
         a = np.asarray(self.orders, dtype=np.float64)
         log_term = math.log((len(a) if self.mode == "rdp" else 1) / delta)
         eps = rdp + log_term / (a - 1.0)
@@ -231,7 +244,13 @@ class PrivacyFilter(PrivacyLedger):
 
     def _empty_like(self) -> PrivacyLedger:
         return PrivacyFilter(
-            self.target_epsilon, self.delta, self.mode, self.orders, self.reserve, rho=self._rho_tot
+            self.target_epsilon,
+            self.delta,
+            self.mode,
+            self.orders,
+            self.reserve,
+            rho=self._rho_tot,
+            conversion=self.conversion,
         )
 
     # -- state ---------------------------------------------------------------------------------------

@@ -11,15 +11,26 @@ from typing import Any, Literal
 import numpy as np
 
 from .events import PrivacyEvent
+from .pld import pld_epsilon, require_dp_accounting
 from .prv import PRVNumericalError, prv_epsilon
-from .rdp import DEFAULT_ORDERS, check_delta, check_orders, epsilon_from_rdp, event_rdp
+from .rdp import (
+    DEFAULT_ORDERS,
+    check_delta,
+    check_orders,
+    epsilon_from_rdp,
+    event_rdp,
+    event_rdp_bound,
+    segment_rdp,
+)
 
 __all__ = ["Accountant", "BudgetExceededError", "PrivacyLedger"]
 
-Accountant = Literal["rdp", "prv", "pure"]
+Accountant = Literal["rdp", "prv", "pld", "pure"]
 #: ``"pure"``: basic composition of pure ε-DP events (ε adds up, holds for every δ); it prices only events
 #: whose ``pure_epsilon()`` is not None, and the RDP/PRV accountants refuse those (different neighbours).
-_ACCOUNTANTS = ("rdp", "prv", "pure")
+_ACCOUNTANTS = ("rdp", "prv", "pld", "pure")
+#: Accountants that price a whole history of (subsampled) Gaussians at once (~0.1-1 s an evaluation).
+_DISTRIBUTION_ACCOUNTANTS = ("prv", "pld")
 _STATE_VERSION = 1
 #: Upper end of the search in ``affordable_count``; an event that stays under target this many times
 #: is treated as affordable "forever".
@@ -87,7 +98,8 @@ class PrivacyLedger:
 
     With ``accountant="rdp"`` the ledger keeps the composed RDP vector up to date, so reading ε is a
     few vector ops (microseconds) and is cached until the history changes. With ``"prv"`` each new
-    history costs one PRV evaluation (tighter ε, ~0.1-1 s), also cached.
+    history costs one PRV evaluation (tighter ε, ~0.1-1 s), also cached; ``"pld"`` is the same with
+    Google's ``dp-accounting`` privacy-loss-distribution accountant (``pip install dp-accounting``).
     """
 
     def __init__(
@@ -97,6 +109,8 @@ class PrivacyLedger:
         self._delta = check_delta(delta)
         if accountant not in _ACCOUNTANTS:
             raise ValueError(f"accountant must be one of {_ACCOUNTANTS}, got {accountant!r}")
+        if accountant == "pld":
+            require_dp_accounting()
         self._accountant: Accountant = accountant
         self._orders = check_orders(orders)
         self._reset()
@@ -109,6 +123,7 @@ class PrivacyLedger:
         # Sum of count·rdp over all segments but the last; the total is a deterministic function of
         # the history (closed + last_count·rdp_last), so reloading a state_dict reproduces ε bit-for-bit.
         self._closed_rdp = np.zeros(len(self._orders))
+        self._last_rdp: np.ndarray | None = None  # _segment_rdp of the last run, as it stands
         self._generation = 0  # bumped whenever a segment is added or the history is replaced
         self._eps_cache: dict[float, tuple[float, float | None]] = {}
         self._afford_cache: dict[tuple[PrivacyEvent, float], tuple[int, int, bool, int]] = {}
@@ -120,7 +135,7 @@ class PrivacyLedger:
 
     @property
     def accountant(self) -> Accountant:
-        """``"rdp"`` or ``"prv"``."""
+        """``"rdp"``, ``"prv"``, ``"pld"`` or ``"pure"``."""
         return self._accountant
 
     @property
@@ -157,9 +172,10 @@ class PrivacyLedger:
     # ----------------------------------------------------------------- record
     def _check_priceable(self, event: PrivacyEvent) -> None:
         """Refuse events the configured accountant cannot price, before they enter the history."""
-        if self._accountant == "prv" and event.poisson_gaussian_params() is None:
+        if self._accountant in _DISTRIBUTION_ACCOUNTANTS and event.poisson_gaussian_params() is None:
             raise ValueError(
-                f"the PRV accountant cannot price {event.kind!r} events ({event!r}); use accountant='rdp'"
+                f"the {self._accountant.upper()} accountant cannot price {event.kind!r} events ({event!r}); "
+                "use accountant='rdp'"
             )
         if self._accountant == "pure" and event.pure_epsilon() is None:
             raise ValueError(
@@ -167,11 +183,25 @@ class PrivacyLedger:
                 f"({event!r}); use accountant='rdp'"
             )
 
+    #: Price short runs of subsampled Gaussians with the cached grid bound (see ``rdp.segment_rdp``);
+    #: a privacy filter turns this off, so its checks and its history use the same exact costs.
+    _bound_short_runs = True
+
     def _event_rdp(self, event: PrivacyEvent) -> np.ndarray:
-        """The event's RDP vector, or zeros under the pure accountant (which never composes RDP)."""
+        """An upper bound on the event's RDP (exact where cheap; validates it), zeros under "pure"."""
         if self._accountant == "pure":
             return np.zeros(len(self._orders))
+        if self._bound_short_runs:
+            return event_rdp_bound(event, self._orders)
         return event_rdp(event, self._orders)
+
+    def _segment_rdp(self, event: PrivacyEvent, count: int) -> np.ndarray:
+        """RDP of a run of ``count`` equal events as the ledger composes it (a function of the run only)."""
+        if self._accountant == "pure":
+            return np.zeros(len(self._orders))
+        if self._bound_short_runs:
+            return segment_rdp(event, count, self._orders)
+        return count * event_rdp(event, self._orders)
 
     def record(self, event: PrivacyEvent, count: int = 1) -> None:
         """Append ``count`` occurrences of ``event`` (merged into the last segment when equal)."""
@@ -185,29 +215,34 @@ class PrivacyLedger:
             self._history[-1] = (event, self._history[-1][1] + count)
         else:
             if self._history:
-                last_event, last_count = self._history[-1]
-                self._closed_rdp = self._closed_rdp + last_count * self._event_rdp(last_event)
+                self._closed_rdp = self._closed_rdp + self._last_segment_rdp()
             self._history.append((event, count))
             self._generation += 1
+        self._last_rdp = None
         self._steps += count
         self._eps_cache.clear()
 
     # ---------------------------------------------------------------- readout
+    def _last_segment_rdp(self) -> np.ndarray:
+        """RDP of the last run of the history (cached until the history changes)."""
+        if self._last_rdp is None:
+            last_event, last_count = self._history[-1]
+            self._last_rdp = self._segment_rdp(last_event, last_count)
+        return self._last_rdp
+
     def _total_rdp_with(self, event: PrivacyEvent | None = None, count: int = 0) -> np.ndarray:
         """Composed RDP of the history plus ``count`` × ``event``, computed exactly as after recording."""
         if event is not None and count > 0:
             if self._history and self._history[-1][0] == event:
                 last_event, last_count = self._history[-1]
-                return self._closed_rdp + (last_count + count) * self._event_rdp(last_event)
+                return self._closed_rdp + self._segment_rdp(last_event, last_count + count)
             closed = self._closed_rdp
             if self._history:
-                last_event, last_count = self._history[-1]
-                closed = closed + last_count * self._event_rdp(last_event)
-            return closed + count * self._event_rdp(event)
+                closed = closed + self._last_segment_rdp()
+            return closed + self._segment_rdp(event, count)
         if not self._history:
             return self._closed_rdp
-        last_event, last_count = self._history[-1]
-        return self._closed_rdp + last_count * self._event_rdp(last_event)
+        return self._closed_rdp + self._last_segment_rdp()
 
     def _history_with(self, event: PrivacyEvent | None, count: int) -> list[tuple[PrivacyEvent, int]]:
         """The history as it would be after recording ``count`` × ``event``."""
@@ -226,6 +261,8 @@ class PrivacyLedger:
         """(ε, best RDP order or None) after adding ``count`` × ``event`` to the history."""
         if self._accountant == "prv":
             return prv_epsilon(self._history_with(event, count), delta), None
+        if self._accountant == "pld":
+            return pld_epsilon(self._history_with(event, count), delta), None
         if self._accountant == "pure":
             costs = [n * float(e.pure_epsilon() or 0.0) for e, n in self._history_with(event, count)]
             return math.fsum(costs), None
@@ -236,7 +273,7 @@ class PrivacyLedger:
         return eps, (None if math.isnan(order) else order)
 
     def epsilon_and_order(self, delta: float | None = None) -> tuple[float, float | None]:
-        """ε spent so far at ``delta`` (default: the ledger's) and the optimal RDP order (None for PRV)."""
+        """ε spent so far at ``delta`` (default: the ledger's) and the optimal RDP order (None unless RDP)."""
         d = self._delta if delta is None else check_delta(delta)
         cached = self._eps_cache.get(d)
         if cached is None:
@@ -332,7 +369,7 @@ class PrivacyLedger:
                 return True
             try:
                 return self._epsilon_with(event, n, self._delta)[0] <= target
-            except PRVNumericalError:  # cannot be certified, so it does not fit
+            except PRVNumericalError:  # cannot be certified (PRV or PLD), so it does not fit
                 return False
 
         if self.epsilon() > target:
@@ -350,8 +387,8 @@ class PrivacyLedger:
             return guess
         if not self._event_rdp(event).any():
             return _MAX_COUNT
-        if self._accountant == "prv":
-            # Start near the (cheap) RDP answer: PRV evaluations cost ~0.1-1 s each.
+        if self._accountant in _DISTRIBUTION_ACCOUNTANTS:
+            # Start near the (cheap) RDP answer: PRV/PLD evaluations cost ~0.1-1 s each.
             guess = max(1, self._rdp_affordable(event, target))
         else:
             guess = 1
@@ -390,7 +427,7 @@ class PrivacyLedger:
         each), 25 with PRV, where each point is a full PRV evaluation (~0.1-1 s).
         """
         if num_points is None:
-            num_points = 25 if self._accountant == "prv" else 200
+            num_points = 25 if self._accountant in _DISTRIBUTION_ACCOUNTANTS else 200
         if isinstance(num_points, bool) or not isinstance(num_points, int) or num_points < 2:
             raise ValueError(f"num_points must be an integer >= 2, got {num_points!r}")
         if self._steps == 0:

@@ -34,8 +34,10 @@ class PRVNumericalError(ArithmeticError):
     """The PRV computation failed or is out of its numerical range; use ``accountant='rdp'`` instead."""
 
 
-def prv_segments(history: Iterable[tuple[PrivacyEvent, int]]) -> list[tuple[float, float, int]]:
-    """Collapse a history into ``(σ, q, count)`` segments the PRV accountant can price.
+def prv_segments(
+    history: Iterable[tuple[PrivacyEvent, int]], accountant: str = "prv"
+) -> list[tuple[float, float, int]]:
+    """Collapse a history into ``(σ, q, count)`` segments the PRV (or PLD) accountant can price.
 
     Composition is commutative, so equal (σ, q) pairs are merged wherever they occur; events with
     q = 0 or count = 0 cost nothing and are dropped. Raises ValueError for events PRV cannot price.
@@ -45,7 +47,8 @@ def prv_segments(history: Iterable[tuple[PrivacyEvent, int]]) -> list[tuple[floa
         params = event.poisson_gaussian_params()
         if params is None:
             raise ValueError(
-                f"the PRV accountant cannot price {event.kind!r} events ({event!r}); use accountant='rdp'"
+                f"the {accountant.upper()} accountant cannot price {event.kind!r} events ({event!r}); "
+                "use accountant='rdp'"
             )
         sigma, q = params
         if q == 0.0 or count == 0:

@@ -23,6 +23,8 @@ finite ρ (e.g. the safe SVT bounds) return ``None``.
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,6 +39,7 @@ __all__ = [
     "LaplaceSVT",
     "NoisyMin",
     "PureDP",
+    "ZCDPConversion",
     "epsilon_from_rho",
     "gaussian_std_for_rho",
     "laplace_rdp",
@@ -66,18 +69,71 @@ def _check_delta(delta: object) -> float:
     return d
 
 
-def epsilon_from_rho(rho: float, delta: float) -> float:
-    """ρ-zCDP ⇒ (ρ + 2√(ρ·ln(1/δ)), δ)-DP (Bun & Steinke 2016, Prop. 1.3; DP-AGD Lemma 3.8)."""
+ZCDPConversion = Literal["cks", "bun_steinke"]
+
+
+def _cks_offset(alpha: float, big_l: float) -> float:
+    """c(α) in ε = α·ρ + c(α): (L − ln α)/(α − 1) + ln(1 − 1/α) (Canonne, Kamath & Steinke 2020, Prop. 12)."""
+    return (big_l - math.log(alpha)) / (alpha - 1.0) + math.log1p(-1.0 / alpha)
+
+
+def _best_order(objective: Callable[[float], float], guess: float) -> float:
+    """The order α > 1 minimising ``objective``, searched over ln(α − 1) from the Bun-Steinke optimum."""
+    from scipy.optimize import minimize_scalar
+
+    centre = math.log(guess - 1.0)
+    result = minimize_scalar(
+        lambda t: objective(1.0 + math.exp(t)),
+        bounds=(centre - 12.0, centre + 12.0),
+        method="bounded",
+        options={"xatol": 1e-10},
+    )
+    best = 1.0 + math.exp(float(result.x))
+    return best if objective(best) <= objective(guess) else guess
+
+
+def epsilon_from_rho(rho: float, delta: float, conversion: ZCDPConversion = "cks") -> float:
+    """ε of a ρ-zCDP mechanism at ``delta``.
+
+    ``"cks"`` (default): min over α > 1 of α·ρ + (L − ln α)/(α − 1) + ln(1 − 1/α), L = ln(1/δ)
+    (Canonne, Kamath & Steinke 2020, Prop. 12: the tight conversion of RDP at one order, the one
+    Opacus and dp-accounting use for RDP); every α gives a valid bound, so the numerical minimum is
+    one. ``"bun_steinke"``: ρ + 2√(ρ·L) (Bun & Steinke 2016, Prop. 1.3; DP-AGD Lemma 3.8), 5-30 %
+    larger, kept for parity with papers that use it.
+    """
     r = _check_positive("rho", rho, allow_zero=True)
-    return r + 2.0 * math.sqrt(r * math.log(1.0 / _check_delta(delta)))
+    big_l = math.log(1.0 / _check_delta(delta))
+    loose = r + 2.0 * math.sqrt(r * big_l)
+    if conversion == "bun_steinke" or r == 0.0:
+        return loose
+    if conversion != "cks":
+        raise ValueError(f"conversion must be 'cks' or 'bun_steinke', got {conversion!r}")
+    alpha = _best_order(lambda a: a * r + _cks_offset(a, big_l), 1.0 + math.sqrt(big_l / r))
+    return max(0.0, min(loose, alpha * r + _cks_offset(alpha, big_l)))
 
 
-def rho_from_epsilon(epsilon: float, delta: float) -> float:
-    """The largest ρ with ε(ρ, δ) ≤ ε: ρ = (√(L + ε) − √L)², L = ln(1/δ) (closed form of DP-AGD eq. 5)."""
+def rho_from_epsilon(epsilon: float, delta: float, conversion: ZCDPConversion = "cks") -> float:
+    """The largest ρ whose :func:`epsilon_from_rho` (same ``conversion``) is at most ``epsilon``.
+
+    ``"cks"``: max over α of (ε − c(α))/α, each a ρ whose bound at that α is exactly ε (rounded down
+    until it is). ``"bun_steinke"``: (√(L + ε) − √L)², the closed form of DP-AGD eq. 5.
+    """
     eps = _check_positive("epsilon", epsilon)
     big_l = math.log(1.0 / _check_delta(delta))
     # (√(L+ε) − √L)² = ε² / (√(L+ε) + √L)²: no cancellation for small ε.
-    return eps**2 / (math.sqrt(big_l + eps) + math.sqrt(big_l)) ** 2
+    loose = eps**2 / (math.sqrt(big_l + eps) + math.sqrt(big_l)) ** 2
+    if conversion == "bun_steinke":
+        return loose
+    if conversion != "cks":
+        raise ValueError(f"conversion must be 'cks' or 'bun_steinke', got {conversion!r}")
+    alpha = _best_order(lambda a: -(eps - _cks_offset(a, big_l)) / a, 1.0 + math.sqrt(big_l / loose))
+    rho = max(loose, (eps - _cks_offset(alpha, big_l)) / alpha)
+    # Round down until the reported ε (its own minimisation over α) is within the target too.
+    while rho > loose and (
+        alpha * rho + _cks_offset(alpha, big_l) > eps or epsilon_from_rho(rho, delta) > eps
+    ):
+        rho = max(loose, rho * (1.0 - 4 * sys.float_info.epsilon))
+    return rho
 
 
 def gaussian_std_for_rho(rho: float, sensitivity: float) -> float:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_dp import validation
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent, charge
-from lightning_dp.accounting.rdp import epsilon_from_rdp
+from lightning_dp.accounting.rdp import epsilon_from_rdp, segment_rdp
 from lightning_dp.batch_info import IndicesWithInfo
 from lightning_dp.clipping.flat import FlatClipping, per_sample_norms
 from lightning_dp.errors import DPConfigurationError
@@ -83,9 +83,9 @@ def schedule_sigma(
     def eps(sigma: float) -> float:
         total = np.asarray(base_rdp, dtype=np.float64).copy()
         if steps_now:
-            total += steps_now * dpis_step_event(sigma, r_now, batch_size, n_tilde).rdp(orders)
+            total += segment_rdp(dpis_step_event(sigma, r_now, batch_size, n_tilde), steps_now, orders)
         if steps_future:
-            total += steps_future * dpis_step_event(sigma, r_future, batch_size, n_tilde).rdp(orders)
+            total += segment_rdp(dpis_step_event(sigma, r_future, batch_size, n_tilde), steps_future, orders)
         return epsilon_from_rdp(total, orders, delta)[0]
 
     if eps(hi) > target_epsilon:

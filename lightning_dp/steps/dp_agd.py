@@ -42,7 +42,11 @@ def initial_budgets(epsilon: float, delta: float, splits: int = 60) -> tuple[flo
     """(ρ_tot, ρ_ng, ρ_nmax) of DP-AGD §2.3: ε_s = ε/(2·splits), ρ_nmax = ε_s²/2 (Lemma 3.7) and
     ρ_ng = ε_s²/(4·ln(1.25/δ)) (classic Gaussian σ, then Lemma 3.6)."""
     eps_s = epsilon / (2.0 * splits)
-    return rho_from_epsilon(epsilon, delta), eps_s**2 / (4.0 * math.log(1.25 / delta)), eps_s**2 / 2.0
+    return (
+        rho_from_epsilon(epsilon, delta, "bun_steinke"),
+        eps_s**2 / (4.0 * math.log(1.25 / delta)),
+        eps_s**2 / 2.0,
+    )
 
 
 def step_grid(alpha_max: float, m: int) -> list[float]:
@@ -193,7 +197,11 @@ class AdaptiveGD(Step):
         self._engine = engine
         engine.noise = _AdaptiveNoise(self)
         engine.ledger = PrivacyFilter(
-            engine.target_epsilon, engine.delta, mode="zcdp", reserve=self._noisy_min_event()
+            engine.target_epsilon,
+            engine.delta,
+            mode="zcdp",
+            reserve=self._noisy_min_event(),
+            conversion="bun_steinke",  # the paper's Lemma 3.8, so its tables are reproduced
         )
 
     def _noisy_min_event(self) -> NoisyMin:
