@@ -135,8 +135,7 @@ class PrivateStepEngine:
         self.max_physical_batch_size: int | None = None
         self.realised_batch: int | None = None
         """Examples the sampler drew for the current sampled batch (``begin_batch``); None: unchecked."""
-        self.chunk_batch: int | None = None
-        """Examples in the physical chunk about to be backpropagated (virtual batching), else the batch."""
+        self._chunk_batch: int | None = None
         self.releases_this_batch: int | None = None
         """Noisy gradient releases made from the current sampled batch (None: not tracked)."""
         self.halted = False
@@ -225,6 +224,19 @@ class PrivateStepEngine:
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
     # -- run-time checks -----------------------------------------------------------------------------
+    @property
+    def chunk_batch(self) -> int | None:
+        """Examples in the physical chunk about to be backpropagated (virtual batching), else the batch."""
+        return self._chunk_batch
+
+    @chunk_batch.setter
+    def chunk_batch(self, size: int | None) -> None:
+        # The hooks take the batch size from the sampler, not from the first layer's input (a position
+        # lookup of batch 1 may come first), so broadcast inputs are expanded to the real batch.
+        self._chunk_batch = size
+        if self.grads is not None:
+            self.grads.expect_batch(size)
+
     def begin_batch(self, realised: int | None) -> None:
         """A new sampled batch of ``realised`` examples: one release may be made from it, and every
         layer must see ``realised`` on its batch dimension (None: the size is not known, unchecked)."""

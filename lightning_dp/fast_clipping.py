@@ -1037,9 +1037,9 @@ def _norm_layer_terms(
         assert isinstance(layer, nn.GroupNorm)
         shape = (layer.num_channels,)
         normed = F.group_norm(x, layer.num_groups, eps=layer.eps) if weight is not None else x
-        d = d.flatten(2)
+        d = d.reshape(B, layer.num_channels, -1)  # [B, C] (after a BatchNorm1d swap) has one position
         if weight is not None:
-            out[weight] = normed.flatten(2) * d
+            out[weight] = normed.reshape(B, layer.num_channels, -1) * d
         if bias is not None:
             out[bias] = d
         return out, d.shape[2], 2

@@ -448,6 +448,10 @@ class PerSampleGradients:
         for p in self._own[module]:
             p.requires_grad_(True)
 
+    def expect_batch(self, size: int | None) -> None:
+        """The next forward's batch size as the sampler drew it (None: take it from the first layer's input)."""
+        self._batch_hint = size
+
     def _note_batch(self, first: Any) -> None:
         """The forward's batch size, from the first captured layer's input (unless already known)."""
         if self._batch_hint is None and isinstance(first, Tensor) and first.dim() > 0:

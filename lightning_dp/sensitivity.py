@@ -269,12 +269,13 @@ def leave_one_out(
         try:
             for batch, size in ((full, count), (without_last, count - 1)):
                 grads.clear()
+                grads.expect_batch(size)
                 with torch.enable_grad():
                     loss = loss_fn(batch)
                     if loss is None or not loss.requires_grad:
                         return None
                     loss.backward()
-                samples, rows = grads.collect()
+                samples, rows = grads.collect(expected=size)  # names a layer off dimension 0
                 if rows != size:
                     raise DPConfigurationError(
                         f"The sensitivity check's batch of {size} examples gave per-example gradients with "

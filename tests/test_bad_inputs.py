@@ -18,7 +18,7 @@ from conftest import TinyModule, make_trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from test_runtime_checks import SequenceFirstLSTM, TimeMajorTagger, TwoLoaders, TwoOptimizers
+from test_runtime_checks import TimeMajorTagger, TwoLoaders, TwoOptimizers, sequence_first_subclass
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
 
@@ -353,9 +353,9 @@ ROWS = [
         "Layer 'net' (Linear) has 3 on its batch dimension (dim 0)",
     ),
     Row(
-        "sequence-first LSTM",
-        lambda _: fit(DPStrategy(noise_multiplier=1.0), SequenceFirstLSTM()),
-        "Layer 'lstm' (LSTM) is built with batch_first=False",
+        "sequence-first LSTM subclass",
+        lambda _: fit(DPStrategy(noise_multiplier=1.0), sequence_first_subclass()),
+        "Layer 'lstm' (MyLSTM) is built with batch_first=False",
     ),
     Row(
         "two releases from one batch",

@@ -106,10 +106,26 @@ class BroadcastPosition(TinyModule):
         return self.net(x + self.position(torch.zeros(1, dtype=torch.long, device=x.device)))
 
 
-def test_broadcast_batch_one_input_is_refused_by_name():
-    with pytest.raises(BatchDimensionError, match="'position' \\(Embedding\\) has 1 on its batch") as info:
-        fit(BroadcastPosition(), max_steps=1)
-    assert "broadcast over the batch" in str(info.value)
+def test_broadcast_batch_one_input_gets_each_examples_own_gradient():
+    """Looked up with batch 1 and broadcast (2d4380a crashed inside the kernel): the lookup is expanded to
+    the batch the sampler drew, so each example's gradient is its own slice, not the batch's sum."""
+    module = BroadcastPosition()
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=1e6, seed=0, check_sensitivity=False)
+    x, y = module.x[:16], module.y[:16]
+    loss = torch.nn.functional.cross_entropy(module(x), y, reduction="sum")
+    (expected,) = torch.autograd.grad(loss, module.position.weight)
+    strategy.engine.attach(module)
+    strategy.engine.chunk_batch = 16  # as the strategy does for each drawn batch
+    torch.nn.functional.cross_entropy(module(x), y, reduction="mean").backward()
+    samples, batch = strategy.engine.grads.collect(expected=16)
+    per_example = dict(zip(samples.params, samples.materialize(), strict=True))[module.position.weight]
+    assert batch == 16
+    assert per_example.shape == (16, 1, 10)
+    torch.testing.assert_close(per_example.sum(0), expected, rtol=1e-5, atol=1e-6)
+    one = torch.nn.functional.cross_entropy(module(x[:1]), y[:1], reduction="sum")
+    torch.testing.assert_close(per_example[0], torch.autograd.grad(one, module.position.weight)[0])
+    strategy.engine.detach()
+    assert fit(BroadcastPosition(), max_steps=1).engine.steps == 1
 
 
 class SequenceFirstLSTM(TinyModule):
@@ -131,9 +147,14 @@ class MyLSTM(nn.LSTM):
     """A subclass may change forward, so it is not swapped for the exact sequence-first LSTM."""
 
 
-def test_sequence_first_recurrent_layer_is_refused_at_fit_start_unless_swapped_exactly():
+def sequence_first_subclass() -> SequenceFirstLSTM:
     model = SequenceFirstLSTM()
     model.lstm = MyLSTM(4, 6)
+    return model
+
+
+def test_sequence_first_recurrent_layer_is_refused_at_fit_start_unless_swapped_exactly():
+    model = sequence_first_subclass()
     strategy = DPStrategy(noise_multiplier=1.0, seed=0)
     with pytest.raises(BatchDimensionError, match=r"Layer 'lstm' \(MyLSTM\) is built with batch_first=False"):
         fit(model, strategy, max_steps=1)
