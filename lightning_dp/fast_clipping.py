@@ -1037,9 +1037,10 @@ def _norm_layer_terms(
         assert isinstance(layer, nn.GroupNorm)
         shape = (layer.num_channels,)
         normed = F.group_norm(x, layer.num_groups, eps=layer.eps) if weight is not None else x
-        d = d.reshape(B, layer.num_channels, -1)  # [B, C] (after a BatchNorm1d swap) has one position
+        # [B, C] (GroupNorm after a BatchNorm1d swap) has one position per channel
+        d = d.flatten(2) if d.dim() > 2 else d.unsqueeze(-1)
         if weight is not None:
-            out[weight] = normed.reshape(B, layer.num_channels, -1) * d
+            out[weight] = (normed.flatten(2) if normed.dim() > 2 else normed.unsqueeze(-1)) * d
         if bias is not None:
             out[bias] = d
         return out, d.shape[2], 2
