@@ -11,6 +11,7 @@ from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise, NoiseDividing
+from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
 from lightning_dp.sampling import DPIS, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
@@ -21,7 +22,11 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    """Make ``strategy="dp"`` and ``strategy="dp_ddp"`` work in ``Trainer`` and LightningCLI YAML."""
+    """Make ``strategy="dp"`` and ``strategy="dp_ddp"`` work in ``Trainer`` and LightningCLI YAML.
+
+    Runs on ``import lightning_dp``. Lightning 2.6 has no entry-point group for strategies, so a script
+    that never imports lightning_dp must name the class instead (``lightning_dp.DPStrategy``).
+    """
     from lightning.pytorch.strategies import StrategyRegistry
 
     for cls in (DPStrategy, DPDDPStrategy):
@@ -58,5 +63,7 @@ __all__ = [
     "StepContext",
     "__version__",
     "audit",
+    "load_from_checkpoint",
     "register",
+    "replace_batchnorm",
 ]

@@ -17,11 +17,12 @@ from typing import Any, Literal
 
 import torch
 from opacus.grad_sample import GradSampleHooks
-from opacus.grad_sample.functorch import ft_compute_per_sample_gradient, prepare_layer
+from opacus.grad_sample.functorch import ft_compute_per_sample_gradient
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dp import fast_clipping
+from lightning_dp.prepare import prepare_functorch_layer
 
 GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
 
@@ -302,7 +303,7 @@ class PerSampleGradients:
         self.mode = mode
         for _, module in self.layers:  # Opacus prepares functorch layers before any forward, so do we
             if self.path_of(module) == "functorch":
-                prepare_layer(module)
+                prepare_functorch_layer(module)
         self.params = [p for _, m in self.layers for p in m.parameters() if p.requires_grad]
         self.skip_param_grads = False
         """Book-keeping: when True, autograd computes no weight gradients (the engine builds the
@@ -329,9 +330,14 @@ class PerSampleGradients:
     def _active(self, module: nn.Module) -> bool:
         return self.enabled and module.training and torch.is_grad_enabled()
 
+    keep_param_grads = False
+    """Set by the strategy when user code reads ``p.grad`` after backward (an ``on_after_backward``
+    override): autograd's weight gradients are then computed every step, as documented, although the
+    private step never uses them; everyone else keeps the cheaper backward without them."""
+
     def _freeze(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
         """Book-keeping: the layer's own parameters stop requiring grad for the length of its forward."""
-        if self.skip_param_grads and self._active(module):
+        if self.skip_param_grads and not self.keep_param_grads and self._active(module):
             for p in self._own[module]:
                 p.requires_grad_(False)
 
