@@ -6,6 +6,7 @@ export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
 .PHONY: install demo test test-fast lint format clean
+.PHONY: wheel-check
 
 $(BIN)/lightning-dp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,10 @@ test: install lint
 
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not slow"
+
+# The wheel installed into a fresh virtualenv outside the clone (README: install into your own project).
+wheel-check: install
+	PYTHON=$(BIN)/python .ci/wheel_check.sh
 
 lint: install
 	$(BIN)/ruff check lightning_dp recipes tests bench
