@@ -35,5 +35,8 @@ if __name__ == "__main__":
     strategy = cli.trainer.strategy
     assert type(strategy).__name__ == "DPStrategy", type(strategy)
     cli.trainer.fit(cli.model, cli.datamodule)
-    assert strategy.engine.steps >= 1 and strategy.epsilon > 0
-    print(f"user_cli: DPStrategy from the class path, {strategy.engine.steps} steps, ε = {strategy.epsilon:.3f}")
+    assert strategy.engine.steps >= 1
+    assert strategy.epsilon > 0
+    print(
+        f"user_cli: DPStrategy from the class path, {strategy.engine.steps} steps, ε = {strategy.epsilon:.3f}"
+    )
