@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export OMP_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
 
-.PHONY: install demo test test-fast test-isa lint format clean
+.PHONY: install demo test test-fast test-isa wheel-check lint format clean
 
 $(BIN)/lightning-dp: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test-isa: install
 
 test-fast: install
 	$(BIN)/python -m pytest tests -m "not slow"
+
+# The wheel installed into a fresh virtualenv outside the clone (README: install into your own project).
+wheel-check: install
+	PYTHON=$(BIN)/python .ci/wheel_check.sh
 
 lint: install
 	$(BIN)/ruff check lightning_dp recipes tests bench

@@ -12,6 +12,7 @@ from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
 from lightning_dp.noise import ConstantNoise, NoiseDividing
+from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
 from lightning_dp.sampling import DPIS, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
@@ -23,7 +24,11 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-    """Make ``strategy="dp"`` and ``strategy="dp_ddp"`` work in ``Trainer`` and LightningCLI YAML."""
+    """Make ``strategy="dp"`` and ``strategy="dp_ddp"`` work in ``Trainer`` and LightningCLI YAML.
+
+    Runs on ``import lightning_dp``. Lightning 2.6 has no entry-point group for strategies, so a script
+    that never imports lightning_dp must name the class instead (``lightning_dp.DPStrategy``).
+    """
     from lightning.pytorch.strategies import StrategyRegistry
 
     for cls in (DPStrategy, DPDDPStrategy):
@@ -60,7 +65,9 @@ __all__ = [
     "StepContext",
     "__version__",
     "audit",
+    "load_from_checkpoint",
     "per_example_token_loss",
     "register",
+    "replace_batchnorm",
     "tune",
 ]

@@ -434,9 +434,14 @@ class PerSampleGradients:
     def _active(self, module: nn.Module) -> bool:
         return self.enabled and module.training and torch.is_grad_enabled()
 
+    keep_param_grads = False
+    """Set by the strategy when user code reads ``p.grad`` after backward (an ``on_after_backward``
+    override): autograd's weight gradients are then computed every step, as documented, although the
+    private step never uses them; everyone else keeps the cheaper backward without them."""
+
     def _freeze(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
         """Book-keeping: the layer's own parameters stop requiring grad for the length of its forward."""
-        if self.skip_param_grads and self._active(module):
+        if self.skip_param_grads and not self.keep_param_grads and self._active(module):
             for p in self._own[module]:
                 p.requires_grad_(False)
 

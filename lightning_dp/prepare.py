@@ -1,18 +1,22 @@
 """In-place checks and fixes that make a LightningModule trainable with per-example clipping.
 
 They run before ``configure_optimizers`` so the optimizer sees the final parameters, and in place
-(Opacus's ``ModuleValidator.fix`` clones the module, which a Trainer cannot use).
+(Opacus's ``ModuleValidator.fix`` clones the module, which a Trainer cannot use). The train loader's
+sampler is checked here too, and ``load_from_checkpoint`` reloads a model whose BatchNorm was replaced.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Literal
+from os import PathLike
+from typing import IO, Any, Literal, TypeVar
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_dp.errors import DPConfigurationError
 
@@ -33,7 +37,11 @@ def _group_norm_for(bn: _BatchNorm) -> nn.GroupNorm:
 
 
 def replace_batchnorm(module: nn.Module) -> list[str]:
-    """Swap every BatchNorm for GroupNorm in place (see ``_group_norm_for``); returns the names replaced."""
+    """Swap every BatchNorm for GroupNorm in place (see ``_group_norm_for``); returns the names replaced.
+
+    This is exactly what ``DPStrategy(on_batchnorm="replace")`` does at fit start; call it on a fresh
+    instance (or use :func:`load_from_checkpoint`) to load the weights of a model trained that way.
+    """
     replaced = []
     for name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
@@ -59,7 +67,11 @@ def check_no_direct_parameters(module: nn.Module) -> None:
 
 def check_stateful_layers(module: nn.Module) -> None:
     """Refuse trainable layers whose buffers are updated from the batch: running statistics mix examples
-    (and store unprotected data in the model), and no per-example formula exists for them."""
+    (and store unprotected data in the model), and no per-example formula exists for them.
+
+    Known running-statistics layers are refused here; a custom layer with buffers is watched instead
+    (:class:`BufferWatch`): constant buffers are fine, buffers its first training forward changes are not.
+    """
     from opacus.grad_sample import GradSampleHooks
 
     from lightning_dp.grad_sample import trainable_layers
@@ -71,10 +83,125 @@ def check_stateful_layers(module: nn.Module) -> None:
                 "computed from the private batch and saved with the model. Use track_running_stats=False."
             )
         if type(layer) not in GradSampleHooks.GRAD_SAMPLERS and any(True for _ in layer.buffers()):
+            BufferWatch(name, layer, module)
+
+
+class BufferWatch:
+    """Checks a custom layer's buffers across its first forward in training mode with autograd on (the
+    first private step's, or a sensitivity pass before it: always before any noisy release).
+
+    A buffer that forward changed was computed from the batch (a running statistic): it mixes examples
+    and is saved with the model unprotected, so the run is refused. Constant buffers (masks, tables,
+    fixed scales) pass, and the hooks remove themselves after that one check.
+    """
+
+    def __init__(self, name: str, layer: nn.Module, root: nn.Module) -> None:
+        self.name, self.root = name, root
+        self.before: dict[str, Tensor] | None = None
+        self._handles = [
+            layer.register_forward_pre_hook(self._snapshot),
+            layer.register_forward_hook(self._compare),
+        ]
+
+    def _watching(self, layer: nn.Module) -> bool:
+        from lightning_dp.strategy import DPStrategyMixin
+
+        trainer = getattr(self.root, "_trainer", None)
+        if trainer is not None and not isinstance(trainer.strategy, DPStrategyMixin):
+            self.remove()  # the module went on to a non-private fit: nothing to protect
+            return False
+        return layer.training and torch.is_grad_enabled()
+
+    def _snapshot(self, layer: nn.Module, inputs: Any) -> None:
+        if self._watching(layer):
+            self.before = {n: b.detach().clone() for n, b in layer.named_buffers()}
+
+    def _compare(self, layer: nn.Module, inputs: Any, output: Any) -> None:
+        if self.before is None:
+            return
+        before, after = self.before, dict(layer.named_buffers())
+        self.remove()
+        changed = sorted(
+            n
+            for n in before.keys() | after.keys()
+            if n not in before or n not in after or not _same(before[n], after[n])
+        )
+        if changed:
             raise DPConfigurationError(
-                f"Layer {name} ({type(layer).__name__}) has buffers and no per-example gradient formula: buffers "
-                "updated from the batch mix examples. Remove the buffers, or compute the layer from parameters only."
+                f"Layer {self.name} ({type(layer).__name__}) has buffers that its training forward changed "
+                f"({', '.join(changed)}) and no per-example gradient formula: buffers updated from the batch mix "
+                "examples and are saved with the model unprotected. Remove the buffers, keep them constant, or "
+                "compute the layer from parameters only."
             )
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self.before = [], None
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal shape, dtype and values (NaN equal to NaN: a constant NaN entry is not a change)."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and bool(
+            torch.equal(a, b)
+            or (torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()))
+        )
+    )
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def load_from_checkpoint(cls: type[M], checkpoint_path: str | PathLike[str] | IO[bytes], **kwargs: Any) -> M:
+    """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a model trained with
+    ``DPStrategy(on_batchnorm="replace")``: its BatchNorm layers are swapped for the same GroupNorm
+    (:func:`replace_batchnorm`) after construction and before the weights load, through Lightning's
+    ``on_load_checkpoint`` hook. Returns an instance of ``cls`` itself.
+    """
+
+    def on_load_checkpoint(self: Any, checkpoint: dict[str, Any]) -> None:
+        replace_batchnorm(self)
+        cls.on_load_checkpoint(self, checkpoint)  # type: ignore[attr-defined]
+
+    loading = type(
+        cls.__name__, (cls,), {"on_load_checkpoint": on_load_checkpoint, "__module__": cls.__module__}
+    )
+    model: M = loading.load_from_checkpoint(checkpoint_path, **kwargs)  # type: ignore[attr-defined]
+    model.__class__ = cls  # the subclass only existed to hook the load; pickling needs the real class
+    return model
+
+
+def check_train_sampler(loader: DataLoader) -> None:
+    """Refuse a train loader with its own ``sampler=``: DP-SGD draws its own (Poisson) batches, and its
+    accounting holds only for that sampling, so a weighted or custom sampler would be dropped silently.
+
+    ``shuffle=True``/``False`` (RandomSampler, SequentialSampler) and the DistributedSampler Lightning
+    inserts under DDP stay silent. A custom ``batch_sampler`` is refused by the strategy (no batch_size).
+    """
+    sampler: Any = loader.sampler
+    if loader.batch_size is None:
+        return
+    if type(sampler) is DistributedSampler:
+        return
+    inner = getattr(
+        getattr(sampler, "dataset", None), "_sampler", None
+    )  # Lightning's DistributedSamplerWrapper
+    if isinstance(sampler, DistributedSampler) and inner is not None:
+        sampler = inner
+    if type(sampler) is SequentialSampler:
+        return
+    if type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+        return
+    raise DPConfigurationError(
+        f"The train DataLoader has its own sampler ({type(sampler).__name__}), which DP training would replace: "
+        "the privacy accounting holds only for the strategy's sampling (each example joins a batch "
+        "independently, with probability batch_size / N), so class rebalancing by sampling cannot be kept. "
+        "Remove sampler=... and weight the loss per example instead (a per-example weight times the "
+        "per-example loss keeps per-example clipping valid; see docs/troubleshooting.md)."
+    )
 
 
 def prepare_module(module: nn.Module, on_batchnorm: OnBatchNorm = "raise") -> list[str]:

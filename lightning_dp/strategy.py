@@ -47,7 +47,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import GradMode
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.optim import DPOptimizer
-from lightning_dp.prepare import OnBatchNorm, prepare_module
+from lightning_dp.prepare import OnBatchNorm, check_train_sampler, prepare_module
 from lightning_dp.sampling import Poisson
 from lightning_dp.sensitivity import check_sensitivity, training_step_loss
 from lightning_dp.slots import Clipping, Noise, Sampler, SamplerRuntime, Step
@@ -373,6 +373,7 @@ class DPStrategyMixin(Strategy):
                 "The train dataset is an IterableDataset: Poisson sampling needs random access to every "
                 "example (len() and indexing). Use a map-style Dataset."
             )
+        check_train_sampler(loader)
         if loader.batch_size is None:
             raise DPConfigurationError(
                 "The train DataLoader has no batch_size (it uses a custom batch_sampler). DP training replaces "
@@ -820,7 +821,11 @@ def _shape_change(saved_n: int, saved_q: float, sampler: Sampler) -> str:
 
 
 def _warn_on_non_private_gradient_hooks(trainer: Trainer) -> None:
-    """``on_after_backward`` runs before the private step: whatever it logs about gradients leaks."""
+    """``on_after_backward`` runs before the private step: whatever it logs about gradients leaks.
+
+    It sees the non-private gradient as Lightning documents it: the fast path's weight-gradient skipping
+    is turned off for such runs (the cost is paid only when a module or callback overrides the hook).
+    """
     from lightning.pytorch import Callback, LightningModule
 
     users = []
@@ -830,10 +835,14 @@ def _warn_on_non_private_gradient_hooks(trainer: Trainer) -> None:
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if type(callback).on_after_backward is not Callback.on_after_backward:
             users.append(type(callback).__name__)
+    grads = getattr(getattr(trainer.strategy, "engine", None), "grads", None)
+    if grads is not None:
+        grads.keep_param_grads = bool(users)
     if users:
         warnings.warn(
             f"on_after_backward in {users} sees the NON-private gradient (it runs before clipping and noise): "
             "logging or acting on it is not covered by the privacy guarantee. Use on_before_optimizer_step, "
-            "which sees the private gradient.",
+            "which sees the private gradient. Autograd's weight gradients are computed every step for this "
+            "hook (the fast path otherwise skips them).",
             stacklevel=2,
         )
