@@ -471,9 +471,9 @@ class PerSampleGradients:
         first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
         self._note_batch(first)
         batch = self._batch_hint
-        if batch is None or batch <= 1 or first is None or output.dim() == 0:
+        if batch is None or first is None or output.dim() == 0:
             return inputs, output
-        if first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1:
+        if batch > 1 and first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1:
             expanded = tuple(
                 x.expand(batch, *x.shape[1:])
                 if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == 1

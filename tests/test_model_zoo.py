@@ -14,7 +14,7 @@ from lightning_dp.grad_sample import PerSampleGradients
 from lightning_dp.prepare import replace_batchnorm
 from tests.conftest import make_trainer
 from tests.tolerances import assert_certified
-from tests.zoo import DOC, TABLE_END, TABLE_START, ZOO, ZooModel, paths_table, zoo_lightning_module
+from tests.zoo import DOC, TABLE_END, TABLE_START, ZOO, ZooModel, paths_table, zoo_lightning_module, zoo_model
 
 RTOL = 1e-6
 
@@ -206,3 +206,24 @@ def test_neighbour_moves_the_released_sum_by_at_most_c(entry: ZooModel, neighbou
             raise
         pytest.xfail("prepare.py still refuses every buffer of a layer without a formula (changed elsewhere)")
     neighbour.assert_neighbour_bound(move, bound=1e-3)
+
+
+@pytest.mark.parametrize("name", ["transformer_encoder_seq_first", "nanogpt_tied", "hf_gpt2_classifier"])
+def test_a_poisson_batch_of_one_example_with_a_position_lookup(name: str) -> None:
+    """Poisson can draw a single example: wpe(arange(T)) is then still a broadcast (T ≠ 1), not T examples
+    (a CI run drew one and was refused with 'pos has 6 on its batch dimension')."""
+    entry = zoo_model(name)
+    net = zoo_lightning_module(entry).net
+    batch = [t[:1] for t in zoo_lightning_module(entry).data]
+    grads = PerSampleGradients(net)
+    try:
+        grads.expect_batch(1)  # as the engine does with the size the sampler drew
+        net(*batch).backward()
+        samples, size = grads.collect(expected=1)
+        got = samples.materialize()
+    finally:
+        grads.remove()
+    assert size == 1
+    expected = torch.autograd.grad(net(*batch), samples.params)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g[0], e, rtol=1e-5, atol=1e-6 * float(e.abs().max()) + 1e-9)
