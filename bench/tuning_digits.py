@@ -36,18 +36,18 @@ QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=
 
 def test_accuracy(model: Any, datamodule: Any) -> float:
     """Accuracy of ``model`` on the digits test split (held out from training and from the tuner's score)."""
-    from lightning_dp.tuning import _count_correct
+    from lightning_dp.tuning.trials import count_correct
 
     datamodule.setup("test")
-    correct, n = _count_correct(model, datamodule.test_dataloader())
+    correct, n = count_correct(model, datamodule.test_dataloader())
     return correct / n
 
 
 def fit(args: list[str], directory: Path) -> tuple[Any, Any]:
     """One ordinary DPStrategy fit of the base config plus ``args``; returns (model, datamodule)."""
-    from lightning_dp.tuning import _instantiate
+    from lightning_dp.tuning.planning import instantiate_cli
 
-    cli = _instantiate(
+    cli = instantiate_cli(
         [*BASE, *QUIET, *args, "--trainer.logger=false", f"--trainer.default_root_dir={directory}"]
     )
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -100,7 +100,9 @@ def naive_sigma(trials: int, q: float, steps: int, score_sigma: float, target: f
 
 def run_naive(seed: int, trials: int, sigma: float, directory: Path, search: Path) -> float:
     """``trials`` public trials from the same space at σ, noisy validation score, best released."""
-    from lightning_dp.tuning import _count_correct, _override_args, load_search
+    from lightning_dp.tuning import load_search
+    from lightning_dp.tuning.planning import override_args
+    from lightning_dp.tuning.trials import count_correct
 
     spec = load_search(search)
     rng = np.random.default_rng(10_000 + seed)
@@ -108,10 +110,10 @@ def run_naive(seed: int, trials: int, sigma: float, directory: Path, search: Pat
     for i in range(trials):
         theta = spec.space.sample(rng)
         model, datamodule = fit(
-            [*_override_args(theta), f"--trainer.strategy.init_args.noise_multiplier={sigma}"],
+            [*override_args(theta), f"--trainer.strategy.init_args.noise_multiplier={sigma}"],
             directory / f"n{i}",
         )
-        correct, n = _count_correct(model, datamodule.val_dataloader())
+        correct, n = count_correct(model, datamodule.val_dataloader())
         score = (correct + spec.score.noise_multiplier * rng.standard_normal()) / n
         if best is None or score > best[0]:
             best = (score, model, datamodule)

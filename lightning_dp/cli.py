@@ -3,7 +3,7 @@
 ``lightning-dp fit --config configs/digits_dpsgd.yaml`` trains, tests (``--test_after_fit``, on by
 default) and prints ε next to the test accuracy; ``validate`` and ``test`` work as in LightningCLI.
 ``lightning-dp audit --config configs/digits_dpsgd.yaml`` audits the run empirically (lightning_dp/audit.py).
-``lightning-dp tune --config base.yaml --search search.yaml`` tunes privately (lightning_dp/tuning.py).
+``lightning-dp tune --config base.yaml --search search.yaml`` tunes privately (lightning_dp/tuning/).
 """
 
 from __future__ import annotations

@@ -40,13 +40,13 @@ from lightning_dp.accounting.repeat_select import threshold_rdp
 from lightning_dp.tuning import (
     Score,
     TrialOutcome,
-    TrialPlan,
     TrialRun,
     calibrate_tuning,
     load_search,
     plan,
     tune,
 )
+from lightning_dp.tuning.planning import TrialPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ["--config", str(ROOT / "configs" / "digits_dpsgd.yaml")]
@@ -538,15 +538,15 @@ def test_monitor_callbacks_and_prv_are_refused_and_cli_plan_only(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from lightning_dp.cli import main
-    from lightning_dp.tuning import _plan_from_args
+    from lightning_dp.tuning.planning import plan_from_args
 
     args = [*DIGITS, "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val_acc"]
     with pytest.raises(DPConfigurationError, match="monitor a metric of private data"):
-        _plan_from_args(args, Score("private_validation"))
+        plan_from_args(args, Score("private_validation"))
     with pytest.raises(
         DPConfigurationError, match=re.escape("set trainer.strategy.init_args.accountant: rdp")
     ):
-        _plan_from_args([*DIGITS, "--trainer.strategy.init_args.accountant=prv"], Score("public"))
+        plan_from_args([*DIGITS, "--trainer.strategy.init_args.accountant=prv"], Score("public"))
     search = ROOT / "configs" / "digits_tune_search.yaml"
     out = io.StringIO()
     with redirect_stdout(out):

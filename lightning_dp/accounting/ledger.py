@@ -208,6 +208,10 @@ class PrivacyLedger:
         event = _check_event(event)
         count = _check_count(count)
         self._check_priceable(event)
+        self._record_checked(event, count)
+
+    def _record_checked(self, event: PrivacyEvent, count: int) -> None:
+        """:meth:`record` after its argument checks (``spend`` has already made them)."""
         if count == 0:
             return
         self._event_rdp(event)  # validates (and caches) the event's RDP before it enters the history
@@ -321,7 +325,7 @@ class PrivacyLedger:
                 event=event,
                 count=count,
             )
-        self.record(event, count)
+        self._record_checked(event, count)
         self._eps_cache[self._delta] = (would_be, order)  # same function of the same history
         return would_be
 

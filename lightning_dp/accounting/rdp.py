@@ -121,9 +121,11 @@ def event_rdp(event: PrivacyEvent, orders: tuple[float, ...]) -> np.ndarray:
     return _validated(event, orders, np.array(event.rdp(orders), dtype=np.float64))
 
 
+@functools.lru_cache(maxsize=256)
 def event_rdp_bound(event: PrivacyEvent, orders: tuple[float, ...]) -> np.ndarray:
     """A cheap upper bound on :func:`event_rdp`: a subsampled Gaussian's exact RDP at a nearby grid point
-    with less noise and a higher rate (cached across events); the exact vector for every other event."""
+    with less noise and a higher rate (cached across events, and per event: the ledger prices, records
+    and reads each new event, three lookups); the exact vector for every other event."""
     params = event.poisson_gaussian_params()
     if params is None or type(event).rdp is not PoissonGaussian.rdp:
         return event_rdp(event, orders)
@@ -140,6 +142,8 @@ def segment_rdp(event: PrivacyEvent, count: int, orders: tuple[float, ...]) -> n
     value, and non-decreasing in ``count`` at every order, so ε never drops when a run grows.
     """
     bound = event_rdp_bound(event, orders)
+    if count == 1:
+        return bound  # read-only, shared: callers add to it, never into it
     if count < EXACT_RUN:
         return count * bound
     exact = event_rdp(event, orders)
@@ -160,10 +164,11 @@ def epsilon_from_rdp(
     optimum is at the edge of ``orders`` (it is cheap enough to call every step).
     """
     delta = check_delta(delta)
+    if isinstance(orders, _Orders) and isinstance(rdp, np.ndarray) and rdp.shape == (len(orders),):
+        # The ledger's path, every step: no conversion of the 300-float orders tuple.
+        return _min_epsilon(rdp.astype(np.float64, copy=False) + _conversion_offset(orders, delta), orders)
     orders_vec = np.asarray(orders, dtype=np.float64)
     rdp_vec = np.asarray(rdp, dtype=np.float64)
-    if isinstance(orders, _Orders) and rdp_vec.shape == orders_vec.shape:  # the ledger's path, every step
-        return _min_epsilon(rdp_vec + _conversion_offset(orders, delta), orders)
     if orders_vec.ndim != 1 or orders_vec.shape != rdp_vec.shape:
         raise ValueError(
             f"rdp and orders must be 1-D and the same length, got shapes {rdp_vec.shape} and {orders_vec.shape}"
