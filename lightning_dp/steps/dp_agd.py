@@ -29,8 +29,8 @@ from lightning_dp.accounting import NoisyMin, PrivacyFilter, charge, rho_from_ep
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
-from lightning_dp.probes import LossProbe
 from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.steps.loss_queries import LossProbe
 from lightning_dp.validation import number
 
 __all__ = ["AdaptiveGD", "grad_avg", "initial_budgets", "noisy_min", "step_grid"]

@@ -18,430 +18,39 @@ one batch shared by the gradient and its searches, and the ln(1/δ) multi-order 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from opacus.accountants.analysis.rdp import compute_rdp
-from scipy.special import gammaln, logsumexp
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from lightning_dp import validation
 from lightning_dp.accounting import PrivacyEvent, charge
+from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
-from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, pure_dp_rdp
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
+from lightning_dp.steps.line_search.cheb import (
+    angle_degrees,
+    angle_ema,
+    cheb_decision,
+    reset_eta0,
+    shrink_clips,
+)
+from lightning_dp.steps.line_search.svt import (
+    SearchResult,
+    SVTNoise,
+    candidate_steps,
+    noisy_backtracking,
+    svt_calibration,
+)
 from lightning_dp.validation import flag, number
 
 Accounting = Literal["safe", "paper"]
-SVTNoise = Literal["laplace", "gaussian"]
 
-# ----------------------------------------------------------------------------------------------------
-# RDP curves (vectorised over orders α); every function returns ε(α) for ONE release.
-# ----------------------------------------------------------------------------------------------------
-
-
-def _orders(orders: Sequence[float] | np.ndarray) -> np.ndarray:
-    return np.asarray(orders, dtype=np.float64)
-
-
-def pure_dp_amplified(eps: float, q: float) -> float:
-    """ε' of an ε-DP mechanism run on a Poisson subsample with rate q: ln(1 + q(e^ε − 1))."""
-    if eps > 1:  # e^ε (q + (1 − q) e^{−ε}): no overflow
-        return float(eps + math.log(q + (1 - q) * math.exp(-eps)))
-    return float(math.log1p(q * math.expm1(eps)))
-
-
-def svt_base(noise: str, budget: float, max_queries: int, accounting: str) -> PrivacyEvent:
-    """The unamplified SVT event of one search (the accounting package's LaplaceSVT / GaussianSVT)."""
-    if noise == "laplace":
-        return LaplaceSVT(budget, max_queries, accounting)
-    return GaussianSVT(budget, max_queries, accounting)
-
-
-def amplify_general(
-    orders: Sequence[float] | np.ndarray, base: Callable[[np.ndarray], np.ndarray], q: float
-) -> np.ndarray:
-    """Zhu & Wang 2019 (the paper's Lemma 4): RDP of a mechanism with RDP ``base`` on a Poisson subsample.
-
-    Valid for integer orders α ≥ 2; other orders get ``inf`` (callers take a minimum with other bounds).
-    Computed in log space with lgamma binomials.
-    """
-    a = _orders(orders)
-    out = np.full_like(a, math.inf)
-    if q == 0:
-        return np.zeros_like(a)
-    ints = [int(x) for x in a if x >= 2 and float(x).is_integer()]
-    if not ints:
-        return out
-    if q >= 1:
-        values = base(a)
-        return np.where((a >= 2) & (a == np.round(a)), values, math.inf)
-    top = max(ints)
-    ls = np.arange(2, top + 1, dtype=np.float64)
-    eps_l = base(ls)  # ε(l) for l = 2..top
-    log_q, log_1q = math.log(q), math.log1p(-q)
-    for i, x in enumerate(a):
-        if not (x >= 2 and float(x).is_integer()):
-            continue
-        alpha = int(x)
-        js = np.arange(2, alpha + 1, dtype=np.float64)
-        log_binom = gammaln(alpha + 1) - gammaln(js + 1) - gammaln(alpha - js + 1)
-        terms = log_binom + js * log_q + (alpha - js) * log_1q + (js - 1) * eps_l[: alpha - 1]
-        terms[1:] += math.log(3.0)  # the terms l ≥ 3 carry a factor 3
-        first = (alpha - 1) * log_1q + math.log1p((alpha - 1) * q)
-        out[i] = max(0.0, float(logsumexp(np.concatenate(([first], terms)))) / (alpha - 1))  # no rounding < 0
-    return out
-
-
-def gaussian_rdp_sgm(orders: Sequence[float] | np.ndarray, rho: float, q: float) -> np.ndarray:
-    """Exact RDP of the Poisson-subsampled Gaussian with zCDP ρ = 1/(2z²) (Mironov et al. 2019, Opacus)."""
-    a = _orders(orders)
-    if rho == 0 or q == 0:
-        return np.zeros_like(a)
-    if math.isinf(rho):
-        return np.full_like(a, math.inf)
-    z = 1.0 / math.sqrt(2.0 * rho)
-    values = np.asarray(compute_rdp(q=q, noise_multiplier=z, steps=1, orders=list(a)), dtype=np.float64)
-    # Opacus's series loses all precision for huge z at large orders (NaN/negative): no bound there.
-    return np.where(np.isfinite(values) & (values >= 0), values, math.inf)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Ledger events
-# ----------------------------------------------------------------------------------------------------
-
-
-def _check_positive(name: str, value: float) -> float:
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return value
-
-
-def _check_rate(value: float) -> float:
-    value = float(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"sample_rate must be in [0, 1], got {value!r}")
-    return value
-
-
-def _check_accounting(value: str) -> str:
-    if value not in ("safe", "paper"):
-        raise ValueError(f"accounting must be 'safe' or 'paper', got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class LineSearchGradient(PrivacyEvent, kind="line_search_gradient"):
-    """One noisy gradient of DP-BLSGD: Gaussian with zCDP ρ_grad on a Poisson batch of rate q.
-
-    ``"safe"``: min(α·ρ, exact sampled Gaussian) (the sampled-Gaussian bound is never above Lemma 4).
-    ``"paper"``: Lemma 4 on α·ρ, as the paper charges it (at fractional orders: α·ρ).
-    """
-
-    rho: float
-    sample_rate: float
-    accounting: str = "safe"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rho", _check_positive("rho", self.rho))
-        object.__setattr__(self, "sample_rate", _check_rate(self.sample_rate))
-        object.__setattr__(self, "accounting", _check_accounting(self.accounting))
-
-    def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = _orders(orders)
-        unamplified = a * self.rho
-        if self.accounting == "paper":
-            general = amplify_general(a, lambda x: x * self.rho, self.sample_rate)
-            return np.where(np.isfinite(general), general, unamplified)
-        return np.minimum(unamplified, gaussian_rdp_sgm(a, self.rho, self.sample_rate))
-
-
-@dataclass(frozen=True)
-class LineSearchSVT(PrivacyEvent, kind="line_search_svt"):
-    """One NOISYBTLS call (AboveThreshold over ≤ max_queries Armijo tests) on a Poisson batch of rate q.
-
-    ``budget`` is ε_BT (Laplace, pure DP) or ρ_BT (Gaussian); the unamplified curve is LaplaceSVT /
-    GaussianSVT. ``"safe"``: min(unamplified safe bound, Lemma 4 on it, pure-DP amplification for
-    Laplace). ``"paper"``: Lemma 4 on the paper's Thm 2/3 bound, without the minimum.
-    """
-
-    noise: str
-    budget: float
-    sample_rate: float
-    max_queries: int
-    accounting: str = "safe"
-
-    def __post_init__(self) -> None:
-        if self.noise not in ("laplace", "gaussian"):
-            raise ValueError(f"noise must be 'laplace' or 'gaussian', got {self.noise!r}")
-        object.__setattr__(self, "budget", _check_positive("budget", self.budget))
-        object.__setattr__(self, "sample_rate", _check_rate(self.sample_rate))
-        object.__setattr__(self, "accounting", _check_accounting(self.accounting))
-        svt_base(self.noise, self.budget, self.max_queries, self.accounting)  # validates max_queries
-
-    def base(self, orders: np.ndarray) -> np.ndarray:
-        """Unamplified RDP on the batch."""
-        event = svt_base(self.noise, self.budget, self.max_queries, self.accounting)
-        return np.asarray(event.rdp(tuple(float(a) for a in orders)), dtype=np.float64)
-
-    def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = _orders(orders)
-        unamplified = self.base(a)
-        general = amplify_general(a, self.base, self.sample_rate)
-        if self.accounting == "paper":
-            return np.where(np.isfinite(general), general, unamplified)
-        best = np.minimum(unamplified, general)
-        if self.noise == "laplace":
-            best = np.minimum(best, pure_dp_rdp(orders, pure_dp_amplified(self.budget, self.sample_rate)))
-        return best
-
-
-@dataclass(frozen=True)
-class LineSearchJoint(PrivacyEvent, kind="line_search_joint"):
-    """A noisy gradient and one NOISYBTLS call on the SAME Poisson batch, amplified jointly (mode J).
-
-    Valid because the per-iteration structure is fixed (NN mode). ``"safe"``: min(Σ base, Lemma 4 on
-    Σ base) with the safe SVT bound; ``"paper"``: Lemma 4 on α·ρ_grad + Thm 2/3, no minimum.
-    """
-
-    rho_grad: float
-    noise: str
-    budget: float
-    sample_rate: float
-    max_queries: int
-    accounting: str = "safe"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rho_grad", _check_positive("rho_grad", self.rho_grad))
-        svt = LineSearchSVT(self.noise, self.budget, self.sample_rate, self.max_queries, self.accounting)
-        object.__setattr__(self, "budget", svt.budget)
-        object.__setattr__(self, "sample_rate", svt.sample_rate)
-
-    def base(self, orders: np.ndarray) -> np.ndarray:
-        svt = svt_base(self.noise, self.budget, self.max_queries, self.accounting)
-        return orders * self.rho_grad + np.asarray(svt.rdp(tuple(float(a) for a in orders)))
-
-    def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = _orders(orders)
-        unamplified = self.base(a)
-        general = amplify_general(a, self.base, self.sample_rate)
-        if self.accounting == "paper":
-            return np.where(np.isfinite(general), general, unamplified)
-        return np.minimum(unamplified, general)
-
-
-def rdp_to_dp_prop1(rdp: np.ndarray, orders: Sequence[float], delta: float) -> float:
-    """The paper's Prop. 1 conversion, min_α rdp(α) + ln(1/δ)/(α−1) (looser than the ledger's)."""
-    a = _orders(orders)
-    return float(np.min(np.asarray(rdp) + math.log(1 / delta) / (a - 1)))
-
-
-# ----------------------------------------------------------------------------------------------------
-# NOISYBTLS (Alg. 1): the sparse-vector backtracking search
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SVTCalibration:
-    """Noise of one search: threshold noise drawn once, fresh query noise per trial (scale or std)."""
-
-    noise: str
-    threshold_scale: float
-    query_scale: float
-
-
-def svt_calibration(noise: SVTNoise, budget: float, sensitivity: float) -> SVTCalibration:
-    """Laplace: scales 2Δ/ε_BT and 4Δ/ε_BT. Gaussian: stds Δ·√(3/(2ρ_BT)) and Δ·√(3/ρ_BT).
-
-    ``budget = inf`` gives a noise-free search (exact Armijo), used by tests.
-    """
-    if math.isinf(budget):
-        return SVTCalibration(noise, 0.0, 0.0)
-    if noise == "laplace":
-        return SVTCalibration(noise, 2 * sensitivity / budget, 4 * sensitivity / budget)
-    if noise == "gaussian":
-        return SVTCalibration(
-            noise, sensitivity * math.sqrt(3 / (2 * budget)), sensitivity * math.sqrt(3 / budget)
-        )
-    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-
-
-def draw_noise(noise: str, scale: float, generator: torch.Generator) -> float:
-    """One Laplace (scale b, as a difference of two exponentials) or Gaussian (std) draw in float64.
-
-    Not hardened against floating-point attacks (Mironov 2012); see docs/mechanisms.md.
-    """
-    if scale == 0:
-        return 0.0
-    if noise == "laplace":
-        u = torch.rand(2, generator=generator, dtype=torch.float64)
-        e = -torch.log1p(-u)  # rand is in [0, 1): both exponentials are finite
-        return float(scale * (e[0] - e[1]))
-    return float(scale * torch.randn(1, generator=generator, dtype=torch.float64)[0])
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """What one search releases (``eta``, ``index``) and what it cost in forwards (``evaluations``)."""
-
-    eta: float
-    index: int
-    """1-based index of the accepted candidate, 0 when the search failed."""
-    evaluations: int
-
-
-def candidate_steps(eta0: float, beta: float, max_it: int) -> list[float]:
-    """η0, βη0, …, β^(max_it−1)·η0."""
-    return [eta0 * beta**i for i in range(max_it)]
-
-
-def noisy_backtracking(
-    f0: float,
-    loss_at: Callable[[int, float], float],
-    d_sq_norm: float,
-    *,
-    eta0: float,
-    beta: float,
-    max_it: int,
-    c: float,
-    calibration: SVTCalibration,
-    generator: torch.Generator,
-    on_fail: Literal["zero", "smallest"] = "zero",
-) -> SearchResult:
-    """NOISYBTLS: accept the first η with F0 − cη‖d‖² − F(w − ηd) + ν_i ≥ λ (threshold 0 + noise).
-
-    ``loss_at(i, η)`` returns the (mean-scale, clipped) objective at the i-th candidate (0-based); it is
-    called lazily, so an accepted early candidate saves forwards. Nothing but η/index leaves here.
-    """
-    threshold = draw_noise(calibration.noise, calibration.threshold_scale, generator)
-    for i, eta in enumerate(candidate_steps(eta0, beta, max_it)):
-        query = f0 - c * eta * d_sq_norm - loss_at(i, eta)
-        if query + draw_noise(calibration.noise, calibration.query_scale, generator) >= threshold:
-            return SearchResult(eta, i + 1, i + 1)
-    fallback = eta0 * beta**max_it if on_fail == "smallest" else 0.0
-    return SearchResult(fallback, 0, max_it)
-
-
-# ----------------------------------------------------------------------------------------------------
-# CHEB (Alg. 3), angle EMA, η0 reset, clip adaptation: post-processing of released values only
-# ----------------------------------------------------------------------------------------------------
-
-
-def angle_degrees(a: Tensor, b: Tensor) -> float:
-    """Angle between two flat vectors in degrees (90° if either is zero), computed in float64."""
-    a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    na, nb = float(a64.norm()), float(b64.norm())
-    if na == 0 or nb == 0:
-        return 90.0
-    cosine = max(-1.0, min(1.0, float(a64 @ b64) / (na * nb)))
-    return math.degrees(math.acos(cosine))
-
-
-@dataclass(frozen=True)
-class ChebDecision:
-    """CHEB's outcome: the new budgets, whether ρ_grad was raised, and the angle that decided it."""
-
-    rho_grad: float
-    eps_bt: float
-    raised_rho: bool
-    raised_search: bool
-    theta: float
-
-
-def cheb_decision(
-    d: Tensor,
-    d2: Tensor,
-    *,
-    theta_bar: float,
-    rho_grad: float,
-    eps_bt: float,
-    xi: float,
-    phi_max: float,
-    phi_min: float,
-) -> ChebDecision:
-    """Alg. 3's angle test: a wide (or obtuse) angle → the gradient is noisy, raise ρ_grad by (1+ξ);
-    a narrow angle → the search is noisy, raise ε_BT by (1+ξ); otherwise no change (ties: no change).
-    The caller always averages the two directions afterwards."""
-    theta = angle_degrees(d, d2)
-    dot = float(d.detach().double().reshape(-1) @ d2.detach().double().reshape(-1))
-    if dot < 0 or theta > phi_max * theta_bar:
-        return ChebDecision(rho_grad * (1 + xi), eps_bt, True, False, theta)
-    if theta < phi_min * theta_bar:
-        return ChebDecision(rho_grad, eps_bt * (1 + xi), False, True, theta)
-    return ChebDecision(rho_grad, eps_bt, False, False, theta)
-
-
-def angle_ema(theta_bar: float, theta: float, psi: float) -> float:
-    """Eq. (7): θ̄ ← ψ·θ̄ + (1−ψ)·θ_t."""
-    return psi * theta_bar + (1 - psi) * theta
-
-
-def reset_eta0(eta0: float, accepted: Sequence[float], varsigma: float, growth: bool = False) -> float:
-    """Intelligent backtracking: η0 ← min(ς·max Ω, η0) (or ς·max Ω with ``growth``); Ω = ∅ keeps η0."""
-    if not accepted:
-        return eta0
-    proposal = varsigma * max(accepted)
-    return proposal if growth else min(proposal, eta0)
-
-
-def shrink_clips(c_grad: float, c_obj: float, zeta: float) -> tuple[float, float]:
-    """DP-BLSGD-AC, eq. (9): both thresholds × (1−ζ). Privacy-free: the noise scales with them."""
-    return c_grad * (1 - zeta), c_obj * (1 - zeta)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Budgets: the order grid, the filter, the planner
-# ----------------------------------------------------------------------------------------------------
-
-#: A small geometric grid of integer orders in [2, 1024]: the strict filter pays ln(|Λ|/δ), and small ε
-#: needs large orders (ε = 0.05 at δ = 1e-8 needs α ≥ 370).
-LINE_SEARCH_ORDERS: tuple[float, ...] = tuple(
-    float(a) for a in sorted({round(2 * 512 ** (i / 31)) for i in range(32)})
-)
-
-
-def fits_budget(cost: np.ndarray, budgets: np.ndarray, spent: np.ndarray | None = None) -> bool:
-    """The filter rule: some order α with a positive budget still has spent(α) + cost(α) ≤ B(α)."""
-    total = cost if spent is None else spent + cost
-    return bool(np.any((budgets > 0) & (total <= budgets)))
-
-
-def plan_budget(
-    iteration_cost: Callable[[float], np.ndarray],
-    budgets: np.ndarray,
-    iterations: int,
-    lo: float = 1e-12,
-    hi: float = 100.0,
-) -> float:
-    """Largest x (by bisection in log space) such that ``iterations`` × ``iteration_cost(x)`` fits ``budgets``.
-
-    The budget planner of §3.9: x is ε_iter (adaptive mode) or ρ_iter (NN mode). Raises ValueError when
-    even ``lo`` does not fit.
-    """
-    if not fits_budget(iterations * iteration_cost(lo), budgets):
-        raise ValueError(f"not even {iterations} iterations at a per-iteration budget of {lo:g} fit")
-    if fits_budget(iterations * iteration_cost(hi), budgets):
-        return hi
-    a, b = math.log(lo), math.log(hi)
-    for _ in range(80):
-        mid = (a + b) / 2
-        if fits_budget(iterations * iteration_cost(math.exp(mid)), budgets):
-            a = mid
-        else:
-            b = mid
-    return math.exp(a)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The step slot
-# ----------------------------------------------------------------------------------------------------
 
 Mode = Literal["nn", "adaptive"]
 BatchRule = Literal["fresh", "same"]
@@ -886,7 +495,7 @@ class LineSearch(Step):
 
     def _loss_probe(self) -> Any:
         if self._probe is None:
-            from lightning_dp.probes import LossProbe
+            from lightning_dp.steps.loss_queries import LossProbe
 
             assert self.engine.module is not None
             self._probe = LossProbe(
