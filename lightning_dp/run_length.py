@@ -23,7 +23,7 @@ def trainer_limit(trainer: Any) -> str | None:
 def warn_on_minibatch_adaptive_step(engine: Any) -> None:
     """A zCDP filter has no amplification by subsampling: a minibatch costs a full batch's privacy."""
     step = engine.step_slot
-    if getattr(step, "charges_unsampled", False) and engine.sampler.sample_rate < 1.0:
+    if step.charges_unsampled and engine.sampler.sample_rate < 1.0:
         warnings.warn(
             f"{step.name} charges each gradient measurement as if it read the whole data set (its zCDP "
             "privacy filter has no amplification by subsampling), so a minibatch of sample rate "
@@ -38,7 +38,7 @@ def warn_if_budget_left(trainer: Any, engine: Any, stopped_on_budget: bool) -> N
     """At the end of a fit: a step that spends until its budget is used up was stopped by the Trainer."""
     step = engine.step_slot
     target = engine.target_epsilon
-    if stopped_on_budget or target is None or not getattr(step, "spends_until_budget", False):
+    if stopped_on_budget or target is None or not step.spends_until_budget:
         return
     affordable = engine.affordable_steps()
     if affordable is not None and affordable < 1:

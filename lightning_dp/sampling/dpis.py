@@ -456,7 +456,6 @@ class DPIS(Sampler):
         if self.adaptive_clipping:
             c_star = self.C_star_arg if self.C_star_arg is not None else 4 * self.clip_1
             self.gstar[indices] = raw.clamp(max=c_star)
-        ctx.extras["dpis_accepted"] = int(accept.sum())
         return weights.to(device=norms.device, dtype=torch.float32), sensitivity
 
     @property

@@ -26,12 +26,12 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from lightning_dp import validation
-from lightning_dp.accounting import PrivacyEvent, charge
+from lightning_dp.accounting import PrivacyEvent, PrivacyFilter
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
-from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.slots import Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
 from lightning_dp.steps.line_search.cheb import (
     angle_degrees,
@@ -47,6 +47,7 @@ from lightning_dp.steps.line_search.svt import (
     noisy_backtracking,
     svt_calibration,
 )
+from lightning_dp.steps.loss_queries import LossProbe
 from lightning_dp.validation import flag, number
 
 Accounting = Literal["safe", "paper"]
@@ -79,7 +80,7 @@ class LineSearchNoise(Noise):
         self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str
     ) -> None:
         del target_epsilon, delta, accountant
-        self.owner.plan(sampler.sample_rate, steps)
+        self.owner.size_budget(sampler.sample_rate, steps)
 
 
 class LineSearch(Step):
@@ -207,7 +208,9 @@ class LineSearch(Step):
         self.weight_decay = float(weight_decay)
         self.max_cheb_per_step = int(max_cheb_per_step)
         self.seed, self.chunk_size = seed, chunk_size
-        self.engine: Any = None
+        self._host: StepHost | None = None
+        self._filter: PrivacyFilter | None = None
+        self._target_epsilon: float | None = None
         self._given_sigma: float | None = None
         # -- state (checkpointed) --
         self.rho_grad: float | None = None
@@ -231,27 +234,23 @@ class LineSearch(Step):
         self._svt_generator: torch.Generator | None = None
         self._batch_generator: torch.Generator | None = None
         self._pending_generators: dict[str, Tensor] = {}
-        self._probe: Any = None
+        self._probe: LossProbe | None = None
 
     # -- wiring -------------------------------------------------------------------------------
-    def bind(self, engine: Any) -> None:
-        """Take over the engine's noise slot and ledger: σ follows ρ_grad; the ledger becomes a filter."""
-        from lightning_dp.accounting.filter import PrivacyFilter
-        from lightning_dp.noise import ConstantNoise
-
-        self.engine = engine
-        noise = engine.noise
-        if isinstance(noise, ConstantNoise):
-            self._given_sigma = noise.sigma
+    def plan(self, setup: StepSetup) -> StepPlan:
+        """Bring the noise slot (σ follows ρ_grad) and, under a target, the RDP privacy filter."""
+        noise = setup.noise
+        if noise.is_constant:
+            self._given_sigma = noise.noise_multiplier(0) if noise.is_set else None
         elif not isinstance(noise, LineSearchNoise):
             raise DPConfigurationError(
                 f"LineSearch sets the gradient noise itself (σ = 1/√(2ρ_grad)); remove noise={type(noise).__name__}."
             )
-        if engine.accountant != "rdp":
+        if setup.accountant != "rdp":
             raise DPConfigurationError(
                 "LineSearch prices sparse-vector searches in RDP: use accountant='rdp'."
             )
-        if self.mode == "adaptive" and engine.target_epsilon is None:
+        if self.mode == "adaptive" and setup.target_epsilon is None:
             raise DPConfigurationError(
                 "LineSearch(mode='adaptive') chooses its releases from earlier noisy results (CHEB raises ρ_grad "
                 "and the search budget after a failed search), so the composition of what it happened to release "
@@ -259,19 +258,32 @@ class LineSearch(Step):
                 "2021). Give target_epsilon=... (noise_multiplier may stay as the starting σ), or use "
                 "LineSearch(mode='nn'), whose per-iteration cost is fixed."
             )
-        engine.noise = LineSearchNoise(self)
         if self._given_sigma is not None:
             if self._given_sigma <= 0:
                 raise DPConfigurationError("LineSearch needs noise_multiplier > 0.")
             self._set_from_rho(1.0 / (2.0 * self._given_sigma**2))
-        if engine.target_epsilon is not None:
-            engine.ledger = PrivacyFilter(
-                engine.target_epsilon,
-                engine.delta,
+        self._target_epsilon = setup.target_epsilon
+        if setup.target_epsilon is not None:
+            self._filter = PrivacyFilter(
+                setup.target_epsilon,
+                setup.delta,
                 mode="rdp_paper" if self.accounting == "paper" else "rdp",
                 orders=LINE_SEARCH_ORDERS,
             )
-        self.c_grad = float(engine.max_grad_norm)
+        self.c_grad = float(setup.max_grad_norm)
+        return StepPlan(noise=LineSearchNoise(self), ledger=self._filter)
+
+    def bind(self, host: StepHost) -> None:
+        self._host = host
+
+    @property
+    def host(self) -> StepHost:
+        assert self._host is not None, "LineSearch is not bound to an engine"
+        return self._host
+
+    def clip_bound(self, configured: float) -> float:
+        """C_grad: the configured max_grad_norm, shrunk by DP-BLSGD-AC (eq. 9) after ρ_grad raises."""
+        return configured if self.c_grad is None else self.c_grad
 
     @property
     def spends_until_budget(self) -> bool:  # type: ignore[override]
@@ -291,7 +303,7 @@ class LineSearch(Step):
 
     @property
     def _q(self) -> float:
-        return float(self.engine.sampler.sample_rate)
+        return float(self.host.sampler.sample_rate)
 
     @property
     def _joint(self) -> bool:
@@ -313,14 +325,13 @@ class LineSearch(Step):
 
     def _refresh_reserve(self) -> None:
         """The filter admits a gradient only if a search at the current budget still fits with it."""
-        ledger = self.engine.ledger
-        if hasattr(ledger, "reserve"):
-            ledger.reserve = None if self._joint or self.search_budget is None else self.svt_event()
+        if self._filter is not None:
+            self._filter.reserve = None if self._joint or self.search_budget is None else self.svt_event()
 
-    def plan(self, sample_rate: float, steps: int) -> None:
+    def size_budget(self, sample_rate: float, steps: int) -> None:
         """Budget planner (§3.9): size the per-iteration budget so the planned iterations fit the filter."""
-        ledger = self.engine.ledger
-        if not hasattr(ledger, "rdp_budgets"):
+        ledger = self._filter
+        if ledger is None or self._target_epsilon is None:
             raise DPConfigurationError(
                 "LineSearch needs target_epsilon (or noise_multiplier) to set its budget."
             )
@@ -330,7 +341,7 @@ class LineSearch(Step):
         if self.mode == "adaptive":
             iterations = self.planned_iterations or 50
             if self.accounting == "paper":  # the paper's heuristic: ε_iter = ε / (2·T)
-                self._set_from_rho((self.engine.target_epsilon / (2 * iterations)) ** 2 / 2)
+                self._set_from_rho((self._target_epsilon / (2 * iterations)) ** 2 / 2)
                 self._refresh_reserve()
                 return
 
@@ -362,7 +373,7 @@ class LineSearch(Step):
 
     # -- helpers -----------------------------------------------------------------------------------
     def _generator(self, which: str) -> torch.Generator:
-        rank = self.engine.rank
+        rank = self.host.releases.rank
         attr = "_svt_generator" if which == "svt" else "_batch_generator"
         gen = getattr(self, attr)
         if gen is None:
@@ -377,12 +388,13 @@ class LineSearch(Step):
         """One more Poisson batch (rate q) of this rank's share, on the model's device."""
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
-        if self.engine.train_data is None:
+        host = self.host
+        if host.train_data is None:
             raise DPConfigurationError("LineSearch draws extra batches: train through DPStrategy.")
         from lightning_dp.strategy import EmptyBatch
 
-        dataset, collate = self.engine.train_data
-        rank, world = self.engine.rank, self.engine.world_size
+        dataset, collate = host.train_data
+        rank, world = host.releases.rank, host.releases.world_size
         indices = torch.arange(rank, len(dataset), world)
         chosen = indices[torch.rand(len(indices), generator=self._generator("batches")) < self._q]
         if len(chosen) == 0:
@@ -391,43 +403,24 @@ class LineSearch(Step):
             batch = [t[chosen] for t in dataset.tensors]
         else:
             batch = collate([dataset[i] for i in chosen.tolist()])
-        return move_data_to_device(batch, self.engine.params[0].device)
+        return move_data_to_device(batch, host.params[0].device)
 
     def _search_batch(self) -> Any:
-        return self.engine.batch if self.line_search_batch == "same" else self._fresh_batch()
-
-    def _can_afford(self, event: PrivacyEvent, with_reserve: bool = False) -> bool:
-        """Check before spend; ``with_reserve``: a search at the current budget must fit afterwards too."""
-        ledger = self.engine.ledger
-        target = self.engine.target_epsilon
-        if target is None:
-            return True
-        if with_reserve:  # the engine's own rule for gradients
-            return bool(ledger.affordable_count(event, target) >= 1)
-        return bool(ledger.can_afford(event, target))
-
-    def _broadcast(self, values: list[float]) -> list[float]:
-        """Rank 0's values on every rank (the SVT noise is drawn once, on rank 0)."""
-        if self.engine.world_size == 1:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.engine.params[0].device)
-        dist.broadcast(t, src=0)
-        return [float(x) for x in t.tolist()]
+        return self.host.batch if self.line_search_batch == "same" else self._fresh_batch()
 
     # -- one search ------------------------------------------------------------------------------
     def _search(self, data: list[Tensor], on_fail: Literal["zero", "smallest"]) -> float | None:
         """NOISYBTLS along d = data + μw on the search batch; None when the search is unaffordable."""
-        engine = self.engine
+        host = self.host
+        releases = host.releases
         assert self.search_budget is not None
         event = None if self._joint else self.svt_event()
         if event is not None:
-            if not self._can_afford(event):
+            if not releases.can_afford(event):
                 return None
             # Priced before the search reads the data: check-before-spend, then the release.
-            charge(engine.ledger, event, engine.target_epsilon, mechanism="LineSearch's sparse-vector search")
-        params = engine.params
+            releases.spend(event, mechanism="LineSearch's sparse-vector search")
+        params = host.params
         mu = self.weight_decay
         with torch.no_grad():
             direction = [g + mu * p.detach().to(g.dtype) for g, p in zip(data, params, strict=True)]
@@ -437,7 +430,7 @@ class LineSearch(Step):
                 float((p.detach().double() * x.double()).sum())
                 for p, x in zip(params, direction, strict=True)
             )
-        m = float(engine.sampler.expected_batch_size)
+        m = float(host.sampler.expected_batch_size)
 
         def reg(eta: float) -> float:
             return 0.5 * mu * (w_sq - 2 * eta * w_d + eta * eta * d_sq) if mu else 0.0
@@ -447,10 +440,9 @@ class LineSearch(Step):
         batch = self._search_batch()
         calibration = svt_calibration(self.noise, self.search_budget, self.c_obj / m)
         grid = candidate_steps(self.eta0, self.beta, self.max_it)
-        if engine.world_size > 1:
+        if releases.world_size > 1:
             # One collective: F at w and at every candidate, summed over ranks; rank 0 runs the SVT.
-            sums = probe.along(batch, direction, [0.0, *grid])
-            sums = engine.all_reduce([sums])[0] if engine.all_reduce is not None else sums
+            sums = releases.all_reduce([probe.along(batch, direction, [0.0, *grid])])[0]
             values = [float(v) / m + reg(eta) for v, eta in zip(sums.tolist(), [0.0, *grid], strict=True)]
             f0 = values[0]
 
@@ -474,8 +466,8 @@ class LineSearch(Step):
             generator=self._generator("svt"),
             on_fail=on_fail,
         )
-        if engine.world_size > 1:
-            eta, index = self._broadcast([result.eta, float(result.index)])
+        if releases.world_size > 1:
+            eta, index = releases.broadcast([result.eta, float(result.index)], params[0].device)
             result = SearchResult(eta, int(index), self.max_it + 1)
         self.stats["searches"] += 1
         if result.index == 0:
@@ -490,17 +482,16 @@ class LineSearch(Step):
         if eta == 0:
             return
         with torch.no_grad():
-            for p, d in zip(self.engine.params, direction, strict=True):
+            for p, d in zip(self.host.params, direction, strict=True):
                 p.sub_(eta * d.to(p.dtype))
 
-    def _loss_probe(self) -> Any:
+    def _loss_probe(self) -> LossProbe:
         if self._probe is None:
-            from lightning_dp.steps.loss_queries import LossProbe
-
-            assert self.engine.module is not None
+            host = self.host
+            assert host.module is not None
             self._probe = LossProbe(
-                self.engine.module,
-                self.engine.params,
+                host.module,
+                host.params,
                 self.c_obj,
                 chunk_size=self.chunk_size,
                 algorithm="LineSearch",
@@ -509,40 +500,35 @@ class LineSearch(Step):
 
     def _cheb_gradient(self) -> list[Tensor] | None:
         """CHEB's second noisy gradient at the current ρ_grad on a fresh batch (None: unaffordable)."""
-        engine = self.engine
+        host = self.host
         assert self.rho_grad is not None
-        event = self.gradient_event(engine.sampler, 1.0 / math.sqrt(2.0 * self.rho_grad))
-        if isinstance(event, LineSearchJoint) or not self._can_afford(event, with_reserve=True):
+        event = self.gradient_event(host.sampler, 1.0 / math.sqrt(2.0 * self.rho_grad))
+        if isinstance(event, LineSearchJoint) or not host.releases.can_afford(event, reserve=True):
             return None
         batch = self._fresh_batch()
         from lightning_dp.strategy import EmptyBatch
 
-        module = engine.module
-        assert module is not None
-        for p in engine.params:
+        for p in host.params:
             p.grad = None
-        engine.grads.clear()
+        host.clear_gradients()
         if not isinstance(batch, EmptyBatch):
             loss_fn = self._loss_probe().loss_fn
             with torch.enable_grad():
                 losses = loss_fn(batch)
-                loss = losses.mean() if engine.loss_reduction == "mean" else losses.sum()
+                loss = losses.mean() if host.loss_reduction == "mean" else losses.sum()
                 loss.backward()
-        released = engine.private_gradient(event)
-        for p in engine.params:
+        released = host.private_gradient(event)
+        for p in host.params:
             p.grad = None
         return [g.detach() for g in released]
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
         del optimizer, ctx
-        engine = self.engine
-        assert engine is not None, "LineSearch is not bound to an engine"
         assert self.rho_grad is not None, "LineSearch has no budget yet"
-        engine.max_grad_norm = self.c_grad
         data = [
             (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).float()
-            for p in engine.params
+            for p in self.host.params
         ]
         if self.mode == "nn":
             eta = self._search(data, on_fail="smallest")
@@ -594,7 +580,6 @@ class LineSearch(Step):
             if self.adapt_clip and decision.raised_rho and not shrunk:  # eq. (9), once per iteration
                 assert self.c_grad is not None
                 self.c_grad, self.c_obj = shrink_clips(self.c_grad, self.c_obj, self.zeta)
-                self.engine.max_grad_norm = self.c_grad
                 self.stats["clip_shrinks"] += 1
                 shrunk = True
         return False
@@ -641,12 +626,11 @@ class LineSearch(Step):
         self.iteration, self.theta_bar = int(state["iteration"]), float(state["theta_bar"])
         self.stats, self.last = dict(state["stats"]), dict(state["last"])
         saved = state["d_prev"]
-        if saved is None or self.engine is None or self.engine.grads is None:
+        if saved is None or self._host is None or not self._host.attached:
             self.d_prev = saved
         else:
-            self.d_prev = [g.to(p.device) for g, p in zip(saved, self.engine.params, strict=True)]
+            self.d_prev = [g.to(p.device) for g, p in zip(saved, self._host.params, strict=True)]
         self._svt_generator = self._batch_generator = None
         self._pending_generators = dict(state.get("generators", {}))
-        if self.engine is not None and self.c_grad is not None:
-            self.engine.max_grad_norm = self.c_grad
+        if self._host is not None and self.c_grad is not None:
             self._refresh_reserve()
