@@ -16,33 +16,13 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
 from lightning_dp.accounting.budget import affordable_after
+from lightning_dp.compatibility import check_mechanisms
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.grad_sample import BatchDimensionError, GradMode, PerExampleGradients, PerSampleGradients
 from lightning_dp.recurrent import SWAPS
 from lightning_dp.release import AllReduce, ReleaseHook, Releases
 from lightning_dp.rng import make_generator, without_generator_states
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepSetup, iter_slots
-
-
-def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str) -> None:
-    """Refuse slot combinations the ledger cannot price (e.g. Laplace noise with Poisson/RDP events).
-
-    Slots declare ``mechanism`` ("gaussian" unless set): Laplace needs all of fixed-size sampling,
-    L1 clipping, Laplace noise and the pure-ε accountant (basic composition); Gaussian needs none
-    (its accountant is "rdp", "prv" or "pld").
-    """
-    kinds = {
-        name: slot.mechanism
-        for name, slot in (("sampler", sampler), ("clipping", clipping), ("noise", noise))
-    }
-    kinds["accountant"] = "laplace" if accountant == "pure" else "gaussian"
-    if len(set(kinds.values())) > 1:
-        described = ", ".join(f"{name}: {kind}" for name, kind in kinds.items())
-        raise DPConfigurationError(
-            f"These slots release different mechanisms ({described}), which the ledger cannot price together. "
-            "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
-            "and accountant='pure'; Gaussian steps need none of these."
-        )
 
 
 def refuse_sequence_first(root: nn.Module) -> None:
@@ -105,6 +85,7 @@ class PrivateStepEngine:
             clipping=clipping,
             gradient_name=f"the private gradient step ({sampler.name}, {clipping.name}, {step.name})",
         )
+        sampler.use_releases(self.releases)
         self.steps = 0
         self.grads: PerSampleGradients | None = None
         self.generator: torch.Generator | None = None

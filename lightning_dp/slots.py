@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
 
 if TYPE_CHECKING:
+    from lightning_dp.grad_sample import PerExampleGradients
     from lightning_dp.release import Releases
 
 
@@ -50,7 +51,7 @@ class _Stateful:
 
     mechanism: str = "gaussian"
     """The kind of release this slot is built for: "gaussian" (default) or "laplace" (pure ε-DP);
-    :func:`~lightning_dp.engine.check_mechanisms` refuses slots of different kinds together."""
+    :func:`~lightning_dp.compatibility.check_mechanisms` refuses slots of different kinds together."""
     seed: int | None = None
     """The slot's own seed, if it draws random numbers (None: ``os.urandom``; a resumed run then does
     not restore the slot's generator states)."""
@@ -76,8 +77,8 @@ class SamplerRuntime:
     norms: Callable[[Tensor], Tensor]
     """Per-example gradient L2 norms (fp64, CPU) of the given dataset indices at the current weights.
     Nothing is released and the weights do not move: the caller must price whatever it derives."""
-    ledger: Any
-    """The run's :class:`~lightning_dp.accounting.PrivacyLedger` (for auxiliary releases)."""
+    ledger: PrivacyLedger
+    """The run's ledger, to read (price a plan); releases are recorded through ``Sampler.use_releases``."""
     target_epsilon: float | None
     delta: float
     planned_steps: int
@@ -85,7 +86,7 @@ class SamplerRuntime:
     max_grad_norm: float
     fixed_noise_multiplier: float | None
     """σ given by the user (noise slot already set), else None: the sampler schedules σ itself."""
-    clipping: Any
+    clipping: Clipping
     all_reduce: Callable[[list[Tensor]], list[Tensor]] | None = None
     """Sum CPU tensors over all ranks (None on one process)."""
 
@@ -105,6 +106,11 @@ class Sampler(_Stateful, ABC):
         """Called by the strategy before every epoch's loader is built; default: nothing to keep."""
         del runtime
 
+    def use_releases(self, releases: Releases) -> None:
+        """Called once by the engine: samplers that release statistics of the data (DPIS) price and
+        record them through ``releases.spend``. Default: nothing to keep."""
+        del releases
+
     def begin_step(self, info: Any) -> None:
         """The info snapshot that the batch of the step about to run carried (``carries_batch_info``)."""
         del info
@@ -118,7 +124,7 @@ class Sampler(_Stateful, ABC):
         start); the budget stop prices them together with the step, so it stops before them. Default: none."""
         return []
 
-    def weigh(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> tuple[Tensor, float] | None:
+    def weigh(self, grad_samples: PerExampleGradients, ctx: StepContext) -> tuple[Tensor, float] | None:
         """Per-example weights w and the L2 sensitivity of Σ w_i g_i, for samplers whose inclusion
         probabilities depend on the gradients (DPIS). None (default): the clipping slot bounds them."""
         del grad_samples, ctx
