@@ -4,7 +4,10 @@ the adaptive line search) must be stopped by the budget, and say so when the Tra
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_dp.engine import PrivateStepEngine
 
 
 def trainer_limit(trainer: Any) -> str | None:
@@ -20,7 +23,7 @@ def trainer_limit(trainer: Any) -> str | None:
     return None
 
 
-def warn_on_minibatch_adaptive_step(engine: Any) -> None:
+def warn_on_minibatch_adaptive_step(engine: PrivateStepEngine) -> None:
     """A zCDP filter has no amplification by subsampling: a minibatch costs a full batch's privacy."""
     step = engine.step_slot
     if step.charges_unsampled and engine.sampler.sample_rate < 1.0:
@@ -34,7 +37,7 @@ def warn_on_minibatch_adaptive_step(engine: Any) -> None:
         )
 
 
-def warn_if_budget_left(trainer: Any, engine: Any, stopped_on_budget: bool) -> None:
+def warn_if_budget_left(trainer: Any, engine: PrivateStepEngine, stopped_on_budget: bool) -> None:
     """At the end of a fit: a step that spends until its budget is used up was stopped by the Trainer."""
     step = engine.step_slot
     target = engine.target_epsilon

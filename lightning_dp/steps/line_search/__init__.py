@@ -231,8 +231,8 @@ class LineSearch(Step):
             "clip_shrinks": 0,
         }
         self.last = {"eta": 0.0, "index": 0}
-        self._svt_generator: torch.Generator | None = None
-        self._batch_generator: torch.Generator | None = None
+        self._generators: dict[str, torch.Generator] = {}
+        """The SVT noise ("svt") and the extra Poisson batches ("batches"), created on first use."""
         self._pending_generators: dict[str, Tensor] = {}
         self._probe: LossProbe | None = None
 
@@ -373,15 +373,13 @@ class LineSearch(Step):
 
     # -- helpers -----------------------------------------------------------------------------------
     def _generator(self, which: str) -> torch.Generator:
-        rank = self.host.releases.rank
-        attr = "_svt_generator" if which == "svt" else "_batch_generator"
-        gen = getattr(self, attr)
+        gen = self._generators.get(which)
         if gen is None:
-            gen = make_generator(self.seed, stream=f"line_search/{which}/{rank}")
+            gen = make_generator(self.seed, stream=f"line_search/{which}/{self.host.releases.rank}")
             pending = self._pending_generators.pop(which, None)
             if pending is not None:
                 gen.set_state(pending)
-            setattr(self, attr, gen)
+            self._generators[which] = gen
         return gen
 
     def _fresh_batch(self) -> Any:
@@ -612,11 +610,7 @@ class LineSearch(Step):
             "d_prev": None if self.d_prev is None else [g.detach().cpu().clone() for g in self.d_prev],
             "stats": dict(self.stats),
             "last": dict(self.last),
-            "generators": {
-                name: gen.get_state()
-                for name, gen in (("svt", self._svt_generator), ("batches", self._batch_generator))
-                if gen is not None
-            },
+            "generators": {name: gen.get_state() for name, gen in self._generators.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -630,7 +624,7 @@ class LineSearch(Step):
             self.d_prev = saved
         else:
             self.d_prev = [g.to(p.device) for g, p in zip(saved, self._host.params, strict=True)]
-        self._svt_generator = self._batch_generator = None
+        self._generators = {}
         self._pending_generators = dict(state.get("generators", {}))
         if self._host is not None and self.c_grad is not None:
             self._refresh_reserve()
