@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
+from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
 from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.compatibility import check_mechanisms
 from lightning_dp.errors import DPConfigurationError
@@ -402,12 +402,13 @@ class PrivateStepEngine:
     def _check_affordable(self, event: PrivacyEvent) -> None:
         """Check before spend: refuse a release the target cannot pay for (O(1) per step, even with PRV);
         a refusal drops this step's per-example gradients and any pending chunks."""
-        if self.releases.can_afford(event, reserve=True):
-            return
-        assert self.grads is not None
-        self.grads.clear()
-        self._partial, self._partial_batch = None, 0
-        self.releases.check(event)
+        try:
+            self.releases.check(event)
+        except BudgetExceededError:
+            assert self.grads is not None
+            self.grads.clear()
+            self._partial, self._partial_batch = None, 0
+            raise
 
     def _check_consistency(
         self, params: list[nn.Parameter], grad_samples: PerExampleGradients, batch: int
