@@ -51,8 +51,6 @@ from lightning_dp.steps.loss_queries import LossProbe
 from lightning_dp.validation import flag, number
 
 Accounting = Literal["safe", "paper"]
-
-
 Mode = Literal["nn", "adaptive"]
 BatchRule = Literal["fresh", "same"]
 
