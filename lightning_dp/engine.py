@@ -124,6 +124,10 @@ class PrivateStepEngine:
     def release_hooks(self) -> list[ReleaseHook]:
         return self.releases.hooks
 
+    def connect(self, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
+        """Once the processes exist: this rank, their number and the sum over them (None on one process)."""
+        self.releases.connect(rank, world_size, all_reduce)
+
     @property
     def rank(self) -> int:
         return self.releases.rank

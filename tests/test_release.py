@@ -150,3 +150,11 @@ def test_noise_only_step_is_priced_and_releases_pure_noise():
     grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert float(grads.abs().max()) < 1.0  # noise of std σC/(qN) = 0.1 only: the stale 7s are gone
     assert float(grads.abs().min()) > 0.0
+
+
+def test_connect_sets_the_collective_once_for_every_release():
+    engine = _engine(Step(), noise=ConstantNoise(1.0), target=None)
+    engine.connect(1, 2, all_reduce=lambda ts: [2 * t for t in ts])
+    assert (engine.rank, engine.world_size) == (1, 2)
+    assert engine.releases.rank == 1
+    assert engine.releases.all_reduce([torch.ones(2)])[0].tolist() == [2.0, 2.0]
