@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_dp.accounting import NoisyMin, PrivacyFilter, rho_from_epsilon
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.slots import Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
+from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.loss_queries import LossProbe
 from lightning_dp.validation import number
 
@@ -170,6 +170,7 @@ class AdaptiveGD(Step):
         self.last: dict[str, float] = {}
         self._host: StepHost | None = None
         self._filter: PrivacyFilter | None = None
+        self._clipping: Clipping | None = None
 
     # -- wiring --------------------------------------------------------------------------------------
     def plan(self, setup: StepSetup) -> StepPlan:
@@ -194,6 +195,7 @@ class AdaptiveGD(Step):
             self.rho_ng = rho_ng
         if math.isnan(self.rho_nmax):
             self.rho_nmax = rho_nmax
+        self._clipping = setup.clipping
         self._filter = PrivacyFilter(
             setup.target_epsilon,
             setup.delta,
@@ -307,7 +309,8 @@ class AdaptiveGD(Step):
     def _measure(self, sums: list[Tensor], rho: float, ctx: StepContext) -> list[Tensor]:
         """One more Gaussian measurement of the same clipped sum at cost ρ (priced by the caller)."""
         assert self._host is not None
-        std = ctx.max_grad_norm / math.sqrt(2.0 * rho)  # flat clipping: the sensitivity is C
+        assert self._clipping is not None
+        std = self._clipping.sensitivity(ctx) / math.sqrt(2.0 * rho)
         # The noise is added in place, and a rejected step measures the same clipped sums again: copy them.
         noisy = self._host.releases.noisy([s.clone() for s in sums], std, ctx.generator)
         return [n.double() for n in noisy]
