@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dp import AdaptiveGD, ConstantNoise, FlatClipping, Poisson, Step
+from lightning_dp import AdaptiveGD, ConstantNoise, DPConfigurationError, FlatClipping, Poisson, Step
 from lightning_dp.accounting import (
     BudgetExceededError,
     Gaussian,
@@ -103,9 +103,9 @@ def test_a_step_plan_brings_its_noise_and_ledger_before_construction():
 
 
 def test_plans_refuse_what_they_cannot_price():
-    with pytest.raises(Exception, match="do not pass noise or noise_multiplier"):
+    with pytest.raises(DPConfigurationError, match="do not pass noise or noise_multiplier"):
         _engine(AdaptiveGD(), noise=ConstantNoise(1.0))
-    with pytest.raises(Exception, match="needs target_epsilon"):
+    with pytest.raises(DPConfigurationError, match="needs target_epsilon"):
         _engine(AdaptiveGD(), target=None)
 
 
