@@ -162,6 +162,7 @@ class PrivateStepEngine:
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
             )
             self.clipping.setup(self.grads.params)
+            self.releases.anchor = self.grads.params[0]
 
     def clear_gradients(self) -> None:
         """Drop the per-example gradients captured so far (a step about to backpropagate another batch)."""
@@ -172,6 +173,7 @@ class PrivateStepEngine:
         if self.grads is not None:
             self.grads.remove()
             self.grads = None
+            self.releases.anchor = None
 
     @property
     def attached(self) -> bool:

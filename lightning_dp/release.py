@@ -62,6 +62,9 @@ class Releases:
         self.rank = 0
         self.world_size = 1
         self.all_reduce_fn: AllReduce | None = None
+        self.anchor: Tensor | None = None
+        """A model parameter, set when the engine attaches: collectives run on its current device (the
+        strategy may move the model after attaching); None: on the CPU."""
 
     def connect(self, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
         """This process's rank, the number of processes, and the sum over them (None on one process)."""
@@ -135,6 +138,23 @@ class Releases:
         if keep_sums:  # finalize may scale in place
             ctx.noisy_sums = [s.clone() for s in noisy]
         return self._clipping.finalize(noisy, ctx)
+
+    def noisy_statistic(self, local_sum: float, std: float, generator: torch.Generator) -> float:
+        """Σ over all ranks of a scalar plus one Gaussian draw of std ``std``: the same value everywhere.
+
+        The draw is rank 0's (every rank draws, so the streams stay aligned); fp64 on the CPU. Prices
+        nothing: the caller has spent the statistic's event (:meth:`spend`).
+        """
+        noise = float(torch.randn(1, generator=generator, dtype=torch.float64)) * std
+        value = torch.tensor([local_sum + (noise if self.rank == 0 else 0.0)], dtype=torch.float64)
+        if self.world_size > 1:
+            if self.all_reduce_fn is None:
+                raise RuntimeError(
+                    "A statistic over several ranks needs the strategy's all-reduce (connect())."
+                )
+            device = self.anchor.device if self.anchor is not None else torch.device("cpu")
+            value = self.all_reduce_fn([value.to(device)])[0].cpu()
+        return float(value)
 
     # -- collectives -------------------------------------------------------------------------------
     def all_reduce(self, tensors: list[Tensor]) -> list[Tensor]:

@@ -158,3 +158,19 @@ def test_connect_sets_the_collective_once_for_every_release():
     assert (engine.rank, engine.world_size) == (1, 2)
     assert engine.releases.rank == 1
     assert engine.releases.all_reduce([torch.ones(2)])[0].tolist() == [2.0, 2.0]
+
+
+def test_a_statistic_carries_rank_zeros_draw_once_over_all_ranks():
+    """Every rank draws (the streams stay aligned), only rank 0 adds its draw, and the sum is shared."""
+    std, locals_ = 2.0, [3.0, 4.0]
+    expected_noise = (
+        float(torch.randn(1, generator=torch.Generator().manual_seed(5), dtype=torch.float64)) * std
+    )
+    other_rank = torch.tensor([locals_[1]], dtype=torch.float64)
+    releases = _releases()
+    releases.connect(0, 2, all_reduce=lambda ts: [ts[0] + other_rank])
+    value = releases.noisy_statistic(locals_[0], std, torch.Generator().manual_seed(5))
+    assert value == pytest.approx(sum(locals_) + expected_noise, rel=1e-12)
+    releases.connect(1, 2, all_reduce=None)
+    with pytest.raises(RuntimeError, match="all-reduce"):
+        releases.noisy_statistic(1.0, std, torch.Generator())

@@ -294,14 +294,9 @@ class DPIS(Sampler):
 
     def _release(self, local_sum: float, std: float) -> float:
         """Σ over all ranks of ``local_sum`` plus one Gaussian draw (rank 0's): the same value everywhere."""
-        noise = float(torch.randn(1, generator=self.generators["stats"], dtype=torch.float64)) * std
-        value = torch.tensor([local_sum + (noise if self.rank == 0 else 0.0)], dtype=torch.float64)
-        if self.world_size > 1:
-            assert self.runtime is not None
-            if self.runtime.all_reduce is None:
-                raise RuntimeError("DPIS under DDP needs the strategy's all-reduce.")
-            value = self.runtime.all_reduce([value])[0]
-        return float(value)
+        if self.releases is None:
+            raise RuntimeError("DPIS releases statistics only inside a private run (PrivateStepEngine).")
+        return self.releases.noisy_statistic(local_sum, std, self.generators["stats"])
 
     def _start_epoch(self) -> None:
         """Full norm pass, release K~ (and N~ once, K~* with AC), then solve σ_G for this epoch."""
