@@ -88,7 +88,8 @@ class SamplerRuntime:
     """σ given by the user (noise slot already set), else None: the sampler schedules σ itself."""
     clipping: Clipping
     all_reduce: Callable[[list[Tensor]], list[Tensor]] | None = None
-    """Sum CPU tensors over all ranks (None on one process)."""
+    """Sum CPU tensors over all ranks (None on one process). The built-in samplers release through
+    ``Releases.noisy_statistic`` instead; kept for samplers that need a plain collective."""
 
 
 class Sampler(_Stateful, ABC):
