@@ -16,7 +16,7 @@ from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
 from lightning_dp.sampling import DPIS, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
-from lightning_dp.steps.dp_line_search import LineSearch
+from lightning_dp.steps.line_search import LineSearch
 from lightning_dp.strategy import DPStrategy, EmptyBatch
 from lightning_dp.tuning import tune
 

@@ -37,7 +37,8 @@ from scipy import stats
 from torch import Tensor
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
 
-from lightning_dp.engine import PrivateStepEngine, ReleaseHook
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.release import ReleaseHook
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import StepContext
 

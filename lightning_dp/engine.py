@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -16,50 +16,13 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
 from lightning_dp.accounting.budget import affordable_after
-from lightning_dp.clipping.flat import weighted_sum
+from lightning_dp.compatibility import check_mechanisms
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import BatchDimensionError, GradMode, PerSampleGradients
+from lightning_dp.grad_sample import BatchDimensionError, GradMode, PerExampleGradients, PerSampleGradients
 from lightning_dp.recurrent import SWAPS
+from lightning_dp.release import AllReduce, ReleaseHook, Releases
 from lightning_dp.rng import make_generator, without_generator_states
-from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, iter_slots
-
-AllReduce = Callable[[list[Tensor]], list[Tensor]]
-
-
-class ReleaseHook:
-    """Sees each step's release: may add contributions before the noise, reads the noisy sums after.
-
-    The privacy audit's gradient canaries use it (lightning_dp/audit.py); the default does nothing.
-    """
-
-    def before_noise(self, sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
-        """The clipped sums the noise is added to (extra tensors may be appended; return them all)."""
-        return sums
-
-    def after_release(self, noisy: list[Tensor], ctx: StepContext) -> list[Tensor]:
-        """The released noisy sums; return those of the parameters (drop anything appended above)."""
-        return noisy
-
-
-def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str) -> None:
-    """Refuse slot combinations the ledger cannot price (e.g. Laplace noise with Poisson/RDP events).
-
-    Slots declare ``mechanism`` ("gaussian" unless set): Laplace needs all of fixed-size sampling,
-    L1 clipping, Laplace noise and the pure-ε accountant (basic composition); Gaussian needs none
-    (its accountant is "rdp", "prv" or "pld").
-    """
-    kinds = {
-        name: getattr(slot, "mechanism", "gaussian")
-        for name, slot in (("sampler", sampler), ("clipping", clipping), ("noise", noise))
-    }
-    kinds["accountant"] = "laplace" if accountant == "pure" else "gaussian"
-    if len(set(kinds.values())) > 1:
-        described = ", ".join(f"{name}: {kind}" for name, kind in kinds.items())
-        raise DPConfigurationError(
-            f"These slots release different mechanisms ({described}), which the ledger cannot price together. "
-            "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
-            "and accountant='pure'; Gaussian steps need none of these."
-        )
+from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepSetup, iter_slots
 
 
 def refuse_sequence_first(root: nn.Module) -> None:
@@ -103,29 +66,34 @@ class PrivateStepEngine:
     ) -> None:
         self.grad_sample_mode: GradMode = grad_sample_mode
         check_mechanisms(sampler, clipping, noise, accountant)
-        link = getattr(noise, "link_step", None)
-        if callable(link):  # schedules such as NoiseDividing take their weights from the step slot
-            link(step)
+        noise.link_step(step)  # schedules such as NoiseDividing take their weights from the step slot
+        # A step that brings its own noise rule or ledger rule declares it here, once: nothing
+        # replaces the engine's slots or ledger after construction.
+        plan = step.plan(StepSetup(noise, clipping, accountant, target_epsilon, delta, max_grad_norm))
+        noise = plan.noise if plan.noise is not None else noise
         self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
-        self.max_grad_norm = max_grad_norm
+        self._max_grad_norm = max_grad_norm
         self.delta = delta
         self.target_epsilon = target_epsilon
         self.accountant = accountant
         self.loss_reduction = loss_reduction
         self.seed = seed
-        self.ledger = PrivacyLedger(delta=delta, accountant=accountant)
+        self.releases = Releases(
+            plan.ledger if plan.ledger is not None else PrivacyLedger(delta=delta, accountant=accountant),
+            target_epsilon=target_epsilon,
+            noise=noise,
+            clipping=clipping,
+            gradient_name=f"the private gradient step ({sampler.name}, {clipping.name}, {step.name})",
+        )
+        sampler.use_releases(self.releases)
         self.steps = 0
         self.grads: PerSampleGradients | None = None
         self.generator: torch.Generator | None = None
         self._pending_generator_state: Tensor | None = None
         self.pending_ctx: StepContext | None = None
-        self.all_reduce: AllReduce | None = None
-        self.rank = 0
-        self.world_size = 1
         self._checked_consistency = False
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
-        self.release_hooks: list[ReleaseHook] = []
         self.module: nn.Module | None = None
         """The module the hooks are attached to (steps that probe the loss evaluate it)."""
         self.batch: Any = None
@@ -142,6 +110,48 @@ class PrivateStepEngine:
         """True for a sampled batch the budget cannot pay for: its optimizer steps release nothing."""
         step.bind(self)
 
+    @property
+    def max_grad_norm(self) -> float:
+        """The clipping bound C of the next release: the configured one unless the step adapts it."""
+        return self.step_slot.clip_bound(self._max_grad_norm)
+
+    # -- the run's releases (one Releases service; these views keep the strategy's reads working) -----
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self.releases.ledger
+
+    @property
+    def release_hooks(self) -> list[ReleaseHook]:
+        return self.releases.hooks
+
+    def connect(self, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
+        """Once the processes exist: this rank, their number and the sum over them (None on one process)."""
+        self.releases.connect(rank, world_size, all_reduce)
+
+    @property
+    def rank(self) -> int:
+        return self.releases.rank
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        self.releases.rank = rank
+
+    @property
+    def world_size(self) -> int:
+        return self.releases.world_size
+
+    @world_size.setter
+    def world_size(self, world_size: int) -> None:
+        self.releases.world_size = world_size
+
+    @property
+    def all_reduce(self) -> AllReduce | None:
+        return self.releases.all_reduce_fn
+
+    @all_reduce.setter
+    def all_reduce(self, all_reduce: AllReduce | None) -> None:
+        self.releases.all_reduce_fn = all_reduce
+
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, module: nn.Module) -> None:
         """Install the per-example gradient hooks on ``module`` (idempotent)."""
@@ -152,11 +162,22 @@ class PrivateStepEngine:
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
             )
             self.clipping.setup(self.grads.params)
+            self.releases.anchor = self.grads.params[0]
+
+    def clear_gradients(self) -> None:
+        """Drop the per-example gradients captured so far (a step about to backpropagate another batch)."""
+        assert self.grads is not None, "attach() first"
+        self.grads.clear()
 
     def detach(self) -> None:
         if self.grads is not None:
             self.grads.remove()
             self.grads = None
+            self.releases.anchor = None
+
+    @property
+    def attached(self) -> bool:
+        return self.grads is not None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -199,7 +220,7 @@ class PrivateStepEngine:
     @property
     def release_name(self) -> str:
         """How budget errors name this engine's gradient release (the slots that make it)."""
-        return f"the private gradient step ({self.sampler.name}, {self.clipping.name}, {self.step_slot.name})"
+        return self.releases.gradient_name
 
     def example_norms(self, batches: Any, loss_fn: Callable[[Any], Tensor]) -> Tensor:
         """Per-example gradient norms (fp64, CPU) over ``batches`` at the current weights.
@@ -314,8 +335,8 @@ class PrivateStepEngine:
             sums = self.clipping.clip_and_sum(grad_samples, ctx)
         else:  # the sampler bounds each contribution itself (importance sampling)
             grad_samples.release_on_sum = True  # this sum is their last use
-            sums = weighted_sum(grad_samples, weighed[0])
-            ctx.extras["sensitivity"] = weighed[1]
+            sums = grad_samples.weighted_sum(weighed[0])
+            ctx.sensitivity = weighed[1]
         self.grads.clear()
         return sums, ctx
 
@@ -360,28 +381,19 @@ class PrivateStepEngine:
         self.pending_ctx = ctx
         return ctx
 
+    def noise_only_step(self) -> StepContext:
+        """The private step of a batch that backpropagated nothing (an empty batch, a training_step that
+        returned None): pure noise, released and priced like any step, so a skipped step cannot reveal a
+        data-dependent decision. Drops whatever was captured or written to ``p.grad`` before."""
+        assert self.grads is not None, "attach() first"
+        for p in self.params:
+            p.grad = None
+        self.grads.clear()
+        return self.privatize()
+
     def _release(self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent) -> list[Tensor]:
         """Record ``event``, add the noise once over all ranks, and finalize: the released gradient."""
-        self.ledger.record(event)
-        for hook in self.release_hooks:
-            sums = hook.before_noise(sums, ctx)
-        if self.step_slot.needs_sums:  # the noise is added in place: keep the clipped sums apart
-            ctx.extras["clipped_sums"] = [s.clone() for s in sums]
-        sigma = ctx.noise_multiplier
-        sensitivity = ctx.extras.get("sensitivity", None)
-        if sensitivity is None:
-            sensitivity = self.clipping.sensitivity(ctx)
-        std = 0.0 if sigma == 0 else sigma * sensitivity
-        # Under DDP each rank adds an independent share σC/√W, so the all-reduced sum carries
-        # noise of std σC exactly once; one collective, identical result on every rank.
-        noisy = self.noise.add_noise(sums, std / math.sqrt(self.world_size), ctx.generator)
-        if self.all_reduce is not None:
-            noisy = self.all_reduce(noisy)
-        for hook in reversed(self.release_hooks):
-            noisy = hook.after_release(noisy, ctx)
-        if self.step_slot.needs_sums:  # finalize may scale in place
-            ctx.extras["noisy_sums"] = [s.clone() for s in noisy]
-        return self.clipping.finalize(noisy, ctx)
+        return self.releases.release_gradient(sums, ctx, event, keep_sums=self.step_slot.needs_sums)
 
     def private_gradient(self, event: PrivacyEvent) -> list[Tensor]:
         """One more noisy gradient of what was just backpropagated, priced as ``event`` (``p.grad`` untouched).
@@ -394,34 +406,25 @@ class PrivateStepEngine:
         return self._release(sums, ctx, event)
 
     def _check_affordable(self, event: PrivacyEvent) -> None:
-        """Check before spend: refuse a release the target cannot pay for (O(1) per step, even with PRV)."""
-        target = self.target_epsilon
-        if target is None or self.ledger.affordable_count(event, target) >= 1:
-            return
-        assert self.grads is not None
-        self.grads.clear()
-        self._partial, self._partial_batch = None, 0
-        spent = self.ledger.epsilon()
-        raise BudgetExceededError(
-            f"Privacy budget exhausted: ε={spent:.4g} spent of target {target:g}; one more release of "
-            f"{self.release_name} would exceed it.",
-            spent=spent,
-            target=target,
-            would_be=self.ledger.epsilon_if(event),
-            event=event,
-            count=1,
-            mechanism=self.release_name,
-        )
+        """Check before spend: refuse a release the target cannot pay for (O(1) per step, even with PRV);
+        a refusal drops this step's per-example gradients and any pending chunks."""
+        try:
+            self.releases.check(event)
+        except BudgetExceededError:
+            assert self.grads is not None
+            self.grads.clear()
+            self._partial, self._partial_batch = None, 0
+            raise
 
     def _check_consistency(
-        self, params: list[nn.Parameter], grad_samples: Sequence[Tensor], batch: int
+        self, params: list[nn.Parameter], grad_samples: PerExampleGradients, batch: int
     ) -> None:
         """Once: the mean of the per-example gradients must equal the ordinary gradient."""
         self._checked_consistency = True
         scale = batch if self.loss_reduction == "mean" else 1
         ones = torch.ones(batch, device=params[0].device)
         worst = 0.0
-        for p, total in zip(params, weighted_sum(grad_samples, ones), strict=True):
+        for p, total in zip(params, grad_samples.weighted_sum(ones), strict=True):
             if p.grad is None:
                 continue
             reference = p.grad.detach().float()
@@ -474,7 +477,7 @@ class PrivateStepEngine:
                     "resuming with a different mechanism cannot be priced by the ledger."
                 )
             slot_state = saved["state"]
-            if getattr(slot, "seed", None) is None and isinstance(slot_state, dict):
+            if slot.seed is None and isinstance(slot_state, dict):
                 slot_state = without_generator_states(slot_state)
             slot.load_state_dict(slot_state)
         self.ledger.load_state_dict(state["ledger"])

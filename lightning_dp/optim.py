@@ -65,7 +65,7 @@ class DPOptimizer(Optimizer):
             # No backward ran (training_step returned None, or the batch was empty): a skipped step
             # would reveal a data-dependent decision, so release a noise-only step instead.
             self.zero_grad()
-            self.engine.privatize()
+            self.engine.noise_only_step()
         self.engine.apply_step(self.original_optimizer)
         return loss
 

@@ -4,7 +4,10 @@ the adaptive line search) must be stopped by the budget, and say so when the Tra
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_dp.engine import PrivateStepEngine
 
 
 def trainer_limit(trainer: Any) -> str | None:
@@ -20,10 +23,10 @@ def trainer_limit(trainer: Any) -> str | None:
     return None
 
 
-def warn_on_minibatch_adaptive_step(engine: Any) -> None:
+def warn_on_minibatch_adaptive_step(engine: PrivateStepEngine) -> None:
     """A zCDP filter has no amplification by subsampling: a minibatch costs a full batch's privacy."""
     step = engine.step_slot
-    if getattr(step, "charges_unsampled", False) and engine.sampler.sample_rate < 1.0:
+    if step.charges_unsampled and engine.sampler.sample_rate < 1.0:
         warnings.warn(
             f"{step.name} charges each gradient measurement as if it read the whole data set (its zCDP "
             "privacy filter has no amplification by subsampling), so a minibatch of sample rate "
@@ -34,11 +37,11 @@ def warn_on_minibatch_adaptive_step(engine: Any) -> None:
         )
 
 
-def warn_if_budget_left(trainer: Any, engine: Any, stopped_on_budget: bool) -> None:
+def warn_if_budget_left(trainer: Any, engine: PrivateStepEngine, stopped_on_budget: bool) -> None:
     """At the end of a fit: a step that spends until its budget is used up was stopped by the Trainer."""
     step = engine.step_slot
     target = engine.target_epsilon
-    if stopped_on_budget or target is None or not getattr(step, "spends_until_budget", False):
+    if stopped_on_budget or target is None or not step.spends_until_budget:
         return
     affordable = engine.affordable_steps()
     if affordable is not None and affordable < 1:

@@ -9,12 +9,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_dp.accounting import PrivacyEvent
+from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
+
+if TYPE_CHECKING:
+    from lightning_dp.grad_sample import PerExampleGradients
+    from lightning_dp.release import Releases
 
 
 @dataclass
@@ -31,11 +35,26 @@ class StepContext:
     noise_multiplier: float
     generator: torch.Generator
     """The noise generator: seeded from ``os.urandom`` unless the user asked for a seed."""
+    sensitivity: float | None = None
+    """L2 sensitivity of the sum when a sampler bounds each contribution itself (DPIS); None: the
+    clipping slot's ``sensitivity``."""
+    clipped_sums: list[Tensor] | None = None
+    """This rank's clipped sums before the noise, for steps with ``needs_sums`` (else None)."""
+    noisy_sums: list[Tensor] | None = None
+    """The released noisy sums before ``finalize``, for steps with ``needs_sums`` (else None)."""
     extras: dict[str, Any] = field(default_factory=dict)
+    """Scratch space of a clipping slot within one step (read by nothing else)."""
 
 
 class _Stateful:
     """Slots that carry state across steps return it here so checkpoints resume exactly."""
+
+    mechanism: str = "gaussian"
+    """The kind of release this slot is built for: "gaussian" (default) or "laplace" (pure ε-DP);
+    :func:`~lightning_dp.compatibility.check_mechanisms` refuses slots of different kinds together."""
+    seed: int | None = None
+    """The slot's own seed, if it draws random numbers (None: ``os.urandom``; a resumed run then does
+    not restore the slot's generator states)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -58,8 +77,8 @@ class SamplerRuntime:
     norms: Callable[[Tensor], Tensor]
     """Per-example gradient L2 norms (fp64, CPU) of the given dataset indices at the current weights.
     Nothing is released and the weights do not move: the caller must price whatever it derives."""
-    ledger: Any
-    """The run's :class:`~lightning_dp.accounting.PrivacyLedger` (for auxiliary releases)."""
+    ledger: PrivacyLedger
+    """The run's ledger, to read (price a plan); releases are recorded through ``Sampler.use_releases``."""
     target_epsilon: float | None
     delta: float
     planned_steps: int
@@ -67,9 +86,10 @@ class SamplerRuntime:
     max_grad_norm: float
     fixed_noise_multiplier: float | None
     """σ given by the user (noise slot already set), else None: the sampler schedules σ itself."""
-    clipping: Any
+    clipping: Clipping
     all_reduce: Callable[[list[Tensor]], list[Tensor]] | None = None
-    """Sum CPU tensors over all ranks (None on one process)."""
+    """Sum CPU tensors over all ranks (None on one process). The built-in samplers release through
+    ``Releases.noisy_statistic`` instead; kept for samplers that need a plain collective."""
 
 
 class Sampler(_Stateful, ABC):
@@ -87,6 +107,11 @@ class Sampler(_Stateful, ABC):
         """Called by the strategy before every epoch's loader is built; default: nothing to keep."""
         del runtime
 
+    def use_releases(self, releases: Releases) -> None:
+        """Called once by the engine: samplers that release statistics of the data (DPIS) price and
+        record them through ``releases.spend``. Default: nothing to keep."""
+        del releases
+
     def begin_step(self, info: Any) -> None:
         """The info snapshot that the batch of the step about to run carried (``carries_batch_info``)."""
         del info
@@ -100,7 +125,7 @@ class Sampler(_Stateful, ABC):
         start); the budget stop prices them together with the step, so it stops before them. Default: none."""
         return []
 
-    def weigh(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> tuple[Tensor, float] | None:
+    def weigh(self, grad_samples: PerExampleGradients, ctx: StepContext) -> tuple[Tensor, float] | None:
         """Per-example weights w and the L2 sensitivity of Σ w_i g_i, for samplers whose inclusion
         probabilities depend on the gradients (DPIS). None (default): the clipping slot bounds them."""
         del grad_samples, ctx
@@ -195,6 +220,14 @@ class Noise(_Stateful, ABC):
         """False until σ is known (given or calibrated)."""
         return True
 
+    is_constant: bool = False
+    """True for a slot whose σ is one number for every step (given or calibrated): a step that brings
+    its own noise rule may start from it."""
+
+    def link_step(self, step: Step) -> None:
+        """Called once with the run's step slot (schedules that weight steps by its error bound)."""
+        del step
+
     def add_noise(self, sums: list[Tensor], std: float, generator: torch.Generator) -> list[Tensor]:
         """Gaussian noise of standard deviation ``std`` on every coordinate, drawn in fp32.
 
@@ -213,12 +246,77 @@ class Noise(_Stateful, ABC):
         return sums
 
 
+@dataclass(frozen=True)
+class StepSetup:
+    """The run's privacy settings and the user's slots, as a step slot sees them when it declares its plan."""
+
+    noise: Noise
+    clipping: Clipping
+    accountant: str
+    target_epsilon: float | None
+    delta: float
+    max_grad_norm: float
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step brings besides moving the weights, declared once before the engine is built.
+
+    ``noise``: the noise slot that replaces the user's (the step sets σ itself, e.g. from a zCDP budget);
+    ``ledger``: the ledger rule of the whole run (a privacy filter, for steps whose releases depend on
+    earlier noisy results). None: the user's noise slot / an ordinary ledger.
+    """
+
+    noise: Noise | None = None
+    ledger: PrivacyLedger | None = None
+
+
+class StepHost(Protocol):
+    """What a step slot may use of the run that drives it (the engine), beyond its ``StepContext``.
+
+    A second release, a query's price or a collective goes through ``releases``; the rest is read-only.
+    """
+
+    @property
+    def releases(self) -> Releases: ...
+
+    @property
+    def attached(self) -> bool:
+        """Whether the per-example gradient hooks are on the model (``params`` is known)."""
+        ...
+
+    @property
+    def params(self) -> list[nn.Parameter]: ...
+
+    @property
+    def module(self) -> nn.Module | None: ...
+
+    @property
+    def batch(self) -> Any: ...
+
+    @property
+    def train_data(self) -> tuple[Any, Any] | None: ...
+
+    @property
+    def sampler(self) -> Sampler: ...
+
+    @property
+    def loss_reduction(self) -> str: ...
+
+    @property
+    def max_physical_batch_size(self) -> int | None: ...
+
+    def private_gradient(self, event: PrivacyEvent) -> list[Tensor]: ...
+
+    def clear_gradients(self) -> None: ...
+
+
 class Step(_Stateful):
     """How the private gradient (already in ``p.grad``) moves the weights; default: the user's optimizer."""
 
     needs_sums: bool = False
     """True: the engine also passes the clipped (pre-noise, this rank's) and the released noisy sums in
-    ``ctx.extras["clipped_sums"]`` / ``ctx.extras["noisy_sums"]`` (steps that re-measure or rescale them)."""
+    ``ctx.clipped_sums`` / ``ctx.noisy_sums`` (steps that re-measure or rescale them)."""
 
     spends_until_budget: bool = False
     """True for steps whose run length is set by their budget, not by a plan (DP-AGD, the adaptive line
@@ -227,10 +325,21 @@ class Step(_Stateful):
     """True for steps whose privacy filter charges a subsampled measurement as unsampled (zCDP): a
     minibatch then buys no amplification (a warning says so at fit start)."""
 
-    def bind(self, engine: Any) -> None:
-        """Called once by the engine that drives this step. Steps that release more than the gradient
-        (line searches, noisy step-size selection) install their noise rule or privacy filter here."""
-        del engine
+    def plan(self, setup: StepSetup) -> StepPlan:
+        """Called once, before the engine is built: the noise slot and ledger rule this step brings
+        (default: none; the user's). Refuse settings the algorithm cannot price here."""
+        del setup
+        return StepPlan()
+
+    def bind(self, host: StepHost) -> None:
+        """Called once the engine is built, for steps that query the data again or release more than
+        the gradient (through ``host.releases``). Default: nothing to keep."""
+        del host
+
+    def clip_bound(self, configured: float) -> float:
+        """The clipping bound C of the next release (default: the configured ``max_grad_norm``); steps
+        that adapt it from released values (DP-BLSGD-AC) return their own."""
+        return configured
 
     def gradient_event(self, sampler: Sampler, noise_multiplier: float) -> PrivacyEvent:
         """The ledger event of one noisy gradient (default: the sampler's subsampled Gaussian)."""
@@ -239,6 +348,21 @@ class Step(_Stateful):
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
         del ctx
         optimizer.step()
+
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the end of training; steps that train on a look-ahead point (Nesterov) write their final
+        iterate into the weights here. Default: nothing."""
+        del optimizer
+
+    def noise_log_weights(self, horizon: int) -> Any:
+        """log a_{T,k}, k = 1..T, of this step's error bound (NoiseDividing's weights); None: the step
+        has no such bound."""
+        del horizon
+        return None
+
+    def metrics(self) -> dict[str, float]:
+        """Released (or post-processed) values worth logging each step; default: none."""
+        return {}
 
 
 def iter_slots(*slots: _Stateful) -> Iterator[tuple[str, _Stateful]]:

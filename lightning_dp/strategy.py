@@ -641,7 +641,7 @@ class DPStrategyMixin(Strategy):
         # One noise-only release for the batch; every optimizer then steps on its share of it.
         for optimizer in self.optimizers:
             optimizer.zero_grad()
-        ctx = self.engine.privatize()
+        ctx = self.engine.noise_only_step()
         for optimizer in self.optimizers:
             self.engine.pending_ctx = ctx
             optimizer.step()

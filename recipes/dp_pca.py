@@ -12,13 +12,13 @@ budget stop, include it; :class:`ComposedNoise` calibrates the training σ for w
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dp.accounting import Gaussian, PrivacyEvent, PrivacyLedger, charge
+from lightning_dp.accounting import Gaussian, PrivacyEvent, PrivacyLedger
+from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.rng import make_generator
@@ -132,17 +132,18 @@ class DPPCAClassifier(ImageClassifier):
                 "DPPCAClassifier fits its projection on the datamodule's train_set: pass a datamodule to fit()."
             )
         x = torch.cat([batch[0].flatten(1) for batch in DataLoader(train_set, batch_size=4096)])
-        strategy: Any = trainer.strategy
-        ledger = getattr(strategy, "ledger", None)
-        seed = strategy.engine.seed if ledger is not None else None
-        if ledger is not None:  # check-before-spend: priced (or refused) before the projection is computed
-            charge(ledger, self.pca_event, strategy.engine.target_epsilon, mechanism="DP-PCA projection")
+        engine: PrivateStepEngine | None = getattr(
+            trainer.strategy, "engine", None
+        )  # None: not a DP strategy
+        seed = engine.seed if engine is not None else None
+        if engine is not None:  # check-before-spend: priced (or refused) before the projection is computed
+            engine.releases.spend(self.pca_event, mechanism="DP-PCA projection")
         self.fit_projection(x, make_generator(seed, stream="dp_pca"))
-        if ledger is None:  # non-private training: the projection is still DP, but nothing else is
+        if engine is None:  # non-private training: the projection is still DP, but nothing else is
             return
-        noise = strategy.engine.noise
+        noise = engine.noise
         if isinstance(noise, ComposedNoise):
-            noise.preceding = ledger.history
+            noise.preceding = engine.ledger.history
         elif not noise.is_set:
             raise DPConfigurationError(
                 "DP-PCA spends budget before training, but the noise slot calibrates σ for the whole target: "

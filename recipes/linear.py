@@ -1,7 +1,7 @@
 """Linear binary classifiers (logistic regression, linear SVM) with per-example losses for DP-AGD.
 
 Labels are 0/1 in the data and ±1 inside the loss. Weights start at zero (DP-AGD's w_0 = 0; the logistic
-loss at w_0 is ln 2). ``dp_per_sample_loss`` is the loss-probe contract of :mod:`lightning_dp.probes`.
+loss at w_0 is ln 2). ``dp_per_sample_loss`` is the loss-probe contract of :mod:`lightning_dp.steps.loss_queries`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_dp import DPStrategy, per_example_token_loss
-from lightning_dp.engine import ReleaseHook
+from lightning_dp.release import ReleaseHook
 from lightning_dp.slots import StepContext
 
 MOVE_RTOL = 1e-3

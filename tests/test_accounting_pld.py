@@ -17,7 +17,7 @@ from lightning_dp.accounting import (
     calibrate_noise,
     compute_epsilon,
 )
-from lightning_dp.engine import check_mechanisms
+from lightning_dp.compatibility import check_mechanisms
 from lightning_dp.strategy import _validate_privacy_arguments
 
 DELTA = 1e-5

@@ -12,24 +12,17 @@ from conftest import TinyModule, make_trainer, run_worker
 from opacus.accountants.analysis.rdp import compute_rdp
 
 from lightning_dp import DPConfigurationError, DPStrategy
-from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, laplace_rdp, pure_dp_rdp
-from lightning_dp.steps.dp_line_search import (
-    LineSearch,
-    LineSearchGradient,
-    LineSearchJoint,
-    LineSearchSVT,
+from lightning_dp.accounting.amplification import (
     amplify_general,
-    angle_ema,
-    candidate_steps,
-    cheb_decision,
     gaussian_rdp_sgm,
-    noisy_backtracking,
     pure_dp_amplified,
     rdp_to_dp_prop1,
-    reset_eta0,
-    shrink_clips,
-    svt_calibration,
 )
+from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
+from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, laplace_rdp, pure_dp_rdp
+from lightning_dp.steps.line_search import LineSearch
+from lightning_dp.steps.line_search.cheb import angle_ema, cheb_decision, reset_eta0, shrink_clips
+from lightning_dp.steps.line_search.svt import candidate_steps, noisy_backtracking, svt_calibration
 
 
 def svt_laplace_rdp(orders, eps, k, accounting="safe"):
@@ -240,7 +233,7 @@ def test_p14_large_budget_reproduces_armijo():
 
 
 def test_laplace_draws_have_the_right_scale():
-    from lightning_dp.steps.dp_line_search import draw_noise
+    from lightning_dp.steps.line_search.svt import draw_noise
 
     g = torch.Generator().manual_seed(0)
     x = np.array([draw_noise("laplace", 2.0, g) for _ in range(20_000)])
@@ -265,7 +258,7 @@ class _Quadratic(torch.nn.Module):
 
 
 def test_p15_query_sensitivity():
-    from lightning_dp.probes import LossProbe
+    from lightning_dp.steps.loss_queries import LossProbe
 
     g = torch.Generator().manual_seed(0)
     c_obj, m, c = 1.5, 7.0, 0.5
@@ -327,7 +320,7 @@ def test_p19_clip_adaptation_numbers():
 
 
 def test_p20_objective_clipping():
-    from lightning_dp.probes import LossProbe
+    from lightning_dp.steps.loss_queries import LossProbe
 
     class Fixed(torch.nn.Module):
         def __init__(self):
@@ -557,7 +550,7 @@ def test_p23_release_hygiene(monkeypatch):
     """Everything logged is a released (or post-processed) value: no F, no query, no raw norm."""
     from lightning.pytorch.loggers import Logger
 
-    from lightning_dp.probes import LossProbe
+    from lightning_dp.steps.loss_queries import LossProbe
 
     class Recording(Logger):
         def __init__(self):

@@ -14,6 +14,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_dp import DPIS, AdaCliP, DPConfigurationError, DPStrategy, FlatClipping
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyLedger, calibrate_noise
 from lightning_dp.accounting.rdp import epsilon_from_rdp
+from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.noise import ConstantNoise
+from lightning_dp.release import Releases
 from lightning_dp.sampling.dpis import (
     acceptance_probabilities,
     dpis_step_event,
@@ -140,6 +143,15 @@ def _harness(grads, *, b, k, sigma=1.0, sigma_n=None, sigma_k=None, seed=0, targ
         clipping=FlatClipping(),
     )
     sampler.attach_runtime(runtime)
+    sampler.use_releases(
+        Releases(
+            ledger,
+            target_epsilon=target,
+            noise=ConstantNoise(sigma),
+            clipping=FlatClipping(),
+            gradient_name="DPIS",
+        )
+    )
     return sampler, ledger
 
 
@@ -152,7 +164,9 @@ def _run_steps(sampler, grads, num_batches):
     for batch in sampler.batch_sampler(num_batches):
         sampler.begin_step(batch.info)
         idx = torch.tensor(list(batch), dtype=torch.long)
-        weights, sensitivity = sampler.weigh([grads[idx]], _ctx(len(idx)))
+        param = torch.nn.Parameter(torch.zeros(grads.shape[1:]))
+        samples = PerExampleGradients([param], len(idx), {param: grads[idx]}, [])
+        weights, sensitivity = sampler.weigh(samples, _ctx(len(idx)))
         yield idx, weights, sensitivity
 
 

@@ -8,7 +8,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_dp import DPConfigurationError
-from lightning_dp.probes import LossProbe, require_loss_probe
+from lightning_dp.steps.loss_queries import LossProbe, require_loss_probe
 
 
 class Probed(LightningModule):

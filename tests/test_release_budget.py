@@ -19,6 +19,8 @@ from lightning_dp.accounting import (
     charge,
 )
 from lightning_dp.clipping import FlatClipping
+from lightning_dp.noise import ConstantNoise
+from lightning_dp.release import Releases
 from lightning_dp.slots import SamplerRuntime
 from recipes import DigitsDataModule
 from recipes.dp_pca import ComposedNoise, DPPCAClassifier
@@ -64,6 +66,10 @@ def _dpis(target: float | None, ledger: PrivacyLedger) -> DPIS:
             fixed_noise_multiplier=1.2,
             clipping=FlatClipping(),
         )
+    )
+    noise = ConstantNoise(1.2)
+    sampler.use_releases(
+        Releases(ledger, target_epsilon=target, noise=noise, clipping=FlatClipping(), gradient_name="DPIS")
     )
     return sampler
 

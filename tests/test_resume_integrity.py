@@ -7,7 +7,7 @@ import torch
 from conftest import TinyModule, make_trainer
 
 from lightning_dp import DPIS, DPConfigurationError, DPStrategy, HeavyBall, LineSearch
-from lightning_dp.engine import ReleaseHook
+from lightning_dp.release import ReleaseHook
 from lightning_dp.slots import StepContext
 
 N, BATCH = 64, 16

@@ -13,6 +13,8 @@ from lightning_dp.validation import number
 class ConstantNoise(Noise):
     """The same σ at every step (DP-SGD). ``calibrate`` picks the smallest σ that stays under target."""
 
+    is_constant = True
+
     def __init__(self, noise_multiplier: float | None = None) -> None:
         number(noise_multiplier, "noise_multiplier", owner="ConstantNoise", low=0, optional=True)
         self.sigma = noise_multiplier

@@ -216,8 +216,7 @@ class NoiseDividing(Noise):
         if self.momentum is not None:
             q = 2 * self.momentum / (1 + self.momentum)
             return (horizon - np.arange(1, horizon + 1)) * math.log(q)
-        weights = getattr(self._step_slot, "noise_log_weights", None)
-        logs = weights(horizon) if callable(weights) else None
+        logs = self._step_slot.noise_log_weights(horizon) if self._step_slot is not None else None
         if logs is None:
             raise DPConfigurationError(
                 f"NoiseDividing needs the weights a_T,k of a Nesterov or MultiStageNesterov step; the step slot "

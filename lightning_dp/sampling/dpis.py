@@ -13,7 +13,7 @@ lower clamp ``b·C`` (which lets first-round probabilities saturate) are correct
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,11 +22,13 @@ import torch
 from torch import Tensor
 
 from lightning_dp import validation
-from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent, charge
+from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent
 from lightning_dp.accounting.rdp import epsilon_from_rdp, segment_rdp
 from lightning_dp.batch_info import IndicesWithInfo
-from lightning_dp.clipping.flat import FlatClipping, per_sample_norms
+from lightning_dp.clipping.flat import FlatClipping
 from lightning_dp.errors import DPConfigurationError
+from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.release import Releases
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler, SamplerRuntime, StepContext
 from lightning_dp.validation import flag, number
@@ -196,6 +198,7 @@ class DPIS(Sampler):
         self.sigma_N_arg, self.sigma_K_arg, self.C_star_arg = sigma_N, sigma_K, C_star
         self.adaptive_clipping = adaptive_clipping
         self.runtime: SamplerRuntime | None = None
+        self.releases: Releases | None = None
         self.batch_size = 0
         self.generators: dict[str, torch.Generator] = {}
         self._pending_generators: dict[str, Tensor] = {}
@@ -246,6 +249,9 @@ class DPIS(Sampler):
                 self.generators[stream].set_state(self._pending_generators.pop(stream))
         self._update_rate()
 
+    def use_releases(self, releases: Releases) -> None:
+        self.releases = releases
+
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
         if type(runtime.clipping) is not FlatClipping:
             raise DPConfigurationError(
@@ -288,14 +294,9 @@ class DPIS(Sampler):
 
     def _release(self, local_sum: float, std: float) -> float:
         """Σ over all ranks of ``local_sum`` plus one Gaussian draw (rank 0's): the same value everywhere."""
-        noise = float(torch.randn(1, generator=self.generators["stats"], dtype=torch.float64)) * std
-        value = torch.tensor([local_sum + (noise if self.rank == 0 else 0.0)], dtype=torch.float64)
-        if self.world_size > 1:
-            assert self.runtime is not None
-            if self.runtime.all_reduce is None:
-                raise RuntimeError("DPIS under DDP needs the strategy's all-reduce.")
-            value = self.runtime.all_reduce([value])[0]
-        return float(value)
+        if self.releases is None:
+            raise RuntimeError("DPIS releases statistics only inside a private run (PrivateStepEngine).")
+        return self.releases.noisy_statistic(local_sum, std, self.generators["stats"])
 
     def _start_epoch(self) -> None:
         """Full norm pass, release K~ (and N~ once, K~* with AC), then solve σ_G for this epoch."""
@@ -335,9 +336,9 @@ class DPIS(Sampler):
 
     def _charge(self, event: Gaussian, statistic: str) -> None:
         """Check-before-spend for one released statistic (before it is computed); a refusal names it."""
-        runtime = self.runtime
-        assert runtime is not None
-        charge(runtime.ledger, event, runtime.target_epsilon, mechanism=f"DPIS's {statistic} statistic")
+        if self.releases is None:
+            raise RuntimeError("DPIS releases statistics only inside a private run (PrivateStepEngine).")
+        self.releases.spend(event, mechanism=f"DPIS's {statistic} statistic")
 
     def pending_events(self) -> list[PrivacyEvent]:
         """At an epoch boundary the next step first needs this epoch's statistics (N~ once, K~*, K~)."""
@@ -424,7 +425,7 @@ class DPIS(Sampler):
             return PoissonGaussian(noise_multiplier, self.batch_size / self.num_samples)
         return PoissonGaussian(noise_multiplier, min(1.0, self.batch_size / (epoch.n_tilde * epoch.r)))
 
-    def weigh(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> tuple[Tensor, float]:
+    def weigh(self, grad_samples: PerExampleGradients, ctx: StepContext) -> tuple[Tensor, float]:
         """Second round: accept candidate i with probability min(n_i, ghat_i, C)/ghat_i; an accepted
         example's weight makes its contribution (K~/N~)·u_i. Refreshes the envelopes it saw."""
         info = self._active
@@ -432,7 +433,7 @@ class DPIS(Sampler):
             raise RuntimeError("DPIS: a private step ran without a DPIS batch.")
         epoch = info.epoch
         sensitivity = epoch.k_tilde / epoch.n_tilde
-        norms = per_sample_norms(grad_samples) if ctx.batch_size else None
+        norms = grad_samples.sq_norms().sqrt() if ctx.batch_size else None
         count = 0 if norms is None else len(norms)
         part = slice(self._cursor, self._cursor + count)
         if self._cursor + count > len(info.indices):
@@ -456,7 +457,6 @@ class DPIS(Sampler):
         if self.adaptive_clipping:
             c_star = self.C_star_arg if self.C_star_arg is not None else 4 * self.clip_1
             self.gstar[indices] = raw.clamp(max=c_star)
-        ctx.extras["dpis_accepted"] = int(accept.sum())
         return weights.to(device=norms.device, dtype=torch.float32), sensitivity
 
     @property

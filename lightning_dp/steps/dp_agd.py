@@ -19,18 +19,17 @@ it were the full data (sub-sampling amplification is not claimed; spec §5.4).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dp.accounting import NoisyMin, PrivacyFilter, charge, rho_from_epsilon
+from lightning_dp.accounting import NoisyMin, PrivacyFilter, rho_from_epsilon
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.noise import ConstantNoise
-from lightning_dp.probes import LossProbe
-from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
+from lightning_dp.steps.loss_queries import LossProbe
 from lightning_dp.validation import number
 
 __all__ = ["AdaptiveGD", "grad_avg", "initial_budgets", "noisy_min", "step_grid"]
@@ -169,40 +168,45 @@ class AdaptiveGD(Step):
         self.window: list[float] = []
         self.exhausted = False
         self.last: dict[str, float] = {}
-        self._engine: Any = None
+        self._host: StepHost | None = None
+        self._filter: PrivacyFilter | None = None
+        self._clipping: Clipping | None = None
 
     # -- wiring --------------------------------------------------------------------------------------
-    def bind(self, engine: Any) -> None:
-        """Install the zCDP privacy filter as the ledger and the ρ_ng-driven noise slot."""
-        if engine.target_epsilon is None:
+    def plan(self, setup: StepSetup) -> StepPlan:
+        """The ρ_ng-driven noise slot and the zCDP privacy filter that prices every release of the run."""
+        if setup.target_epsilon is None:
             raise DPConfigurationError(
                 "AdaptiveGD spends a budget, so it needs target_epsilon (and delta); it has no fixed step count."
             )
-        if engine.accountant != "rdp":
+        if setup.accountant != "rdp":
             raise DPConfigurationError(
                 "AdaptiveGD accounts in zCDP through a privacy filter: use accountant='rdp'."
             )
-        if not isinstance(engine.noise, ConstantNoise) or engine.noise.is_set:
+        if not setup.noise.is_constant or setup.noise.is_set:
             raise DPConfigurationError(
                 "AdaptiveGD sets the noise of every measurement itself: do not pass noise or noise_multiplier."
             )
-        if type(engine.clipping) is not FlatClipping:
+        if type(setup.clipping) is not FlatClipping:
             raise DPConfigurationError("AdaptiveGD needs flat L2 clipping (the default FlatClipping).")
-        rho_tot, rho_ng, rho_nmax = initial_budgets(engine.target_epsilon, engine.delta, self.splits)
+        rho_tot, rho_ng, rho_nmax = initial_budgets(setup.target_epsilon, setup.delta, self.splits)
         self.rho_total = rho_tot
         if math.isnan(self.rho_ng):
             self.rho_ng = rho_ng
         if math.isnan(self.rho_nmax):
             self.rho_nmax = rho_nmax
-        self._engine = engine
-        engine.noise = _AdaptiveNoise(self)
-        engine.ledger = PrivacyFilter(
-            engine.target_epsilon,
-            engine.delta,
+        self._clipping = setup.clipping
+        self._filter = PrivacyFilter(
+            setup.target_epsilon,
+            setup.delta,
             mode="zcdp",
             reserve=self._noisy_min_event(),
             conversion="bun_steinke",  # the paper's Lemma 3.8, so its tables are reproduced
         )
+        return StepPlan(noise=_AdaptiveNoise(self), ledger=self._filter)
+
+    def bind(self, host: StepHost) -> None:
+        self._host = host
 
     def _noisy_min_event(self) -> NoisyMin:
         return NoisyMin(NoisyMin.epsilon_for_rho(self.rho_nmax, self.noise_kind), self.noise_kind)
@@ -216,15 +220,19 @@ class AdaptiveGD(Step):
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
         """Line search on the released gradient; refine it on rejection; move the weights (or not)."""
         del optimizer  # the step is exact: w ← w − α·d
-        engine = self._engine
-        assert engine is not None, "AdaptiveGD.bind() was not called"
-        ledger: PrivacyFilter = engine.ledger
-        sums: list[Tensor] = ctx.extras.pop("clipped_sums")
-        estimate = [s.double() for s in ctx.extras.pop("noisy_sums")]
+        host, ledger = self._host, self._filter
+        assert host is not None, "AdaptiveGD.bind() was not called"
+        assert ledger is not None, "AdaptiveGD.plan() was not called"
+        assert ctx.clipped_sums is not None, "AdaptiveGD needs the clipped sums (needs_sums)"
+        assert ctx.noisy_sums is not None, "AdaptiveGD needs the noisy sums (needs_sums)"
+        releases = host.releases
+        sums, estimate = ctx.clipped_sums, [s.double() for s in ctx.noisy_sums]
+        ctx.clipped_sums = ctx.noisy_sums = None
         precision = self.rho_ng  # the measurement just released cost exactly ρ_ng
-        params = engine.params
+        params = host.params
+        assert host.module is not None
         probe = LossProbe(
-            engine.module, params, self.loss_clip, engine.max_physical_batch_size, algorithm="AdaptiveGD"
+            host.module, params, self.loss_clip, host.max_physical_batch_size, algorithm="AdaptiveGD"
         )
         grid = step_grid(self.alpha_max, self.grid_size)
         rejected = 0
@@ -233,14 +241,12 @@ class AdaptiveGD(Step):
             norm = math.sqrt(sum(float((s * s).sum()) for s in estimate))
             direction = [s / norm if norm > 0 else torch.zeros_like(s) for s in estimate]
             event = self._noisy_min_event()
-            if not ledger.can_afford(event):
+            if not releases.can_afford(event):
                 self.exhausted = True
                 break
-            scores = probe.along(engine.batch, direction, grid)
-            if engine.all_reduce is not None:
-                scores = engine.all_reduce([scores])[0]
+            scores = releases.all_reduce([probe.along(host.batch, direction, grid)])[0]
             scores = scores + self._penalty(params, direction, grid, ctx)
-            charge(ledger, event, None, mechanism="AdaptiveGD's NoisyMin step-size selection")
+            releases.spend(event, mechanism="AdaptiveGD's NoisyMin step-size selection")
             self.noisy_min_calls += 1
             index = self._select(scores, ctx.generator)
             if index > 0:
@@ -251,11 +257,11 @@ class AdaptiveGD(Step):
                 break
             rejected += 1
             rho_new = (1.0 + self.gamma) * self.rho_ng
-            extra = engine.sampler.event(1.0 / math.sqrt(2.0 * (rho_new - precision)))
-            if not ledger.can_afford(extra):
+            extra = host.sampler.event(1.0 / math.sqrt(2.0 * (rho_new - precision)))
+            if not releases.can_afford(extra):
                 self.exhausted = True
                 break
-            charge(ledger, extra, None, mechanism="AdaptiveGD's gradient re-measurement")
+            releases.spend(extra, mechanism="AdaptiveGD's gradient re-measurement")
             again = self._measure(sums, rho_new - precision, ctx)
             estimate = grad_avg(estimate, precision, again, rho_new)
             precision = self.rho_ng = rho_new
@@ -277,7 +283,7 @@ class AdaptiveGD(Step):
                 self.window = []
 
     def _penalty(
-        self, params: list[Tensor], direction: list[Tensor], grid: list[float], ctx: StepContext
+        self, params: Sequence[Tensor], direction: list[Tensor], grid: list[float], ctx: StepContext
     ) -> Tensor:
         """n·λ/2·||w − α·d||² per candidate (data-independent: n is the public expected batch size)."""
         device = params[0].device
@@ -293,23 +299,20 @@ class AdaptiveGD(Step):
 
     def _select(self, scores: Tensor, generator: torch.Generator) -> int:
         """NoisyMin with noise drawn once (rank 0) and the index broadcast to every rank."""
-        engine = self._engine
-        index = noisy_min(scores, self.noisy_min_scale, self.noise_kind, generator) if engine.rank == 0 else 0
-        if engine.world_size > 1:
-            holder = torch.tensor([index], dtype=torch.int64, device=scores.device)
-            dist.broadcast(holder, src=0)
-            index = int(holder.item())
-        return index
+        assert self._host is not None
+        releases = self._host.releases
+        index = (
+            noisy_min(scores, self.noisy_min_scale, self.noise_kind, generator) if releases.rank == 0 else 0
+        )
+        return int(releases.broadcast([index], scores.device)[0])
 
     def _measure(self, sums: list[Tensor], rho: float, ctx: StepContext) -> list[Tensor]:
-        """One more Gaussian measurement of the same clipped sum at cost ρ (each rank adds its share)."""
-        engine = self._engine
-        std = engine.clipping.sensitivity(ctx) / math.sqrt(2.0 * rho)
-        # add_noise works in place, and a rejected step measures the same clipped sums again: copy them.
-        fresh = [s.clone() for s in sums]
-        noisy = engine.noise.add_noise(fresh, std / math.sqrt(engine.world_size), ctx.generator)
-        if engine.all_reduce is not None:
-            noisy = engine.all_reduce(noisy)
+        """One more Gaussian measurement of the same clipped sum at cost ρ (priced by the caller)."""
+        assert self._host is not None
+        assert self._clipping is not None
+        std = self._clipping.sensitivity(ctx) / math.sqrt(2.0 * rho)
+        # The noise is added in place, and a rejected step measures the same clipped sums again: copy them.
+        noisy = self._host.releases.noisy([s.clone() for s in sums], std, ctx.generator)
         return [n.double() for n in noisy]
 
     # -- state ---------------------------------------------------------------------------------------
@@ -334,5 +337,5 @@ class AdaptiveGD(Step):
         self.rejections = int(state["rejections"])
         self.noisy_min_calls = int(state["noisy_min_calls"])
         self.exhausted = bool(state["exhausted"])
-        if self._engine is not None:
-            self._engine.ledger.reserve = self._noisy_min_event()
+        if self._filter is not None:
+            self._filter.reserve = self._noisy_min_event()

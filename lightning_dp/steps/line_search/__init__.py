@@ -18,431 +18,39 @@ one batch shared by the gradient and its searches, and the ln(1/δ) multi-order 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from opacus.accountants.analysis.rdp import compute_rdp
-from scipy.special import gammaln, logsumexp
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from lightning_dp import validation
-from lightning_dp.accounting import PrivacyEvent, charge
+from lightning_dp.accounting import PrivacyEvent, PrivacyFilter
+from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
-from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, pure_dp_rdp
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
-from lightning_dp.slots import Noise, Sampler, Step, StepContext
+from lightning_dp.slots import Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
+from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
+from lightning_dp.steps.line_search.cheb import (
+    angle_degrees,
+    angle_ema,
+    cheb_decision,
+    reset_eta0,
+    shrink_clips,
+)
+from lightning_dp.steps.line_search.svt import (
+    SearchResult,
+    SVTNoise,
+    candidate_steps,
+    noisy_backtracking,
+    svt_calibration,
+)
+from lightning_dp.steps.loss_queries import LossProbe
 from lightning_dp.validation import flag, number
 
 Accounting = Literal["safe", "paper"]
-SVTNoise = Literal["laplace", "gaussian"]
-
-# ----------------------------------------------------------------------------------------------------
-# RDP curves (vectorised over orders α); every function returns ε(α) for ONE release.
-# ----------------------------------------------------------------------------------------------------
-
-
-def _orders(orders: Sequence[float] | np.ndarray) -> np.ndarray:
-    return np.asarray(orders, dtype=np.float64)
-
-
-def pure_dp_amplified(eps: float, q: float) -> float:
-    """ε' of an ε-DP mechanism run on a Poisson subsample with rate q: ln(1 + q(e^ε − 1))."""
-    if eps > 1:  # e^ε (q + (1 − q) e^{−ε}): no overflow
-        return float(eps + math.log(q + (1 - q) * math.exp(-eps)))
-    return float(math.log1p(q * math.expm1(eps)))
-
-
-def svt_base(noise: str, budget: float, max_queries: int, accounting: str) -> PrivacyEvent:
-    """The unamplified SVT event of one search (the accounting package's LaplaceSVT / GaussianSVT)."""
-    if noise == "laplace":
-        return LaplaceSVT(budget, max_queries, accounting)
-    return GaussianSVT(budget, max_queries, accounting)
-
-
-def amplify_general(
-    orders: Sequence[float] | np.ndarray, base: Callable[[np.ndarray], np.ndarray], q: float
-) -> np.ndarray:
-    """Zhu & Wang 2019 (the paper's Lemma 4): RDP of a mechanism with RDP ``base`` on a Poisson subsample.
-
-    Valid for integer orders α ≥ 2; other orders get ``inf`` (callers take a minimum with other bounds).
-    Computed in log space with lgamma binomials.
-    """
-    a = _orders(orders)
-    out = np.full_like(a, math.inf)
-    if q == 0:
-        return np.zeros_like(a)
-    ints = [int(x) for x in a if x >= 2 and float(x).is_integer()]
-    if not ints:
-        return out
-    if q >= 1:
-        values = base(a)
-        return np.where((a >= 2) & (a == np.round(a)), values, math.inf)
-    top = max(ints)
-    ls = np.arange(2, top + 1, dtype=np.float64)
-    eps_l = base(ls)  # ε(l) for l = 2..top
-    log_q, log_1q = math.log(q), math.log1p(-q)
-    for i, x in enumerate(a):
-        if not (x >= 2 and float(x).is_integer()):
-            continue
-        alpha = int(x)
-        js = np.arange(2, alpha + 1, dtype=np.float64)
-        log_binom = gammaln(alpha + 1) - gammaln(js + 1) - gammaln(alpha - js + 1)
-        terms = log_binom + js * log_q + (alpha - js) * log_1q + (js - 1) * eps_l[: alpha - 1]
-        terms[1:] += math.log(3.0)  # the terms l ≥ 3 carry a factor 3
-        first = (alpha - 1) * log_1q + math.log1p((alpha - 1) * q)
-        out[i] = max(0.0, float(logsumexp(np.concatenate(([first], terms)))) / (alpha - 1))  # no rounding < 0
-    return out
-
-
-def gaussian_rdp_sgm(orders: Sequence[float] | np.ndarray, rho: float, q: float) -> np.ndarray:
-    """Exact RDP of the Poisson-subsampled Gaussian with zCDP ρ = 1/(2z²) (Mironov et al. 2019, Opacus)."""
-    a = _orders(orders)
-    if rho == 0 or q == 0:
-        return np.zeros_like(a)
-    if math.isinf(rho):
-        return np.full_like(a, math.inf)
-    z = 1.0 / math.sqrt(2.0 * rho)
-    values = np.asarray(compute_rdp(q=q, noise_multiplier=z, steps=1, orders=list(a)), dtype=np.float64)
-    # Opacus's series loses all precision for huge z at large orders (NaN/negative): no bound there.
-    return np.where(np.isfinite(values) & (values >= 0), values, math.inf)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Ledger events
-# ----------------------------------------------------------------------------------------------------
-
-
-def _check_positive(name: str, value: float) -> float:
-    value = float(value)
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return value
-
-
-def _check_rate(value: float) -> float:
-    value = float(value)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"sample_rate must be in [0, 1], got {value!r}")
-    return value
-
-
-def _check_accounting(value: str) -> str:
-    if value not in ("safe", "paper"):
-        raise ValueError(f"accounting must be 'safe' or 'paper', got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class LineSearchGradient(PrivacyEvent, kind="line_search_gradient"):
-    """One noisy gradient of DP-BLSGD: Gaussian with zCDP ρ_grad on a Poisson batch of rate q.
-
-    ``"safe"``: min(α·ρ, exact sampled Gaussian) (the sampled-Gaussian bound is never above Lemma 4).
-    ``"paper"``: Lemma 4 on α·ρ, as the paper charges it (at fractional orders: α·ρ).
-    """
-
-    rho: float
-    sample_rate: float
-    accounting: str = "safe"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rho", _check_positive("rho", self.rho))
-        object.__setattr__(self, "sample_rate", _check_rate(self.sample_rate))
-        object.__setattr__(self, "accounting", _check_accounting(self.accounting))
-
-    def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = _orders(orders)
-        unamplified = a * self.rho
-        if self.accounting == "paper":
-            general = amplify_general(a, lambda x: x * self.rho, self.sample_rate)
-            return np.where(np.isfinite(general), general, unamplified)
-        return np.minimum(unamplified, gaussian_rdp_sgm(a, self.rho, self.sample_rate))
-
-
-@dataclass(frozen=True)
-class LineSearchSVT(PrivacyEvent, kind="line_search_svt"):
-    """One NOISYBTLS call (AboveThreshold over ≤ max_queries Armijo tests) on a Poisson batch of rate q.
-
-    ``budget`` is ε_BT (Laplace, pure DP) or ρ_BT (Gaussian); the unamplified curve is LaplaceSVT /
-    GaussianSVT. ``"safe"``: min(unamplified safe bound, Lemma 4 on it, pure-DP amplification for
-    Laplace). ``"paper"``: Lemma 4 on the paper's Thm 2/3 bound, without the minimum.
-    """
-
-    noise: str
-    budget: float
-    sample_rate: float
-    max_queries: int
-    accounting: str = "safe"
-
-    def __post_init__(self) -> None:
-        if self.noise not in ("laplace", "gaussian"):
-            raise ValueError(f"noise must be 'laplace' or 'gaussian', got {self.noise!r}")
-        object.__setattr__(self, "budget", _check_positive("budget", self.budget))
-        object.__setattr__(self, "sample_rate", _check_rate(self.sample_rate))
-        object.__setattr__(self, "accounting", _check_accounting(self.accounting))
-        svt_base(self.noise, self.budget, self.max_queries, self.accounting)  # validates max_queries
-
-    def base(self, orders: np.ndarray) -> np.ndarray:
-        """Unamplified RDP on the batch."""
-        event = svt_base(self.noise, self.budget, self.max_queries, self.accounting)
-        return np.asarray(event.rdp(tuple(float(a) for a in orders)), dtype=np.float64)
-
-    def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = _orders(orders)
-        unamplified = self.base(a)
-        general = amplify_general(a, self.base, self.sample_rate)
-        if self.accounting == "paper":
-            return np.where(np.isfinite(general), general, unamplified)
-        best = np.minimum(unamplified, general)
-        if self.noise == "laplace":
-            best = np.minimum(best, pure_dp_rdp(orders, pure_dp_amplified(self.budget, self.sample_rate)))
-        return best
-
-
-@dataclass(frozen=True)
-class LineSearchJoint(PrivacyEvent, kind="line_search_joint"):
-    """A noisy gradient and one NOISYBTLS call on the SAME Poisson batch, amplified jointly (mode J).
-
-    Valid because the per-iteration structure is fixed (NN mode). ``"safe"``: min(Σ base, Lemma 4 on
-    Σ base) with the safe SVT bound; ``"paper"``: Lemma 4 on α·ρ_grad + Thm 2/3, no minimum.
-    """
-
-    rho_grad: float
-    noise: str
-    budget: float
-    sample_rate: float
-    max_queries: int
-    accounting: str = "safe"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "rho_grad", _check_positive("rho_grad", self.rho_grad))
-        svt = LineSearchSVT(self.noise, self.budget, self.sample_rate, self.max_queries, self.accounting)
-        object.__setattr__(self, "budget", svt.budget)
-        object.__setattr__(self, "sample_rate", svt.sample_rate)
-
-    def base(self, orders: np.ndarray) -> np.ndarray:
-        svt = svt_base(self.noise, self.budget, self.max_queries, self.accounting)
-        return orders * self.rho_grad + np.asarray(svt.rdp(tuple(float(a) for a in orders)))
-
-    def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = _orders(orders)
-        unamplified = self.base(a)
-        general = amplify_general(a, self.base, self.sample_rate)
-        if self.accounting == "paper":
-            return np.where(np.isfinite(general), general, unamplified)
-        return np.minimum(unamplified, general)
-
-
-def rdp_to_dp_prop1(rdp: np.ndarray, orders: Sequence[float], delta: float) -> float:
-    """The paper's Prop. 1 conversion, min_α rdp(α) + ln(1/δ)/(α−1) (looser than the ledger's)."""
-    a = _orders(orders)
-    return float(np.min(np.asarray(rdp) + math.log(1 / delta) / (a - 1)))
-
-
-# ----------------------------------------------------------------------------------------------------
-# NOISYBTLS (Alg. 1): the sparse-vector backtracking search
-# ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SVTCalibration:
-    """Noise of one search: threshold noise drawn once, fresh query noise per trial (scale or std)."""
-
-    noise: str
-    threshold_scale: float
-    query_scale: float
-
-
-def svt_calibration(noise: SVTNoise, budget: float, sensitivity: float) -> SVTCalibration:
-    """Laplace: scales 2Δ/ε_BT and 4Δ/ε_BT. Gaussian: stds Δ·√(3/(2ρ_BT)) and Δ·√(3/ρ_BT).
-
-    ``budget = inf`` gives a noise-free search (exact Armijo), used by tests.
-    """
-    if math.isinf(budget):
-        return SVTCalibration(noise, 0.0, 0.0)
-    if noise == "laplace":
-        return SVTCalibration(noise, 2 * sensitivity / budget, 4 * sensitivity / budget)
-    if noise == "gaussian":
-        return SVTCalibration(
-            noise, sensitivity * math.sqrt(3 / (2 * budget)), sensitivity * math.sqrt(3 / budget)
-        )
-    raise ValueError(f"noise must be 'laplace' or 'gaussian', got {noise!r}")
-
-
-def draw_noise(noise: str, scale: float, generator: torch.Generator) -> float:
-    """One Laplace (scale b, as a difference of two exponentials) or Gaussian (std) draw in float64.
-
-    Not hardened against floating-point attacks (Mironov 2012); see docs/mechanisms.md.
-    """
-    if scale == 0:
-        return 0.0
-    if noise == "laplace":
-        u = torch.rand(2, generator=generator, dtype=torch.float64)
-        e = -torch.log1p(-u)  # rand is in [0, 1): both exponentials are finite
-        return float(scale * (e[0] - e[1]))
-    return float(scale * torch.randn(1, generator=generator, dtype=torch.float64)[0])
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """What one search releases (``eta``, ``index``) and what it cost in forwards (``evaluations``)."""
-
-    eta: float
-    index: int
-    """1-based index of the accepted candidate, 0 when the search failed."""
-    evaluations: int
-
-
-def candidate_steps(eta0: float, beta: float, max_it: int) -> list[float]:
-    """η0, βη0, …, β^(max_it−1)·η0."""
-    return [eta0 * beta**i for i in range(max_it)]
-
-
-def noisy_backtracking(
-    f0: float,
-    loss_at: Callable[[int, float], float],
-    d_sq_norm: float,
-    *,
-    eta0: float,
-    beta: float,
-    max_it: int,
-    c: float,
-    calibration: SVTCalibration,
-    generator: torch.Generator,
-    on_fail: Literal["zero", "smallest"] = "zero",
-) -> SearchResult:
-    """NOISYBTLS: accept the first η with F0 − cη‖d‖² − F(w − ηd) + ν_i ≥ λ (threshold 0 + noise).
-
-    ``loss_at(i, η)`` returns the (mean-scale, clipped) objective at the i-th candidate (0-based); it is
-    called lazily, so an accepted early candidate saves forwards. Nothing but η/index leaves here.
-    """
-    threshold = draw_noise(calibration.noise, calibration.threshold_scale, generator)
-    for i, eta in enumerate(candidate_steps(eta0, beta, max_it)):
-        query = f0 - c * eta * d_sq_norm - loss_at(i, eta)
-        if query + draw_noise(calibration.noise, calibration.query_scale, generator) >= threshold:
-            return SearchResult(eta, i + 1, i + 1)
-    fallback = eta0 * beta**max_it if on_fail == "smallest" else 0.0
-    return SearchResult(fallback, 0, max_it)
-
-
-# ----------------------------------------------------------------------------------------------------
-# CHEB (Alg. 3), angle EMA, η0 reset, clip adaptation: post-processing of released values only
-# ----------------------------------------------------------------------------------------------------
-
-
-def angle_degrees(a: Tensor, b: Tensor) -> float:
-    """Angle between two flat vectors in degrees (90° if either is zero), computed in float64."""
-    a64, b64 = a.detach().double().reshape(-1), b.detach().double().reshape(-1)
-    na, nb = float(a64.norm()), float(b64.norm())
-    if na == 0 or nb == 0:
-        return 90.0
-    cosine = max(-1.0, min(1.0, float(a64 @ b64) / (na * nb)))
-    return math.degrees(math.acos(cosine))
-
-
-@dataclass(frozen=True)
-class ChebDecision:
-    """CHEB's outcome: the new budgets, whether ρ_grad was raised, and the angle that decided it."""
-
-    rho_grad: float
-    eps_bt: float
-    raised_rho: bool
-    raised_search: bool
-    theta: float
-
-
-def cheb_decision(
-    d: Tensor,
-    d2: Tensor,
-    *,
-    theta_bar: float,
-    rho_grad: float,
-    eps_bt: float,
-    xi: float,
-    phi_max: float,
-    phi_min: float,
-) -> ChebDecision:
-    """Alg. 3's angle test: a wide (or obtuse) angle → the gradient is noisy, raise ρ_grad by (1+ξ);
-    a narrow angle → the search is noisy, raise ε_BT by (1+ξ); otherwise no change (ties: no change).
-    The caller always averages the two directions afterwards."""
-    theta = angle_degrees(d, d2)
-    dot = float(d.detach().double().reshape(-1) @ d2.detach().double().reshape(-1))
-    if dot < 0 or theta > phi_max * theta_bar:
-        return ChebDecision(rho_grad * (1 + xi), eps_bt, True, False, theta)
-    if theta < phi_min * theta_bar:
-        return ChebDecision(rho_grad, eps_bt * (1 + xi), False, True, theta)
-    return ChebDecision(rho_grad, eps_bt, False, False, theta)
-
-
-def angle_ema(theta_bar: float, theta: float, psi: float) -> float:
-    """Eq. (7): θ̄ ← ψ·θ̄ + (1−ψ)·θ_t."""
-    return psi * theta_bar + (1 - psi) * theta
-
-
-def reset_eta0(eta0: float, accepted: Sequence[float], varsigma: float, growth: bool = False) -> float:
-    """Intelligent backtracking: η0 ← min(ς·max Ω, η0) (or ς·max Ω with ``growth``); Ω = ∅ keeps η0."""
-    if not accepted:
-        return eta0
-    proposal = varsigma * max(accepted)
-    return proposal if growth else min(proposal, eta0)
-
-
-def shrink_clips(c_grad: float, c_obj: float, zeta: float) -> tuple[float, float]:
-    """DP-BLSGD-AC, eq. (9): both thresholds × (1−ζ). Privacy-free: the noise scales with them."""
-    return c_grad * (1 - zeta), c_obj * (1 - zeta)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Budgets: the order grid, the filter, the planner
-# ----------------------------------------------------------------------------------------------------
-
-#: A small geometric grid of integer orders in [2, 1024]: the strict filter pays ln(|Λ|/δ), and small ε
-#: needs large orders (ε = 0.05 at δ = 1e-8 needs α ≥ 370).
-LINE_SEARCH_ORDERS: tuple[float, ...] = tuple(
-    float(a) for a in sorted({round(2 * 512 ** (i / 31)) for i in range(32)})
-)
-
-
-def fits_budget(cost: np.ndarray, budgets: np.ndarray, spent: np.ndarray | None = None) -> bool:
-    """The filter rule: some order α with a positive budget still has spent(α) + cost(α) ≤ B(α)."""
-    total = cost if spent is None else spent + cost
-    return bool(np.any((budgets > 0) & (total <= budgets)))
-
-
-def plan_budget(
-    iteration_cost: Callable[[float], np.ndarray],
-    budgets: np.ndarray,
-    iterations: int,
-    lo: float = 1e-12,
-    hi: float = 100.0,
-) -> float:
-    """Largest x (by bisection in log space) such that ``iterations`` × ``iteration_cost(x)`` fits ``budgets``.
-
-    The budget planner of §3.9: x is ε_iter (adaptive mode) or ρ_iter (NN mode). Raises ValueError when
-    even ``lo`` does not fit.
-    """
-    if not fits_budget(iterations * iteration_cost(lo), budgets):
-        raise ValueError(f"not even {iterations} iterations at a per-iteration budget of {lo:g} fit")
-    if fits_budget(iterations * iteration_cost(hi), budgets):
-        return hi
-    a, b = math.log(lo), math.log(hi)
-    for _ in range(80):
-        mid = (a + b) / 2
-        if fits_budget(iterations * iteration_cost(math.exp(mid)), budgets):
-            a = mid
-        else:
-            b = mid
-    return math.exp(a)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The step slot
-# ----------------------------------------------------------------------------------------------------
-
 Mode = Literal["nn", "adaptive"]
 BatchRule = Literal["fresh", "same"]
 
@@ -470,7 +78,7 @@ class LineSearchNoise(Noise):
         self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str
     ) -> None:
         del target_epsilon, delta, accountant
-        self.owner.plan(sampler.sample_rate, steps)
+        self.owner.size_budget(sampler.sample_rate, steps)
 
 
 class LineSearch(Step):
@@ -598,7 +206,9 @@ class LineSearch(Step):
         self.weight_decay = float(weight_decay)
         self.max_cheb_per_step = int(max_cheb_per_step)
         self.seed, self.chunk_size = seed, chunk_size
-        self.engine: Any = None
+        self._host: StepHost | None = None
+        self._filter: PrivacyFilter | None = None
+        self._target_epsilon: float | None = None
         self._given_sigma: float | None = None
         # -- state (checkpointed) --
         self.rho_grad: float | None = None
@@ -619,30 +229,26 @@ class LineSearch(Step):
             "clip_shrinks": 0,
         }
         self.last = {"eta": 0.0, "index": 0}
-        self._svt_generator: torch.Generator | None = None
-        self._batch_generator: torch.Generator | None = None
+        self._generators: dict[str, torch.Generator] = {}
+        """The SVT noise ("svt") and the extra Poisson batches ("batches"), created on first use."""
         self._pending_generators: dict[str, Tensor] = {}
-        self._probe: Any = None
+        self._probe: LossProbe | None = None
 
     # -- wiring -------------------------------------------------------------------------------
-    def bind(self, engine: Any) -> None:
-        """Take over the engine's noise slot and ledger: σ follows ρ_grad; the ledger becomes a filter."""
-        from lightning_dp.accounting.filter import PrivacyFilter
-        from lightning_dp.noise import ConstantNoise
-
-        self.engine = engine
-        noise = engine.noise
-        if isinstance(noise, ConstantNoise):
-            self._given_sigma = noise.sigma
+    def plan(self, setup: StepSetup) -> StepPlan:
+        """Bring the noise slot (σ follows ρ_grad) and, under a target, the RDP privacy filter."""
+        noise = setup.noise
+        if noise.is_constant:
+            self._given_sigma = noise.noise_multiplier(0) if noise.is_set else None
         elif not isinstance(noise, LineSearchNoise):
             raise DPConfigurationError(
                 f"LineSearch sets the gradient noise itself (σ = 1/√(2ρ_grad)); remove noise={type(noise).__name__}."
             )
-        if engine.accountant != "rdp":
+        if setup.accountant != "rdp":
             raise DPConfigurationError(
                 "LineSearch prices sparse-vector searches in RDP: use accountant='rdp'."
             )
-        if self.mode == "adaptive" and engine.target_epsilon is None:
+        if self.mode == "adaptive" and setup.target_epsilon is None:
             raise DPConfigurationError(
                 "LineSearch(mode='adaptive') chooses its releases from earlier noisy results (CHEB raises ρ_grad "
                 "and the search budget after a failed search), so the composition of what it happened to release "
@@ -650,19 +256,32 @@ class LineSearch(Step):
                 "2021). Give target_epsilon=... (noise_multiplier may stay as the starting σ), or use "
                 "LineSearch(mode='nn'), whose per-iteration cost is fixed."
             )
-        engine.noise = LineSearchNoise(self)
         if self._given_sigma is not None:
             if self._given_sigma <= 0:
                 raise DPConfigurationError("LineSearch needs noise_multiplier > 0.")
             self._set_from_rho(1.0 / (2.0 * self._given_sigma**2))
-        if engine.target_epsilon is not None:
-            engine.ledger = PrivacyFilter(
-                engine.target_epsilon,
-                engine.delta,
+        self._target_epsilon = setup.target_epsilon
+        if setup.target_epsilon is not None:
+            self._filter = PrivacyFilter(
+                setup.target_epsilon,
+                setup.delta,
                 mode="rdp_paper" if self.accounting == "paper" else "rdp",
                 orders=LINE_SEARCH_ORDERS,
             )
-        self.c_grad = float(engine.max_grad_norm)
+        self.c_grad = float(setup.max_grad_norm)
+        return StepPlan(noise=LineSearchNoise(self), ledger=self._filter)
+
+    def bind(self, host: StepHost) -> None:
+        self._host = host
+
+    @property
+    def host(self) -> StepHost:
+        assert self._host is not None, "LineSearch is not bound to an engine"
+        return self._host
+
+    def clip_bound(self, configured: float) -> float:
+        """C_grad: the configured max_grad_norm, shrunk by DP-BLSGD-AC (eq. 9) after ρ_grad raises."""
+        return configured if self.c_grad is None else self.c_grad
 
     @property
     def spends_until_budget(self) -> bool:  # type: ignore[override]
@@ -682,7 +301,7 @@ class LineSearch(Step):
 
     @property
     def _q(self) -> float:
-        return float(self.engine.sampler.sample_rate)
+        return float(self.host.sampler.sample_rate)
 
     @property
     def _joint(self) -> bool:
@@ -704,14 +323,13 @@ class LineSearch(Step):
 
     def _refresh_reserve(self) -> None:
         """The filter admits a gradient only if a search at the current budget still fits with it."""
-        ledger = self.engine.ledger
-        if hasattr(ledger, "reserve"):
-            ledger.reserve = None if self._joint or self.search_budget is None else self.svt_event()
+        if self._filter is not None:
+            self._filter.reserve = None if self._joint or self.search_budget is None else self.svt_event()
 
-    def plan(self, sample_rate: float, steps: int) -> None:
+    def size_budget(self, sample_rate: float, steps: int) -> None:
         """Budget planner (§3.9): size the per-iteration budget so the planned iterations fit the filter."""
-        ledger = self.engine.ledger
-        if not hasattr(ledger, "rdp_budgets"):
+        ledger = self._filter
+        if ledger is None or self._target_epsilon is None:
             raise DPConfigurationError(
                 "LineSearch needs target_epsilon (or noise_multiplier) to set its budget."
             )
@@ -721,7 +339,7 @@ class LineSearch(Step):
         if self.mode == "adaptive":
             iterations = self.planned_iterations or 50
             if self.accounting == "paper":  # the paper's heuristic: ε_iter = ε / (2·T)
-                self._set_from_rho((self.engine.target_epsilon / (2 * iterations)) ** 2 / 2)
+                self._set_from_rho((self._target_epsilon / (2 * iterations)) ** 2 / 2)
                 self._refresh_reserve()
                 return
 
@@ -753,27 +371,26 @@ class LineSearch(Step):
 
     # -- helpers -----------------------------------------------------------------------------------
     def _generator(self, which: str) -> torch.Generator:
-        rank = self.engine.rank
-        attr = "_svt_generator" if which == "svt" else "_batch_generator"
-        gen = getattr(self, attr)
+        gen = self._generators.get(which)
         if gen is None:
-            gen = make_generator(self.seed, stream=f"line_search/{which}/{rank}")
+            gen = make_generator(self.seed, stream=f"line_search/{which}/{self.host.releases.rank}")
             pending = self._pending_generators.pop(which, None)
             if pending is not None:
                 gen.set_state(pending)
-            setattr(self, attr, gen)
+            self._generators[which] = gen
         return gen
 
     def _fresh_batch(self) -> Any:
         """One more Poisson batch (rate q) of this rank's share, on the model's device."""
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
-        if self.engine.train_data is None:
+        host = self.host
+        if host.train_data is None:
             raise DPConfigurationError("LineSearch draws extra batches: train through DPStrategy.")
         from lightning_dp.strategy import EmptyBatch
 
-        dataset, collate = self.engine.train_data
-        rank, world = self.engine.rank, self.engine.world_size
+        dataset, collate = host.train_data
+        rank, world = host.releases.rank, host.releases.world_size
         indices = torch.arange(rank, len(dataset), world)
         chosen = indices[torch.rand(len(indices), generator=self._generator("batches")) < self._q]
         if len(chosen) == 0:
@@ -782,43 +399,24 @@ class LineSearch(Step):
             batch = [t[chosen] for t in dataset.tensors]
         else:
             batch = collate([dataset[i] for i in chosen.tolist()])
-        return move_data_to_device(batch, self.engine.params[0].device)
+        return move_data_to_device(batch, host.params[0].device)
 
     def _search_batch(self) -> Any:
-        return self.engine.batch if self.line_search_batch == "same" else self._fresh_batch()
-
-    def _can_afford(self, event: PrivacyEvent, with_reserve: bool = False) -> bool:
-        """Check before spend; ``with_reserve``: a search at the current budget must fit afterwards too."""
-        ledger = self.engine.ledger
-        target = self.engine.target_epsilon
-        if target is None:
-            return True
-        if with_reserve:  # the engine's own rule for gradients
-            return bool(ledger.affordable_count(event, target) >= 1)
-        return bool(ledger.can_afford(event, target))
-
-    def _broadcast(self, values: list[float]) -> list[float]:
-        """Rank 0's values on every rank (the SVT noise is drawn once, on rank 0)."""
-        if self.engine.world_size == 1:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.engine.params[0].device)
-        dist.broadcast(t, src=0)
-        return [float(x) for x in t.tolist()]
+        return self.host.batch if self.line_search_batch == "same" else self._fresh_batch()
 
     # -- one search ------------------------------------------------------------------------------
     def _search(self, data: list[Tensor], on_fail: Literal["zero", "smallest"]) -> float | None:
         """NOISYBTLS along d = data + μw on the search batch; None when the search is unaffordable."""
-        engine = self.engine
+        host = self.host
+        releases = host.releases
         assert self.search_budget is not None
         event = None if self._joint else self.svt_event()
         if event is not None:
-            if not self._can_afford(event):
+            if not releases.can_afford(event):
                 return None
             # Priced before the search reads the data: check-before-spend, then the release.
-            charge(engine.ledger, event, engine.target_epsilon, mechanism="LineSearch's sparse-vector search")
-        params = engine.params
+            releases.spend(event, mechanism="LineSearch's sparse-vector search")
+        params = host.params
         mu = self.weight_decay
         with torch.no_grad():
             direction = [g + mu * p.detach().to(g.dtype) for g, p in zip(data, params, strict=True)]
@@ -828,7 +426,7 @@ class LineSearch(Step):
                 float((p.detach().double() * x.double()).sum())
                 for p, x in zip(params, direction, strict=True)
             )
-        m = float(engine.sampler.expected_batch_size)
+        m = float(host.sampler.expected_batch_size)
 
         def reg(eta: float) -> float:
             return 0.5 * mu * (w_sq - 2 * eta * w_d + eta * eta * d_sq) if mu else 0.0
@@ -838,10 +436,9 @@ class LineSearch(Step):
         batch = self._search_batch()
         calibration = svt_calibration(self.noise, self.search_budget, self.c_obj / m)
         grid = candidate_steps(self.eta0, self.beta, self.max_it)
-        if engine.world_size > 1:
+        if releases.world_size > 1:
             # One collective: F at w and at every candidate, summed over ranks; rank 0 runs the SVT.
-            sums = probe.along(batch, direction, [0.0, *grid])
-            sums = engine.all_reduce([sums])[0] if engine.all_reduce is not None else sums
+            sums = releases.all_reduce([probe.along(batch, direction, [0.0, *grid])])[0]
             values = [float(v) / m + reg(eta) for v, eta in zip(sums.tolist(), [0.0, *grid], strict=True)]
             f0 = values[0]
 
@@ -865,8 +462,8 @@ class LineSearch(Step):
             generator=self._generator("svt"),
             on_fail=on_fail,
         )
-        if engine.world_size > 1:
-            eta, index = self._broadcast([result.eta, float(result.index)])
+        if releases.world_size > 1:
+            eta, index = releases.broadcast([result.eta, float(result.index)], params[0].device)
             result = SearchResult(eta, int(index), self.max_it + 1)
         self.stats["searches"] += 1
         if result.index == 0:
@@ -881,17 +478,16 @@ class LineSearch(Step):
         if eta == 0:
             return
         with torch.no_grad():
-            for p, d in zip(self.engine.params, direction, strict=True):
+            for p, d in zip(self.host.params, direction, strict=True):
                 p.sub_(eta * d.to(p.dtype))
 
-    def _loss_probe(self) -> Any:
+    def _loss_probe(self) -> LossProbe:
         if self._probe is None:
-            from lightning_dp.probes import LossProbe
-
-            assert self.engine.module is not None
+            host = self.host
+            assert host.module is not None
             self._probe = LossProbe(
-                self.engine.module,
-                self.engine.params,
+                host.module,
+                host.params,
                 self.c_obj,
                 chunk_size=self.chunk_size,
                 algorithm="LineSearch",
@@ -900,40 +496,35 @@ class LineSearch(Step):
 
     def _cheb_gradient(self) -> list[Tensor] | None:
         """CHEB's second noisy gradient at the current ρ_grad on a fresh batch (None: unaffordable)."""
-        engine = self.engine
+        host = self.host
         assert self.rho_grad is not None
-        event = self.gradient_event(engine.sampler, 1.0 / math.sqrt(2.0 * self.rho_grad))
-        if isinstance(event, LineSearchJoint) or not self._can_afford(event, with_reserve=True):
+        event = self.gradient_event(host.sampler, 1.0 / math.sqrt(2.0 * self.rho_grad))
+        if isinstance(event, LineSearchJoint) or not host.releases.can_afford(event, reserve=True):
             return None
         batch = self._fresh_batch()
         from lightning_dp.strategy import EmptyBatch
 
-        module = engine.module
-        assert module is not None
-        for p in engine.params:
+        for p in host.params:
             p.grad = None
-        engine.grads.clear()
+        host.clear_gradients()
         if not isinstance(batch, EmptyBatch):
             loss_fn = self._loss_probe().loss_fn
             with torch.enable_grad():
                 losses = loss_fn(batch)
-                loss = losses.mean() if engine.loss_reduction == "mean" else losses.sum()
+                loss = losses.mean() if host.loss_reduction == "mean" else losses.sum()
                 loss.backward()
-        released = engine.private_gradient(event)
-        for p in engine.params:
+        released = host.private_gradient(event)
+        for p in host.params:
             p.grad = None
         return [g.detach() for g in released]
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, ctx: StepContext) -> None:
         del optimizer, ctx
-        engine = self.engine
-        assert engine is not None, "LineSearch is not bound to an engine"
         assert self.rho_grad is not None, "LineSearch has no budget yet"
-        engine.max_grad_norm = self.c_grad
         data = [
             (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)).float()
-            for p in engine.params
+            for p in self.host.params
         ]
         if self.mode == "nn":
             eta = self._search(data, on_fail="smallest")
@@ -985,7 +576,6 @@ class LineSearch(Step):
             if self.adapt_clip and decision.raised_rho and not shrunk:  # eq. (9), once per iteration
                 assert self.c_grad is not None
                 self.c_grad, self.c_obj = shrink_clips(self.c_grad, self.c_obj, self.zeta)
-                self.engine.max_grad_norm = self.c_grad
                 self.stats["clip_shrinks"] += 1
                 shrunk = True
         return False
@@ -1018,11 +608,7 @@ class LineSearch(Step):
             "d_prev": None if self.d_prev is None else [g.detach().cpu().clone() for g in self.d_prev],
             "stats": dict(self.stats),
             "last": dict(self.last),
-            "generators": {
-                name: gen.get_state()
-                for name, gen in (("svt", self._svt_generator), ("batches", self._batch_generator))
-                if gen is not None
-            },
+            "generators": {name: gen.get_state() for name, gen in self._generators.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1032,12 +618,11 @@ class LineSearch(Step):
         self.iteration, self.theta_bar = int(state["iteration"]), float(state["theta_bar"])
         self.stats, self.last = dict(state["stats"]), dict(state["last"])
         saved = state["d_prev"]
-        if saved is None or self.engine is None or self.engine.grads is None:
+        if saved is None or self._host is None or not self._host.attached:
             self.d_prev = saved
         else:
-            self.d_prev = [g.to(p.device) for g, p in zip(saved, self.engine.params, strict=True)]
-        self._svt_generator = self._batch_generator = None
+            self.d_prev = [g.to(p.device) for g, p in zip(saved, self._host.params, strict=True)]
+        self._generators = {}
         self._pending_generators = dict(state.get("generators", {}))
-        if self.engine is not None and self.c_grad is not None:
-            self.engine.max_grad_norm = self.c_grad
+        if self._host is not None and self.c_grad is not None:
             self._refresh_reserve()
