@@ -122,7 +122,9 @@ def run_agd(train: Split, test: Split, epsilon: float, delta: float, seed: int, 
     torch.manual_seed(seed)
     module = LinearClassifier(train[0].shape[1], loss=loss)
     n = len(train[1])
-    engine = make_engine(module, n, n, AdaptiveGD(), epsilon, clip=3.0, seed=seed)
+    engine = make_engine(
+        module, n, n, AdaptiveGD(conversion="bun_steinke"), epsilon, clip=3.0, seed=seed
+    )  # the paper's Lemma 3.8, as its table
     optimizer = torch.optim.SGD(module.parameters(), lr=0.0)  # unused: AdaptiveGD moves the weights
     while engine.affordable_steps():
         private_step(engine, module, train, optimizer)

@@ -15,7 +15,15 @@ from conftest import run_worker
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import AdaptiveGD, DPConfigurationError, DPStrategy
-from lightning_dp.accounting import ZCDP, NoisyMin, PoissonGaussian, compute_epsilon, zcdp_rho
+from lightning_dp.accounting import (
+    ZCDP,
+    NoisyMin,
+    PoissonGaussian,
+    compute_epsilon,
+    epsilon_from_rho,
+    rho_from_epsilon,
+    zcdp_rho,
+)
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.noise import ConstantNoise
@@ -74,17 +82,32 @@ def _iterate(engine, module, batch, optimizer) -> bool:
     ],
 )
 def test_initial_budgets_t5(eps, rho_nmax, sigma0, rho_ng0, b, max_iter):
-    rho, rho_ng, rho_nm = initial_budgets(eps, 1e-8, splits=60)
+    rho, rho_ng, rho_nm = initial_budgets(eps, 1e-8, splits=60, conversion="bun_steinke")
     assert rho_nm == pytest.approx(rho_nmax, rel=1e-5)
     assert rho_ng == pytest.approx(rho_ng0, rel=1e-5)
     assert 3.0 / math.sqrt(2 * rho_ng) == pytest.approx(sigma0, rel=1e-5)
     assert rho_nm / rho_ng == pytest.approx(37.2876, rel=1e-5)
     assert rho / (rho_ng + rho_nm) == pytest.approx(max_iter, rel=1e-5)
-    step = AdaptiveGD()
+    step = AdaptiveGD(conversion="bun_steinke")  # the paper's Lemma 3.8 reproduces its table
     engine = _engine(torch.nn.Linear(2, 1), 10, step, target=eps)
     assert step.noisy_min_scale == pytest.approx(b, rel=1e-6)
     # the filter counts iterations of (gradient + reserved NoisyMin): floor of the table's maximum
     assert engine.affordable_steps() == math.floor(max_iter)
+
+
+@pytest.mark.parametrize("eps", [0.05, 1.0, 1.6])
+def test_default_conversion_is_the_tight_one_and_buys_more_iterations(eps):
+    """By default ρ_tot comes from the CKS conversion: more iterations than the paper's Lemma 3.8 at the
+    same (ε, δ), and the filter's budget still converts back to exactly ε under CKS."""
+    paper = _engine(torch.nn.Linear(2, 1), 10, AdaptiveGD(conversion="bun_steinke"), target=eps)
+    step = AdaptiveGD()
+    tight = _engine(torch.nn.Linear(2, 1), 10, step, target=eps)
+    assert step.rho_total == pytest.approx(rho_from_epsilon(eps, 1e-8, "cks"), rel=1e-12)
+    assert epsilon_from_rho(step.rho_total, 1e-8, "cks") == pytest.approx(eps, rel=1e-9)
+    assert step.rho_total > 1.17 * rho_from_epsilon(eps, 1e-8, "bun_steinke")
+    assert tight.affordable_steps() > 1.17 * paper.affordable_steps()
+    with pytest.raises(DPConfigurationError, match="conversion"):
+        AdaptiveGD(conversion="tight")  # type: ignore[arg-type]
 
 
 def test_classic_gaussian_t15_and_no_moments_floor_t17():

@@ -34,8 +34,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .arguments import MAX_COUNT, check_count, check_event, check_target
 from .events import PrivacyEvent
-from .ledger import _MAX_COUNT, BudgetExceededError, PrivacyLedger, _check_count, _check_event, _check_target
+from .ledger import BudgetExceededError, PrivacyLedger
 from .rdp import SPARSE_ORDERS, check_delta, event_rdp
 from .zcdp import ZCDPConversion, epsilon_from_rho, rho_from_epsilon, zcdp_rho
 
@@ -88,7 +89,7 @@ class PrivacyFilter(PrivacyLedger):
             self._rho_tot = float(rho)
             if target_epsilon is None:
                 target_epsilon = epsilon_from_rho(self._rho_tot, self.delta, conversion)
-        target = _check_target(target_epsilon)
+        target = check_target(target_epsilon)
         if not 0 < target < math.inf:
             raise ValueError(f"a privacy filter needs a finite target_epsilon > 0, got {target_epsilon!r}")
         self.target_epsilon = target
@@ -103,14 +104,14 @@ class PrivacyFilter(PrivacyLedger):
 
     def rho_budget(self, target_epsilon: float | None = None) -> float:
         """ρ_tot of the zCDP filter for ``target_epsilon`` (default: the filter's)."""
-        target = self.target_epsilon if target_epsilon is None else _check_target(target_epsilon)
+        target = self.target_epsilon if target_epsilon is None else check_target(target_epsilon)
         if self._rho_tot is not None and target == self.target_epsilon:
             return self._rho_tot
         return rho_from_epsilon(target, self.delta, self.conversion)
 
     def rdp_budgets(self, target_epsilon: float | None = None) -> np.ndarray:
         """B(α) per order of the RDP filter (≤ 0: that order is unusable)."""
-        target = self.target_epsilon if target_epsilon is None else _check_target(target_epsilon)
+        target = self.target_epsilon if target_epsilon is None else check_target(target_epsilon)
         a = np.asarray(self.orders, dtype=np.float64)
         return target - self._log_term(self.delta) / (a - 1.0)
 
@@ -163,15 +164,15 @@ class PrivacyFilter(PrivacyLedger):
     # -- check-before-spend (the filter) ----------------------------------------------------------
     def can_afford(self, event: PrivacyEvent, target_epsilon: float | None = None, count: int = 1) -> bool:
         """Whether ``count`` × ``event`` still passes the filter (reserve not included)."""
-        event = _check_event(event)
-        count = _check_count(count)
+        event = check_event(event)
+        count = check_count(count)
         self._check_priceable(event)
-        target = self.target_epsilon if target_epsilon is None else _check_target(target_epsilon)
+        target = self.target_epsilon if target_epsilon is None else check_target(target_epsilon)
         return self._fits(event, count, target, with_reserve=False)
 
     def spend(self, event: PrivacyEvent, target_epsilon: float | None = None, count: int = 1) -> float:
         """Record ``count`` × ``event`` if it passes the filter and return ε spent; else raise, recording nothing."""
-        target = self.target_epsilon if target_epsilon is None else _check_target(target_epsilon)
+        target = self.target_epsilon if target_epsilon is None else check_target(target_epsilon)
         if not self.can_afford(event, target, count):
             spent = self.epsilon()
             raise BudgetExceededError(
@@ -188,13 +189,13 @@ class PrivacyFilter(PrivacyLedger):
 
     def affordable_count(self, event: PrivacyEvent, target_epsilon: float | None = None) -> int:
         """Largest n such that n × (event + reserve) passes the filter (2**62 for a costless event)."""
-        event = _check_event(event)
+        event = check_event(event)
         self._check_priceable(event)
-        target = self.target_epsilon if target_epsilon is None else _check_target(target_epsilon)
+        target = self.target_epsilon if target_epsilon is None else check_target(target_epsilon)
         unit = self._unit(event, with_reserve=True)
         if self.mode == "zcdp":
             if unit == 0:
-                return _MAX_COUNT
+                return MAX_COUNT
             guess = (self.rho_budget(target) - self.rho_spent) / unit
         else:
             room = self.rdp_budgets(target) - self.rdp
@@ -202,11 +203,11 @@ class PrivacyFilter(PrivacyLedger):
                 per_order = np.where(unit > 0, room / unit, np.where(room >= 0, np.inf, -np.inf))
             guess = float(np.max(per_order))
             if math.isinf(guess) and guess > 0:
-                return _MAX_COUNT
-        n = int(min(max(math.floor(guess), 0), _MAX_COUNT)) if math.isfinite(guess) else 0
+                return MAX_COUNT
+        n = int(min(max(math.floor(guess), 0), MAX_COUNT)) if math.isfinite(guess) else 0
         while n > 0 and not self._fits(event, n, target, with_reserve=True):
             n -= 1
-        while n < _MAX_COUNT and self._fits(event, n + 1, target, with_reserve=True):
+        while n < MAX_COUNT and self._fits(event, n + 1, target, with_reserve=True):
             n += 1
         return n
 
@@ -235,8 +236,8 @@ class PrivacyFilter(PrivacyLedger):
         return self._filter_epsilon(self.rdp, rho, d)
 
     def epsilon_if(self, event: PrivacyEvent, count: int = 1) -> float:
-        event = _check_event(event)
-        count = _check_count(count)
+        event = check_event(event)
+        count = check_count(count)
         self._check_priceable(event)
         rdp = self._total_rdp_with(event, count)
         rho = math.fsum([self.rho_spent, count * self._rho(event)]) if self.mode == "zcdp" else None

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import operator
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
+from .arguments import MAX_COUNT, check_count, check_event, check_target
 from .events import PrivacyEvent
 from .pld import pld_epsilon, require_dp_accounting
 from .prv import PRVNumericalError, prv_epsilon
@@ -32,9 +32,6 @@ _ACCOUNTANTS = ("rdp", "prv", "pld", "pure")
 #: Accountants that price a whole history of (subsampled) Gaussians at once (~0.1-1 s an evaluation).
 _DISTRIBUTION_ACCOUNTANTS = ("prv", "pld")
 _STATE_VERSION = 1
-#: Upper end of the search in ``affordable_count``; an event that stays under target this many times
-#: is treated as affordable "forever".
-_MAX_COUNT = 2**62
 
 
 class BudgetExceededError(RuntimeError):
@@ -60,37 +57,6 @@ class BudgetExceededError(RuntimeError):
         self.count = count
         self.mechanism = mechanism
         """The mechanism whose release was refused (e.g. "DPIS K~ statistic"), when the caller named it."""
-
-
-def _check_count(count: Any) -> int:
-    """Validate an event count: a non-negative integer (bools rejected)."""
-    if isinstance(count, bool):
-        raise ValueError(f"count must be a non-negative integer, got {count!r}")
-    try:
-        value = operator.index(count)
-    except TypeError:
-        raise ValueError(f"count must be a non-negative integer, got {count!r}") from None
-    if value < 0:
-        raise ValueError(f"count must be a non-negative integer, got {count!r}")
-    return value
-
-
-def _check_target(target_epsilon: Any) -> float:
-    """Validate a target ε for budget checks: a number ≥ 0 (inf allowed, NaN not)."""
-    try:
-        value = float(target_epsilon)
-    except (TypeError, ValueError):
-        raise ValueError(f"target_epsilon must be a number >= 0, got {target_epsilon!r}") from None
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"target_epsilon must be a number >= 0, got {target_epsilon!r}")
-    return value
-
-
-def _check_event(event: Any) -> PrivacyEvent:
-    """Reject anything that is not a PrivacyEvent (e.g. a bare σ) with a clear message."""
-    if not isinstance(event, PrivacyEvent):
-        raise ValueError(f"event must be a PrivacyEvent (e.g. PoissonGaussian(σ, q)), got {event!r}")
-    return event
 
 
 class PrivacyLedger:
@@ -205,8 +171,8 @@ class PrivacyLedger:
 
     def record(self, event: PrivacyEvent, count: int = 1) -> None:
         """Append ``count`` occurrences of ``event`` (merged into the last segment when equal)."""
-        event = _check_event(event)
-        count = _check_count(count)
+        event = check_event(event)
+        count = check_count(count)
         self._check_priceable(event)
         self._record_checked(event, count)
 
@@ -292,8 +258,8 @@ class PrivacyLedger:
     # --------------------------------------------------------- check-before-spend
     def epsilon_if(self, event: PrivacyEvent, count: int = 1) -> float:
         """ε that would be reported after recording ``count`` × ``event`` (nothing is recorded)."""
-        event = _check_event(event)
-        count = _check_count(count)
+        event = check_event(event)
+        count = check_count(count)
         self._check_priceable(event)
         if count == 0:
             return self.epsilon()
@@ -301,7 +267,7 @@ class PrivacyLedger:
 
     def can_afford(self, event: PrivacyEvent, target_epsilon: float, count: int = 1) -> bool:
         """Whether recording ``count`` × ``event`` keeps ε ≤ ``target_epsilon``."""
-        target = _check_target(target_epsilon)
+        target = check_target(target_epsilon)
         return self.epsilon_if(event, count) <= target
 
     def spend(self, event: PrivacyEvent, target_epsilon: float, count: int = 1) -> float:
@@ -309,9 +275,9 @@ class PrivacyLedger:
 
         Costs one ε evaluation: the priced value becomes the cached ε of the new history.
         """
-        target = _check_target(target_epsilon)
-        event = _check_event(event)
-        count = _check_count(count)
+        target = check_target(target_epsilon)
+        event = check_event(event)
+        count = check_count(count)
         self._check_priceable(event)
         would_be, order = self._epsilon_with(event, count, self._delta)
         if not would_be <= target:
@@ -339,8 +305,8 @@ class PrivacyLedger:
         minus k. Calling it every step is therefore O(1) even with PRV. A costless event (zero RDP,
         e.g. q = 0) returns 2**62.
         """
-        event = _check_event(event)
-        target = _check_target(target_epsilon)
+        event = check_event(event)
+        target = check_target(target_epsilon)
         self._check_priceable(event)
         key = (event, target)
         hit = self._afford_cache.get(key)
@@ -348,7 +314,7 @@ class PrivacyLedger:
             generation, steps_then, trailing_was_event, answer = hit
             if generation == self._generation and steps_then == self._steps:
                 return answer
-            if answer < _MAX_COUNT and self._history and self._history[-1][0] == event:
+            if answer < MAX_COUNT and self._history and self._history[-1][0] == event:
                 last_count = self._history[-1][1]
                 same_segment = trailing_was_event and generation == self._generation
                 new_segment = (
@@ -381,16 +347,16 @@ class PrivacyLedger:
         if self._accountant == "pure":
             cost = float(event.pure_epsilon() or 0.0)
             if cost == 0.0:
-                return _MAX_COUNT
+                return MAX_COUNT
             # Costs add: start at the quotient and correct the floating-point rounding exactly.
-            guess = min(_MAX_COUNT, int((target - self.epsilon()) / cost)) if math.isfinite(cost) else 0
+            guess = min(MAX_COUNT, int((target - self.epsilon()) / cost)) if math.isfinite(cost) else 0
             while guess > 0 and not fits(guess):
                 guess -= 1
-            while guess < _MAX_COUNT and fits(guess + 1):
+            while guess < MAX_COUNT and fits(guess + 1):
                 guess += 1
             return guess
         if not self._event_rdp(event).any():
-            return _MAX_COUNT
+            return MAX_COUNT
         if self._accountant in _DISTRIBUTION_ACCOUNTANTS:
             # Start near the (cheap) RDP answer: PRV/PLD evaluations cost ~0.1-1 s each.
             guess = max(1, self._rdp_affordable(event, target))
@@ -401,9 +367,9 @@ class PrivacyLedger:
             hi = lo + step
             while fits(hi):
                 lo, step = hi, step * 2
-                if hi >= _MAX_COUNT:
-                    return _MAX_COUNT
-                hi = min(_MAX_COUNT, hi + step)
+                if hi >= MAX_COUNT:
+                    return MAX_COUNT
+                hi = min(MAX_COUNT, hi + step)
         else:
             hi, lo = guess, guess // 2
             while not fits(lo):
@@ -499,7 +465,7 @@ class PrivacyLedger:
                 raise ValueError(
                     f"bad ledger history entry {item!r}; expected {{'event': ..., 'count': ...}}"
                 )
-            entries.append((PrivacyEvent.from_dict(item["event"]), _check_count(item["count"])))
+            entries.append((PrivacyEvent.from_dict(item["event"]), check_count(item["count"])))
         for event, _ in entries:  # validate everything before touching the current history
             self._check_priceable(event)
             self._event_rdp(event)
