@@ -6,10 +6,13 @@ examples (a token mean over the whole batch, in-batch mixup, a batch statistic) 
 breaking the engine's consistency warning (the per-example gradients still add up to the gradient).
 
 The check runs the user's own ``training_step`` (train mode, logging detached) on a few real train
-examples twice, with and without the last one, from the same random state (so dropout draws the same
-masks), in a second trial from another random state when ``training_step`` draws random numbers, and compares every other example's per-example gradient as the engine computes it (with
+examples twice, with and without the last one, from the same random state (so the first dropout draws
+the same masks), in a second trial from another random state when ``training_step`` draws random numbers,
+and compares every other example's per-example gradient as the engine computes it (with
 ``loss_reduction``'s scaling by the realised batch size). Any change beyond a dtype-scaled tolerance
-is refused before the first noisy release. Nothing is released, priced or stepped, and everything the
+is refused before the first noisy release, unless the step draws random numbers and the comparison
+passes with the modules in eval mode (later dropout layers draw at offsets that move with the batch
+size; dropout never mixes examples). Nothing is released, priced or stepped, and everything the
 passes touch (``.grad``, buffers, the global RNG streams, the hooks) is put back.
 """
 
@@ -144,37 +147,84 @@ def check_sensitivity(strategy: DPStrategyMixin) -> SensitivityResult | None:
     count = min(CHECK_EXAMPLES, len(dataset), strategy.max_physical_batch_size or CHECK_EXAMPLES)
     device = strategy.root_device
     tolerance = relative_tolerance(str(strategy.precision_plugin.precision), device)
-    result: SensitivityResult | None = None
     with fork_rng(device) as rng:
         indices = spread_indices(len(dataset), count)
         samples = [dataset[i] for i in indices]
         batches = [strategy.batch_to_device(collate(samples[:n]), device) for n in (count, count - 1)]
-        for seed in TRIAL_SEEDS:
-            drew = [False]
+        spare = next((i for i in range(len(dataset)) if i not in indices), None)
 
-            def loss_fn(batch: Any, seed: int = seed, drew: list[bool] = drew) -> Tensor | None:
-                rng.reseed(seed)  # both passes draw the same dropout masks (the kept examples come first)
-                start = rng.state()
-                with strategy.precision_plugin.train_step_context():
-                    loss = training_step_loss(module, batch)
-                drew[0] = drew[0] or not rng.same(start, rng.state())
-                return loss
+        def trials(train: bool) -> tuple[SensitivityResult | None, bool]:
+            """The worst trial over TRIAL_SEEDS (train or eval mode), and whether the step drew random numbers."""
+            worst: SensitivityResult | None = None
+            for seed in TRIAL_SEEDS:
+                drew = [False]
 
-            trial = leave_one_out(strategy.engine, module, batches[0], batches[1], count, loss_fn, tolerance)
-            if trial is not None and (result is None or trial.worst_change > result.worst_change):
-                result = trial
-            if (result is not None and not result.passed) or not drew[0]:
-                break  # refused, or nothing random: another trial would compute the same
+                def loss_fn(batch: Any, seed: int = seed, drew: list[bool] = drew) -> Tensor | None:
+                    rng.reseed(seed)  # both passes draw the same first masks (the kept examples come first)
+                    start = rng.state()
+                    with strategy.precision_plugin.train_step_context():
+                        loss = training_step_loss(module, batch)
+                    drew[0] = drew[0] or not rng.same(start, rng.state())
+                    return loss
+
+                trial = leave_one_out(
+                    strategy.engine, module, batches[0], batches[1], count, loss_fn, tolerance, train=train
+                )
+                if trial is not None and (worst is None or trial.worst_change > worst.worst_change):
+                    worst = trial
+                if (worst is not None and not worst.passed) or not drew[0]:
+                    return worst, drew[0]  # refused, or nothing random: another trial would compute the same
+            return worst, True
+
+        result, drew_any = trials(train=True)
+        note = ""
+        if result is not None and not result.passed and drew_any:
+            # Dropout after the first random layer draws masks at an offset that depends on the batch's
+            # size, so the two passes differ even for a correct model. Dropout never mixes examples:
+            # check again with the modules in eval mode (training_step's own draws, mixup's, still run).
+            # A layer that mixes examples only in train mode is still caught by a train-mode pass that
+            # swaps the last example for another: same shapes, so every random draw is the same.
+            in_eval, _ = trials(train=False)
+            swapped = None
+            if in_eval is not None and in_eval.passed and spare is not None:
+                batches[1] = strategy.batch_to_device(collate([*samples[:-1], dataset[spare]]), device)
+                swapped = leave_one_out(
+                    strategy.engine,
+                    module,
+                    batches[0],
+                    batches[1],
+                    count,
+                    lambda batch: _seeded_loss(strategy, module, rng, batch),
+                    tolerance,
+                    replaced=True,
+                )
+            if in_eval is not None and in_eval.passed and (swapped is None or swapped.passed):
+                result = in_eval
+                note = (
+                    " in eval mode, and in train mode with the last example swapped for another "
+                    "(training_step draws random numbers, e.g. dropout, whose masks move with the batch size)"
+                )
+            elif swapped is not None and not swapped.passed:
+                result = swapped
     if result is None:
         rank_zero_info("lightning-dp: sensitivity check skipped: training_step returned no loss.")
         return None
     if not result.passed:
         raise DPConfigurationError(refusal_message(result))
     rank_zero_info(
-        f"lightning-dp: sensitivity check passed: {count} examples, largest change of a kept example's "
+        f"lightning-dp: sensitivity check passed{note}: {count} examples, largest change of a kept example's "
         f"gradient {result.worst_change:.2g} (tolerance {tolerance:.2g})."
     )
     return result
+
+
+def _seeded_loss(
+    strategy: DPStrategyMixin, module: LightningModule, rng: GlobalRNG, batch: Any
+) -> Tensor | None:
+    """``training_step``'s loss from the first trial seed: two calls on same-shaped batches draw the same."""
+    rng.reseed(TRIAL_SEEDS[0])
+    with strategy.precision_plugin.train_step_context():
+        return training_step_loss(module, batch)
 
 
 def spread_indices(num_samples: int, count: int) -> list[int]:
@@ -232,18 +282,23 @@ def fork_rng(device: torch.device) -> Iterator[GlobalRNG]:
 
 
 @contextlib.contextmanager
-def no_trace(module: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
-    """Restore every ``.grad``, buffer and the train/eval mode of ``module`` after the block."""
+def no_trace(module: nn.Module, params: list[nn.Parameter], train: bool = True) -> Iterator[None]:
+    """Run the block in train mode (or in eval mode bar the layers holding trainable weights, which keep
+    recording per-example gradients); restore every ``.grad``, buffer and mode of ``module`` after."""
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    was_training = module.training
+    modes = [(m, m.training) for m in module.modules()]
     for p in params:
         p.grad = None
     module.train()
+    if not train:  # "eval" for everything but the layers holding trainable weights, whose hooks must record
+        for m in module.modules():
+            m.training = any(p.requires_grad for p in m.parameters(recurse=False))
     try:
         yield
     finally:
-        module.train(was_training)
+        for m, mode in modes:  # each module's own mode (from_pretrained models may come in eval mode)
+            m.training = mode
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
@@ -259,15 +314,18 @@ def leave_one_out(
     count: int,
     loss_fn: Callable[[Any], Tensor | None],
     tolerance: float,
+    train: bool = True,
+    replaced: bool = False,
 ) -> SensitivityResult | None:
     """Compare each of the first ``count - 1`` examples' per-example gradients in ``full`` (``count``
-    examples) and in ``without_last``. None when ``loss_fn`` gives no loss."""
+    examples) and in ``without_last`` (or, ``replaced``, the same batch with its last example swapped
+    for another), the modules in train (or eval) mode. None when ``loss_fn`` gives no loss."""
     grads = engine.grads
     assert grads is not None, "attach() first"
-    with no_trace(module, engine.params):
+    with no_trace(module, engine.params, train=train):
         passes = []
         try:
-            for batch, size in ((full, count), (without_last, count - 1)):
+            for batch, size in ((full, count), (without_last, count if replaced else count - 1)):
                 grads.clear()
                 grads.expect_batch(size)
                 with torch.enable_grad():

@@ -223,3 +223,41 @@ def test_per_example_token_loss_shifts_for_causal_models():
         )
     with pytest.raises(ValueError, match=r"logits \[B, T, V\]"):
         per_example_token_loss(logits[:, 0], tokens)
+
+
+class _TwoDropouts(TinyModule):
+    """Dropout after two layers: the second mask is drawn at an offset set by the batch size, so the
+    leave-one-out passes differ even though no example is mixed. ``mix_in_train`` adds a batch mean to
+    the hidden layer in train mode only: a real mixing the check must still find."""
+
+    def __init__(self, mix_in_train: bool = False) -> None:
+        super().__init__(n=64, batch_size=16)
+        self.net = nn.Sequential(
+            nn.Linear(10, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 16), nn.Tanh(), nn.Dropout(0.3)
+        )
+        self.head = nn.Linear(16, 3)
+        self.mix_in_train = mix_in_train
+
+    def forward(self, x):
+        h = self.net(x)
+        if self.mix_in_train and self.training:
+            h = h + 0.5 * h.mean(0, keepdim=True)
+        return self.head(h)
+
+
+def test_dropout_after_the_first_layer_passes_and_train_only_mixing_is_still_refused(monkeypatch):
+    """A correct model whose later dropout masks move with the batch size passes (checked in eval mode
+    and by a same-shape swap in train mode); mixing that happens only in train mode is refused."""
+    messages: list[str] = []
+    monkeypatch.setattr(sensitivity_module, "rank_zero_info", messages.append)
+    seed_everything(0, verbose=False)
+    make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=1).fit(_TwoDropouts())
+    assert any(
+        "sensitivity check passed in eval mode, and in train mode with the last example swapped" in m
+        for m in messages
+    )
+    seed_everything(0, verbose=False)
+    with pytest.raises(DPConfigurationError, match=REFUSED):
+        make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=1).fit(
+            _TwoDropouts(mix_in_train=True)
+        )
