@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
 
 if TYPE_CHECKING:
-    from lightning_dp.grad_sample import PerExampleGradients
+    from lightning_dp.per_example import PerExampleGradients
     from lightning_dp.release import Releases
 
 

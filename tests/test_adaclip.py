@@ -309,7 +309,7 @@ class _Mixed(torch.nn.Module):
 @pytest.mark.parametrize("seed", range(4))
 def test_fast_transformed_norms_equal_the_materialised_ones(seed):
     from lightning_dp.clipping.adaclip import transformed_sq_norms
-    from lightning_dp.grad_sample import PerSampleGradients
+    from lightning_dp.per_example import GradientCapture
 
     gen = torch.Generator().manual_seed(seed)
     B, d_in, hidden, T = (int(v) for v in torch.randint(2, 9, (4,), generator=gen))
@@ -317,7 +317,7 @@ def test_fast_transformed_norms_equal_the_materialised_ones(seed):
     model = _Mixed(d_in, hidden, T)
     x, tokens = torch.randn(B, T, d_in, generator=gen), torch.randint(0, 7, (B, T), generator=gen)
     y = torch.randint(0, 3, (B,), generator=gen)
-    hooks = PerSampleGradients(model, mode="fast")
+    hooks = GradientCapture(model, mode="fast")
     torch.nn.functional.cross_entropy(model(x, tokens), y).backward()
     fast, _ = hooks.collect()
     assert fast._records, "the fast path must be exercised"
@@ -344,11 +344,11 @@ def test_fast_norm_near_the_mean_is_recomputed_exactly():
     """An example whose gradient is almost a: the expansion's terms are ~1e6 × their sum, so fp32 would
     lose the norm; those examples are recomputed in fp64 (an underestimate could break sensitivity 1)."""
     from lightning_dp.clipping.adaclip import transformed_sq_norms
-    from lightning_dp.grad_sample import PerSampleGradients
+    from lightning_dp.per_example import GradientCapture
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(30, 5)
-    hooks = PerSampleGradients(layer, mode="fast")
+    hooks = GradientCapture(layer, mode="fast")
     x, y = torch.randn(6, 30), torch.randint(0, 5, (6,))
     torch.nn.functional.cross_entropy(layer(x), y).backward()
     grads, _ = hooks.collect()

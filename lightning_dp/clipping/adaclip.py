@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
-from lightning_dp.fast_clipping import certified_sq_norms, materialized_sq_norm, rounding_gamma
-from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.per_example import PerExampleGradients
+from lightning_dp.per_example.kernels.certified import certified_sq_norms, rounding_gamma
+from lightning_dp.per_example.materialized import materialized_sq_norm
 from lightning_dp.slots import Clipping, StepContext, sums_once
 from lightning_dp.validation import number
 

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_dp.fast_clipping import materialized_sq_norm, materialized_weighted
-from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.per_example import PerExampleGradients
+from lightning_dp.per_example.materialized import materialized_sq_norm, materialized_weighted
 from lightning_dp.slots import Clipping, StepContext, sums_once
 
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
-from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext, sums_once
 
 

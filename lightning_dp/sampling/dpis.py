@@ -27,7 +27,7 @@ from lightning_dp.accounting.rdp import epsilon_from_rdp, segment_rdp
 from lightning_dp.batch_info import IndicesWithInfo
 from lightning_dp.clipping.flat import FlatClipping
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler, SamplerRuntime, StepContext

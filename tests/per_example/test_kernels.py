@@ -19,11 +19,35 @@ from opacus.grad_sample.linear import compute_linear_grad_sample
 from tolerances import assert_certified, assert_close_scaled
 from torch import Tensor, nn
 
-from lightning_dp import fast_clipping as fc
+from lightning_dp.per_example.kernels import (
+    FAST_CLIPPERS,
+    Cache,
+    conv_autotune,
+    is_supported,
+    linear,
+    sq_norms,
+    weighted_grad,
+)
+from lightning_dp.per_example.kernels.certified import GUARD_FRACTION, fold_weights
+from lightning_dp.per_example.kernels.conv_autotune import _conv_choice, force_conv_method
+from lightning_dp.per_example.kernels.conv_methods import (
+    CONV_METHODS,
+    MATERIALISING,
+    ConvMethod,
+    _conv_patches,
+)
+from lightning_dp.per_example.kernels.embedding import embedding_use_gram
+from lightning_dp.per_example.kernels.linear import use_gram
+from lightning_dp.per_example.materialized import (
+    materialized_sq_norm,
+    materialized_sq_norms,
+    materialized_weighted,
+    materialized_weighted_grad,
+)
 
 NORM_OVERSTATE = 1e-3
 """Most a certified norm exceeds the exact one on the fixed cases here (the rounding bound the guard adds)."""
-GUARD_OVERSTATE = 2.1 * fc.GUARD_FRACTION
+GUARD_OVERSTATE = 2.1 * GUARD_FRACTION
 """Most it may exceed it on any input: a value plus a bound ≤ GUARD_FRACTION of it, itself within the
 bound of the exact one. Random shapes can cancel by chance (p = o = 1) and get near it."""
 
@@ -89,7 +113,7 @@ def check_layer(
     rtol: float = 1e-5,
     seed: int = 0,
     cast: torch.dtype | None = None,
-    cache: fc.Cache | None = None,
+    cache: Cache | None = None,
     overstate: float = NORM_OVERSTATE,
 ) -> None:
     """sq_norms and weighted_grad (random weights) against materialised fp64 per-example gradients.
@@ -106,7 +130,7 @@ def check_layer(
     named = {p: n for n, p in layer.named_parameters() if p.requires_grad}
     B = x.shape[0]
 
-    norms = fc.sq_norms(layer, activations, backprops, cache)
+    norms = sq_norms(layer, activations, backprops, cache)
     assert set(norms) == set(named)
     for p, value in norms.items():
         expected = ref[named[p]].flatten(1).square().sum(1)
@@ -116,7 +140,7 @@ def check_layer(
         assert_certified(value, expected, max(rtol, overstate))
 
     weights = torch.rand(B, generator=torch.Generator().manual_seed(seed + 2))
-    sums = fc.weighted_grad(layer, activations, backprops, weights, cache)
+    sums = weighted_grad(layer, activations, backprops, weights, cache)
     assert set(sums) == set(named)
     for p, value in sums.items():
         expected = torch.einsum("i,i...->...", weights.double(), ref[named[p]])
@@ -192,7 +216,7 @@ def make_layer(factory: LayerFactory, seed: int) -> nn.Module:
 def test_kernels_match_materialised(case: str, B: int) -> None:
     layer_factory, input_factory = CASES[case]
     layer = make_layer(layer_factory, seed=B)
-    assert fc.is_supported(layer)
+    assert is_supported(layer)
     check_layer(layer, input_factory(B, torch.Generator().manual_seed(B)), seed=B)
 
 
@@ -200,15 +224,15 @@ CONV_CASES = [name for name in CASES if name.startswith("conv")]
 
 
 @pytest.mark.filterwarnings("ignore:Using padding='same'")
-@pytest.mark.parametrize("method", fc.CONV_METHODS)
+@pytest.mark.parametrize("method", CONV_METHODS)
 @pytest.mark.parametrize("B", [0, 3])
 @pytest.mark.parametrize("case", CONV_CASES)
-def test_every_conv_method_matches_materialised(case: str, B: int, method: fc.ConvMethod) -> None:
+def test_every_conv_method_matches_materialised(case: str, B: int, method: ConvMethod) -> None:
     """Gram, unfold+bmm and the batch-grouped weight-gradient convolution give the same norms, and
     the per-example gradients the last two materialise give the same clipped sum when reused."""
     layer = make_layer(CASES[case][0], seed=B)
     x = CASES[case][1](B, torch.Generator().manual_seed(B))
-    with fc.force_conv_method(method):
+    with force_conv_method(method):
         check_layer(layer, x, seed=B, cache={})
 
 
@@ -218,26 +242,26 @@ def test_materialised_norms_are_reused_for_the_sum(case: str) -> None:
     layer = make_layer(CASES[case][0], seed=0)
     x = CASES[case][1](4, torch.Generator().manual_seed(0))
     activations, backprops, _ = capture(layer, x)
-    cache: fc.Cache = {}
-    with fc.force_conv_method("unfold"):
-        fc.sq_norms(layer, activations, backprops, cache)
+    cache: Cache = {}
+    with force_conv_method("unfold"):
+        sq_norms(layer, activations, backprops, cache)
     assert layer.weight in cache
     assert set(cache) <= {layer.weight, layer.bias}
     assert cache[layer.weight].shape == (4, *layer.weight.shape)
-    with fc.force_conv_method("unfold"):
+    with force_conv_method("unfold"):
         check_layer(layer, x, cache={})
 
 
 def test_conv_method_is_timed_once_per_shape() -> None:
     """The automatic choice is cached per layer shape, not per batch size (Poisson batches vary)."""
     layer = nn.Conv2d(3, 4, 3)
-    fc._conv_choice.clear()
+    _conv_choice.clear()
     for B in (2, 5, 3):
         activations, backprops, _ = capture(layer, torch.randn(B, 3, 8, 8))
-        fc.sq_norms(layer, activations, backprops)
-    assert len(fc._conv_choice) == 1
-    assert next(iter(fc._conv_choice.values())) in fc.CONV_METHODS
-    with pytest.raises(ValueError, match="conv method must be one of"), fc.force_conv_method("im2col"):  # type: ignore[arg-type]
+        sq_norms(layer, activations, backprops)
+    assert len(_conv_choice) == 1
+    assert next(iter(_conv_choice.values())) in CONV_METHODS
+    with pytest.raises(ValueError, match="conv method must be one of"), force_conv_method("im2col"):  # type: ignore[arg-type]
         pass
 
 
@@ -259,12 +283,12 @@ def test_cases_cover_both_branches(case: str, gram: bool) -> None:
     x = CASES[case][1](2, torch.Generator().manual_seed(0))
     if isinstance(layer, nn.Linear):
         T = x[0, ..., 0].numel()
-        assert fc.use_gram(T, layer.in_features, layer.out_features) is gram
+        assert use_gram(T, layer.in_features, layer.out_features) is gram
     else:
         assert isinstance(layer, nn.Conv1d | nn.Conv2d)
         L = layer(x)[0, 0].numel()
         p = layer.in_channels // layer.groups * layer.weight[0, 0].numel()
-        assert fc.use_gram(L, p, layer.out_channels // layer.groups) is gram
+        assert use_gram(L, p, layer.out_channels // layer.groups) is gram
 
 
 @pytest.mark.parametrize(
@@ -282,13 +306,13 @@ def test_patches_equal_f_unfold(conv: nn.Conv2d) -> None:
     G, (kh, kw) = conv.groups, conv.kernel_size
     expected = unfolded.view(2, G, conv.in_channels // G, kh, kw, -1).permute(0, 1, 5, 3, 4, 2)
     torch.testing.assert_close(
-        fc._conv_patches(conv, x), expected.reshape(2, G, -1, kh * kw * conv.in_channels // G), rtol=0, atol=0
+        _conv_patches(conv, x), expected.reshape(2, G, -1, kh * kw * conv.in_channels // G), rtol=0, atol=0
     )
 
 
 def test_embedding_branches() -> None:
-    assert fc.embedding_use_gram(3, 8)
-    assert not fc.embedding_use_gram(12, 4)
+    assert embedding_use_gram(3, 8)
+    assert not embedding_use_gram(12, 4)
 
 
 def test_frozen_parameters_are_skipped() -> None:
@@ -297,15 +321,15 @@ def test_frozen_parameters_are_skipped() -> None:
     check_layer(layer, torch.randn(3, 2, 4))
     frozen = make_layer(lambda: nn.Embedding(5, 3), 0).requires_grad_(False)
     acts, bp = [torch.tensor([[1, 2]])], torch.randn(1, 2, 3)
-    assert fc.sq_norms(frozen, acts, bp) == {}
-    assert fc.weighted_grad(frozen, acts, bp, torch.ones(1)) == {}
+    assert sq_norms(frozen, acts, bp) == {}
+    assert weighted_grad(frozen, acts, bp, torch.ones(1)) == {}
     plain = nn.GroupNorm(2, 4, affine=False)
-    assert fc.sq_norms(plain, [torch.randn(2, 4, 3)], torch.randn(2, 4, 3)) == {}
+    assert sq_norms(plain, [torch.randn(2, 4, 3)], torch.randn(2, 4, 3)) == {}
 
 
 @settings(max_examples=15, deadline=None)
 @given(
-    method=st.sampled_from(fc.CONV_METHODS),
+    method=st.sampled_from(CONV_METHODS),
     B=st.integers(0, 3),
     c_in=st.integers(1, 3),
     c_out=st.integers(1, 3),
@@ -319,7 +343,7 @@ def test_frozen_parameters_are_skipped() -> None:
     bias=st.booleans(),
 )
 def test_conv_random_shapes(
-    method: fc.ConvMethod,
+    method: ConvMethod,
     B: int,
     c_in: int,
     c_out: int,
@@ -337,7 +361,7 @@ def test_conv_random_shapes(
         lambda: conv(c_in * groups, c_out * groups, k, stride, padding, dilation, groups=groups, bias=bias), B
     )
     shape = (size, size + 1) if two_d else (size,)
-    with fc.force_conv_method(method):
+    with force_conv_method(method):
         check_layer(layer, torch.randn(B, c_in * groups, *shape), seed=B, cache={}, overstate=GUARD_OVERSTATE)
 
 
@@ -390,29 +414,27 @@ def test_zero_weight_examples_are_dropped_even_if_not_finite(case: str) -> None:
     bad_bp = backprops.clone()
     bad_bp[1] = float("inf")
     weights = torch.tensor([0.5, 0.0, 2.0])
-    clean = fc.weighted_grad(layer, activations, backprops, weights)
-    dirty = fc.weighted_grad(layer, bad_acts, bad_bp, weights)
+    clean = weighted_grad(layer, activations, backprops, weights)
+    dirty = weighted_grad(layer, bad_acts, bad_bp, weights)
     for p in clean:
         assert torch.isfinite(dirty[p]).all()
         assert_close_scaled(dirty[p], clean[p], terms=backprops[:, 0].numel())
 
 
-@pytest.mark.parametrize("method", fc.CONV_METHODS)
+@pytest.mark.parametrize("method", CONV_METHODS)
 @pytest.mark.parametrize("case", ["conv2d-groups", "conv1d-stride-pad-dil-nobias", "linear-seq-materialise"])
-def test_reused_samples_drop_zero_weight_examples_even_if_not_finite(
-    case: str, method: fc.ConvMethod
-) -> None:
+def test_reused_samples_drop_zero_weight_examples_even_if_not_finite(case: str, method: ConvMethod) -> None:
     """The sums that reuse what the norms materialised (weights, biases, channel-last views) mask too."""
     layer = make_layer(CASES[case][0], 0)
     activations, backprops, _ = capture(layer, CASES[case][1](3, torch.Generator().manual_seed(0)))
     bad_acts, bad_bp = [a.clone() for a in activations], backprops.clone()
     bad_acts[0][1], bad_bp[1] = float("nan"), float("inf")
     weights = torch.tensor([0.5, 0.0, 2.0])
-    with fc.force_conv_method(method):
-        clean = fc.weighted_grad(layer, activations, backprops, weights)
-        cache: fc.Cache = {}
-        norms = fc.sq_norms(layer, bad_acts, bad_bp, cache)
-        dirty = fc.weighted_grad(layer, bad_acts, bad_bp, weights, cache)
+    with force_conv_method(method):
+        clean = weighted_grad(layer, activations, backprops, weights)
+        cache: Cache = {}
+        norms = sq_norms(layer, bad_acts, bad_bp, cache)
+        dirty = weighted_grad(layer, bad_acts, bad_bp, weights, cache)
     assert all(not torch.isfinite(n[1]) for n in norms.values())
     for p in clean:
         assert torch.isfinite(dirty[p]).all()
@@ -427,7 +449,7 @@ def test_reused_samples_drop_zero_weight_examples_even_if_not_finite(
 def test_unit_weights_give_the_ordinary_gradient(case: str) -> None:
     layer = make_layer(CASES[case][0], 0)
     activations, backprops, _ = capture(layer, CASES[case][1](4, torch.Generator().manual_seed(0)))
-    sums = fc.weighted_grad(layer, activations, backprops, torch.ones(4))
+    sums = weighted_grad(layer, activations, backprops, torch.ones(4))
     for p in layer.parameters():
         assert p.grad is not None
         assert_close_scaled(sums[p], p.grad, terms=backprops[:, 0].numel())
@@ -442,20 +464,20 @@ def test_registry_and_support() -> None:
         nn.LayerNorm(2),
         nn.GroupNorm(1, 2),
     ]:
-        assert fc.is_supported(layer)
-        assert type(layer) in fc.FAST_CLIPPERS
-    assert not fc.is_supported(nn.Conv3d(1, 1, 1))
-    assert not fc.is_supported(nn.Embedding(3, 2, scale_grad_by_freq=True))
-    assert not fc.is_supported(nn.LSTM(2, 2))
+        assert is_supported(layer)
+        assert type(layer) in FAST_CLIPPERS
+    assert not is_supported(nn.Conv3d(1, 1, 1))
+    assert not is_supported(nn.Embedding(3, 2, scale_grad_by_freq=True))
+    assert not is_supported(nn.LSTM(2, 2))
 
     class MyLinear(nn.Linear):
         pass
 
-    assert not fc.is_supported(MyLinear(2, 2))
+    assert not is_supported(MyLinear(2, 2))
     with pytest.raises(TypeError, match="No fast clipping kernels"):
-        fc.sq_norms(nn.Conv3d(1, 1, 1), [torch.zeros(1, 1, 1, 1, 1)], torch.zeros(1, 1, 1, 1, 1))
-    assert fc.use_gram(3, 10, 10)  # 3·20 < 100 FLOPs
-    assert not fc.use_gram(4, 2, 8)
+        sq_norms(nn.Conv3d(1, 1, 1), [torch.zeros(1, 1, 1, 1, 1)], torch.zeros(1, 1, 1, 1, 1))
+    assert use_gram(3, 10, 10)  # 3·20 < 100 FLOPs
+    assert not use_gram(4, 2, 8)
 
 
 def test_materialized_fallback() -> None:
@@ -463,7 +485,7 @@ def test_materialized_fallback() -> None:
     g = {p: torch.randn(5, 3, 2, dtype=torch.float64), q: torch.randn(5, 4).bfloat16()}
     g[p][2] = float("nan")
     weights = torch.tensor([1.0, 0.5, 0.0, 2.0, 0.25])
-    norms, sums = fc.materialized_sq_norms(g), fc.materialized_weighted_grad(g, weights)
+    norms, sums = materialized_sq_norms(g), materialized_weighted_grad(g, weights)
     for param, samples in g.items():
         assert norms[param].dtype == torch.float32
         expected = samples.double().flatten(1).square().sum(1)
@@ -472,7 +494,7 @@ def test_materialized_fallback() -> None:
         keep[2] = 0.0
         expected_sum = torch.einsum("i,i...->...", weights.double(), keep)
         assert_rel(sums[param], expected_sum, 1e-5)
-    empty = fc.materialized_sq_norms({p: torch.zeros(0, 3, 2)})
+    empty = materialized_sq_norms({p: torch.zeros(0, 3, 2)})
     assert empty[p].shape == (0,)
 
 
@@ -482,14 +504,14 @@ def test_materialized_reductions_read_permuted_layouts_in_place() -> None:
     stored = torch.randn(5, 4, 3, 2, 6)  # [B, O, kh, kw, C]
     g = stored.permute(0, 1, 4, 2, 3)  # [B, O, C, kh, kw], not contiguous
     weights = torch.tensor([1.0, 0.0, 0.5, 2.0, 0.25])
-    total = fc.materialized_weighted(g, weights)
+    total = materialized_weighted(g, weights)
     assert total.shape == (4, 6, 3, 2)
     assert total.is_contiguous()
     assert_close_scaled(total, torch.tensordot(weights, g.contiguous(), dims=1), terms=5)
     assert_close_scaled(
-        fc.materialized_sq_norm(g), g.contiguous().flatten(1).square().sum(1), terms=g[0].numel()
+        materialized_sq_norm(g), g.contiguous().flatten(1).square().sum(1), terms=g[0].numel()
     )
-    assert fc.materialized_sq_norm(torch.randn(3)).shape == (3,)
+    assert materialized_sq_norm(torch.randn(3)).shape == (3,)
 
 
 def test_linear_weighted_grad_is_much_faster_than_materialising() -> None:
@@ -499,13 +521,13 @@ def test_linear_weighted_grad_is_much_faster_than_materialising() -> None:
     acts, bp, w = [torch.randn(256, 1000)], torch.randn(256, 1000), torch.rand(256)
 
     def fast() -> None:
-        fc.sq_norms(layer, acts, bp)
-        fc.weighted_grad(layer, acts, bp, w)
+        sq_norms(layer, acts, bp)
+        weighted_grad(layer, acts, bp, w)
 
     def materialised() -> None:
         samples = compute_linear_grad_sample(layer, acts, bp)
-        fc.materialized_sq_norms(samples)
-        fc.materialized_weighted_grad(samples, w)
+        materialized_sq_norms(samples)
+        materialized_weighted_grad(samples, w)
 
     def best(fn: Callable[[], None], reps: int) -> float:
         times = []
@@ -531,12 +553,12 @@ def test_linear_sum_folds_a_chunk_of_examples_at_a_time(case: str, B: int, monke
     weights = torch.rand(B, generator=torch.Generator().manual_seed(1))
     if B > 1:
         activations[0][1], backprops[1], weights[1] = float("nan"), float("inf"), 0.0
-    one_pass = fc.weighted_grad(layer, activations, backprops, weights)
-    monkeypatch.setattr(fc, "FOLD_FLOATS", 2 * backprops[:1].numel() if B else 1)
+    one_pass = weighted_grad(layer, activations, backprops, weights)
+    monkeypatch.setattr(linear, "FOLD_FLOATS", 2 * backprops[:1].numel() if B else 1)
     folds: list[int] = []
-    original = fc._fold
-    monkeypatch.setattr(fc, "_fold", lambda w, d: folds.append(d.shape[0]) or original(w, d))
-    chunked = fc.weighted_grad(layer, activations, backprops, weights)
+    original = fold_weights
+    monkeypatch.setattr(linear, "fold_weights", lambda w, d: folds.append(d.shape[0]) or original(w, d))
+    chunked = weighted_grad(layer, activations, backprops, weights)
     assert folds == ([2] * (B // 2) + [B % 2] * (B % 2) if B else [0])
     for p, value in one_pass.items():
         assert torch.isfinite(chunked[p]).all()
@@ -566,12 +588,12 @@ def test_conv_methods_that_keep_more_than_the_record_are_never_tried(
         tried.append(set(runs))
         return next(iter(runs))
 
-    monkeypatch.setattr(fc, "_fastest", fastest)
-    monkeypatch.setattr(fc, "_conv_costs", lambda layer, x, d: dict.fromkeys(fc.CONV_METHODS, 1))
-    fc._conv_choice.clear()
+    monkeypatch.setattr(conv_autotune, "_fastest", fastest)
+    monkeypatch.setattr(conv_autotune, "_conv_costs", lambda layer, x, d: dict.fromkeys(CONV_METHODS, 1))
+    _conv_choice.clear()
     activations, backprops, _ = capture(layer, torch.randn(2, *shape))
-    fc.sq_norms(layer, activations, backprops)
-    fc._conv_choice.clear()
+    sq_norms(layer, activations, backprops)
+    _conv_choice.clear()
     assert tried, "several methods are allowed, so the timer runs"
-    assert tried[0] & set(fc._MATERIALISING) == allowed
+    assert tried[0] & set(MATERIALISING) == allowed
     assert {"gram", "position-gram"} <= tried[0]
