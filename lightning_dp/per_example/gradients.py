@@ -90,6 +90,43 @@ class LayerCall:
         )
 
 
+class LayerGradients:
+    """One layer's share of a batch's per-example gradients, as a clipping slot reads them.
+
+    A fast-path layer call whose inputs are still held has ``module`` set: a clipping may compute from
+    ``inputs`` and :meth:`output_grad` directly (AdaCliP's Linear formula). Otherwise ``module`` is None
+    and :meth:`samples` gives the stored per-example gradients. :meth:`samples` always works.
+    """
+
+    def __init__(
+        self, call: LayerCall | None, scale: float, materialized: dict[nn.Parameter, Tensor] | None = None
+    ) -> None:
+        self._call, self._scale, self._materialized = call, scale, materialized
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The layer whose inputs and output gradient are held, or None (gradients materialised)."""
+        return None if self._call is None or self._call.released else self._call.module
+
+    @property
+    def inputs(self) -> list[Any]:
+        """The layer call's recorded inputs (empty where ``module`` is None)."""
+        return [] if self.module is None or self._call is None else self._call.activations
+
+    def output_grad(self) -> Tensor:
+        """The per-example gradient of the layer's output (scaled; a new tensor); only where ``module`` is set."""
+        if self.module is None or self._call is None or self._call.backprops is None:
+            raise ValueError("this entry holds materialised per-example gradients, not a layer call")
+        return self._call.backprops * self._scale
+
+    def samples(self) -> dict[nn.Parameter, Tensor]:
+        """Per-example gradients [B, *shape] of this entry's parameters (materialised now for a layer call)."""
+        if self._call is None:
+            assert self._materialized is not None
+            return self._materialized
+        return self._call.samples(self._scale)
+
+
 class PerExampleGradients(Sequence[Tensor]):
     """The per-example gradients of one batch, one entry per parameter, materialised only on demand.
 
@@ -118,6 +155,30 @@ class PerExampleGradients(Sequence[Tensor]):
         """Set by the engine when the next ``weighted_sum`` is the step's last use of the per-example
         terms: each layer's are then freed as soon as its sum is taken, which lowers the step's peak."""
 
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor]) -> PerExampleGradients:
+        """Wrap materialised per-example gradients [B, *shape] (tests, a clipping applied to a hand-made
+        batch); each entry is identified by a placeholder parameter of the entry's shape."""
+        if not tensors:
+            raise ValueError("from_tensors needs at least one [B, *shape] tensor")
+        params = [
+            nn.Parameter(torch.empty_strided(g.shape[1:], [0] * (g.dim() - 1), device=g.device), False)
+            for g in tensors
+        ]
+        grads = cls(params, tensors[0].shape[0], {}, [])
+        grads._full = list(tensors)
+        return grads
+
+    def layers(self) -> list[LayerGradients]:
+        """The batch per layer: one entry per fast-path layer call, one for all materialised parameters.
+
+        Parameters no layer reached are in no entry (their per-example gradients are zero).
+        """
+        if self._full is not None:
+            return [LayerGradients(None, 1.0, dict(zip(self.params, self._full, strict=True)))]
+        whole = [LayerGradients(None, 1.0, self._materialized)] if self._materialized else []
+        return whole + [LayerGradients(call, self.scale) for call in self._records]
+
     def __len__(self) -> int:
         return len(self.params)
 
@@ -138,7 +199,7 @@ class PerExampleGradients(Sequence[Tensor]):
 
     def sq_norms(self) -> Tensor:
         """Each example's squared gradient norm over all parameters, in fp32."""
-        device = self.params[0].device
+        device = self.params[0].device if self.params else None
         total = torch.zeros(self.batch, dtype=torch.float32, device=device)
         if self._full is not None:
             sources: list[Tensor] = self._full
