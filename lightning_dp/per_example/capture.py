@@ -24,6 +24,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import kernels, recurrent, vmap
 from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients
 from lightning_dp.per_example.kernels import ecosystem
+from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.materialized import add_samples, direct_params, grad_sampler, layer_method
 
 
@@ -111,6 +112,8 @@ class GradientCapture:
         self.batch_size: int | None = None
         self.calls: list[tuple[nn.Module, int]] = []
         """(layer, size of dim 0 of its output gradient) of every call since the last ``clear``."""
+        self.conv_tuner = ConvAutotuner()
+        """This capture's choice of convolution norm method per shape (timed once, kept for the run)."""
         ecosystem.register_loaded()
         self._swapped = recurrent.swap(root)
         self.layers = list(trainable_layers(root))
@@ -249,7 +252,7 @@ class GradientCapture:
         batch = grad.shape[0]
         self.calls.append((module, batch))
         if self.path_of(module) == "fast":
-            record = LayerCall(module, activations, grad.detach())
+            record = LayerCall(module, activations, grad.detach(), tuner=self.conv_tuner)
             own = self._own[module]
             if all(self._uses[p] == 1 for p in own):  # a shared parameter's norm has cross terms
                 record.sq_norms()  # now, while the output gradient is in cache

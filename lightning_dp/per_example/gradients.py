@@ -3,6 +3,7 @@ batch as a whole (:class:`PerExampleGradients`): squared norms and weighted sums
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.per_example import kernels
+from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.materialized import (
     add_samples,
     grad_sampler,
@@ -39,6 +41,8 @@ class LayerCall:
     cache: kernels.Cache = field(default_factory=dict)
     spent: bool = False
     """Everything but the norms dropped after the step's clipped sum (see ``release_on_sum``)."""
+    tuner: ConvAutotuner | None = None
+    """The capture's convolution autotuner, current while the norms are computed."""
 
     @property
     def released(self) -> bool:
@@ -61,7 +65,8 @@ class LayerCall:
         if self.norms is None:
             self._check_unspent()
             assert self.backprops is not None
-            self.norms = kernels.sq_norms(self.module, self.activations, self.backprops, self.cache)
+            with self.tuner.active() if self.tuner is not None else contextlib.nullcontext():
+                self.norms = kernels.sq_norms(self.module, self.activations, self.backprops, self.cache)
         return self.norms
 
     def release_if_cached(self, params: Sequence[nn.Parameter]) -> None:
@@ -87,6 +92,7 @@ class LayerCall:
             None if self.backprops is None else _take(self.backprops, rows),
             None if self.norms is None else {p: _take(v, rows) for p, v in self.norms.items()},
             {p: _take(g, rows) for p, g in self.cache.items()},
+            tuner=self.tuner,
         )
 
 

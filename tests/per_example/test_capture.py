@@ -420,3 +420,19 @@ def test_a_second_backward_through_the_same_forward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward through the same forward"):
         loss.backward()
+
+
+def test_each_capture_times_its_convolutions_once_and_keeps_the_choice_to_itself():
+    """The autotuner's cache belongs to the capture: one choice per conv layer shape over several batches
+    of different sizes, and a second capture starts empty (no module-global state between runs)."""
+    model = ConvModel()
+    grads = GradientCapture(model.net, mode="fast")
+    for batch in (5, 3):
+        torch.nn.functional.cross_entropy(model(model.x[:batch]), model.y[:batch]).backward()
+        grads.collect()[0].sq_norms()
+        grads.clear()
+    assert len(grads.conv_tuner.choices) == 2  # the two Conv2d layers, timed on the first batch only
+    other = GradientCapture(copy.deepcopy(model.net), mode="fast")
+    assert other.conv_tuner.choices == {}
+    grads.remove()
+    other.remove()

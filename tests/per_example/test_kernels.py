@@ -29,7 +29,7 @@ from lightning_dp.per_example.kernels import (
     weighted_grad,
 )
 from lightning_dp.per_example.kernels.certified import GUARD_FRACTION, fold_weights
-from lightning_dp.per_example.kernels.conv_autotune import _conv_choice, force_conv_method
+from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner, force_conv_method
 from lightning_dp.per_example.kernels.conv_methods import (
     CONV_METHODS,
     MATERIALISING,
@@ -255,12 +255,13 @@ def test_materialised_norms_are_reused_for_the_sum(case: str) -> None:
 def test_conv_method_is_timed_once_per_shape() -> None:
     """The automatic choice is cached per layer shape, not per batch size (Poisson batches vary)."""
     layer = nn.Conv2d(3, 4, 3)
-    _conv_choice.clear()
-    for B in (2, 5, 3):
-        activations, backprops, _ = capture(layer, torch.randn(B, 3, 8, 8))
-        sq_norms(layer, activations, backprops)
-    assert len(_conv_choice) == 1
-    assert next(iter(_conv_choice.values())) in CONV_METHODS
+    with ConvAutotuner().active() as tuner:
+        for B in (2, 5, 3):
+            activations, backprops, _ = capture(layer, torch.randn(B, 3, 8, 8))
+            sq_norms(layer, activations, backprops)
+    assert len(tuner.choices) == 1
+    assert next(iter(tuner.choices.values())) in CONV_METHODS
+    assert ConvAutotuner().choices == {}, "each autotuner keeps its own choices"
     with pytest.raises(ValueError, match="conv method must be one of"), force_conv_method("im2col"):  # type: ignore[arg-type]
         pass
 
@@ -590,10 +591,9 @@ def test_conv_methods_that_keep_more_than_the_record_are_never_tried(
 
     monkeypatch.setattr(conv_autotune, "_fastest", fastest)
     monkeypatch.setattr(conv_autotune, "_conv_costs", lambda layer, x, d: dict.fromkeys(CONV_METHODS, 1))
-    _conv_choice.clear()
     activations, backprops, _ = capture(layer, torch.randn(2, *shape))
-    sq_norms(layer, activations, backprops)
-    _conv_choice.clear()
+    with ConvAutotuner().active():
+        sq_norms(layer, activations, backprops)
     assert tried, "several methods are allowed, so the timer runs"
     assert tried[0] & set(MATERIALISING) == allowed
     assert {"gram", "position-gram"} <= tried[0]

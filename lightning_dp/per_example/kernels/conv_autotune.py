@@ -8,6 +8,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -23,21 +24,78 @@ from lightning_dp.per_example.kernels.conv_methods import (
     saved_per_example,
 )
 
-_conv_choice: dict[tuple[Any, ...], ConvMethod] = {}
-_forced_conv_method: ConvMethod | None = None
+_forced: ContextVar[ConvMethod | None] = ContextVar("forced_conv_method", default=None)
+_active: ContextVar[ConvAutotuner | None] = ContextVar("conv_autotuner", default=None)
 
 
 @contextlib.contextmanager
 def force_conv_method(method: ConvMethod | None) -> Iterator[None]:
     """Use one convolution norm method everywhere inside the block (tests, benchmarks)."""
-    global _forced_conv_method
     if method is not None and method not in CONV_METHODS:
         raise ValueError(f"conv method must be one of {CONV_METHODS}, got {method!r}")
-    previous, _forced_conv_method = _forced_conv_method, method
+    token = _forced.set(method)
     try:
         yield
     finally:
-        _forced_conv_method = previous
+        _forced.reset(token)
+
+
+class ConvAutotuner:
+    """The convolution norm method per layer and input shape, chosen once and then reused.
+
+    Each :class:`~lightning_dp.per_example.GradientCapture` owns one (no state shared between models,
+    runs or tests); the kernels ask the one made current by :meth:`active`.
+    """
+
+    def __init__(self) -> None:
+        self.choices: dict[tuple[Any, ...], ConvMethod] = {}
+        """The timed choice per (layer shape, input shape without the batch, device, dtype)."""
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[ConvAutotuner]:
+        """Make this the autotuner the convolution kernels use inside the block."""
+        token = _active.set(self)
+        try:
+            yield self
+        finally:
+            _active.reset(token)
+
+    def method(self, layer: ConvLayer, x: Tensor, backprops: Tensor) -> ConvMethod:
+        """The fastest norm method for this layer and input shape within its memory budget, timed once.
+
+        The methods give the same norms (up to fp32 rounding), so the choice is a speed decision under a
+        memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold",
+        "correlate") are allowed only when those fit in what the layer's record already holds
+        (:func:`saved_per_example`), and "correlate" only when its C/G-fold copy of the output gradients
+        does too; the two Gram methods work a chunk of examples at a time and are always allowed. Of the allowed methods, those within 3× of the cheapest by the rough estimate of
+        :func:`_conv_costs` are timed; which wins depends on the hardware (unfold copies are cheap on
+        GPUs, grouped convolutions with many groups are not always), hence measured rather than
+        modelled. Cached per shape excluding the batch size, which Poisson sampling changes every step.
+        """
+        if backprops.shape[0] == 0:  # nothing to time on an empty batch
+            return "unfold"
+        key = (
+            type(layer), layer.weight.shape, layer.stride, layer.padding, layer.dilation, layer.groups,
+            tuple(x.shape[1:]), x.device.type, x.dtype,
+        )  # fmt: skip
+        choice = self.choices.get(key)
+        if choice is None:
+            costs = _conv_costs(layer, x, backprops)
+            budget = saved_per_example(x, backprops)
+            if layer.weight.numel() > budget:
+                for method in MATERIALISING:
+                    del costs[method]
+            # correlate repeats the output gradients once per input channel of a group
+            if "correlate" in costs and layer.in_channels // layer.groups * backprops[0].numel() > budget:
+                del costs["correlate"]
+            cheapest = min(costs.values())
+            runs = {
+                m: functools.partial(CONV_NORMS[m], layer, x, backprops)
+                for m, cost in costs.items()
+                if cost <= 3 * cheapest
+            }
+            choice = self.choices[key] = runs.popitem()[0] if len(runs) == 1 else _fastest(runs, x.device)
+        return choice
 
 
 COPY_COST = 40
@@ -66,43 +124,12 @@ def _conv_costs(layer: ConvLayer, x: Tensor, backprops: Tensor) -> dict[ConvMeth
 
 
 def conv_method(layer: ConvLayer, x: Tensor, backprops: Tensor) -> ConvMethod:
-    """The fastest norm method for this layer and input shape within its memory budget, timed once.
-
-    The methods give the same norms (up to fp32 rounding), so the choice is a speed decision under a
-    memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold",
-    "correlate") are allowed only when those fit in what the layer's record already holds
-    (:func:`saved_per_example`), and "correlate" only when its C/G-fold copy of the output gradients
-    does too; the two Gram methods work a chunk of examples at a time and are always allowed. Of the allowed methods, those within 3× of the cheapest by the rough estimate of
-    :func:`_conv_costs` are timed; which wins depends on the hardware (unfold copies are cheap on
-    GPUs, grouped convolutions with many groups are not always), hence measured rather than
-    modelled. Cached per shape excluding the batch size, which Poisson sampling changes every step.
-    """
-    if _forced_conv_method is not None:
-        return _forced_conv_method
-    if backprops.shape[0] == 0:  # nothing to time on an empty batch
-        return "unfold"
-    key = (
-        type(layer), layer.weight.shape, layer.stride, layer.padding, layer.dilation, layer.groups,
-        tuple(x.shape[1:]), x.device.type, x.dtype,
-    )  # fmt: skip
-    choice = _conv_choice.get(key)
-    if choice is None:
-        costs = _conv_costs(layer, x, backprops)
-        budget = saved_per_example(x, backprops)
-        if layer.weight.numel() > budget:
-            for method in MATERIALISING:
-                del costs[method]
-        # correlate repeats the output gradients once per input channel of a group
-        if "correlate" in costs and layer.in_channels // layer.groups * backprops[0].numel() > budget:
-            del costs["correlate"]
-        cheapest = min(costs.values())
-        runs = {
-            m: functools.partial(CONV_NORMS[m], layer, x, backprops)
-            for m, cost in costs.items()
-            if cost <= 3 * cheapest
-        }
-        choice = _conv_choice[key] = runs.popitem()[0] if len(runs) == 1 else _fastest(runs, x.device)
-    return choice
+    """The method forced by :func:`force_conv_method`, else the current autotuner's choice (a fresh one,
+    which keeps nothing, outside any :meth:`ConvAutotuner.active` block)."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    return (_active.get() or ConvAutotuner()).method(layer, x, backprops)
 
 
 def _fastest(
