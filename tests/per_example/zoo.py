@@ -451,7 +451,7 @@ def zoo_lightning_module(entry: ZooModel, **kwargs: Any) -> ZooLightningModule:
 # The table of per-example paths in docs/models.md
 # --------------------------------------------------------------------------------------------------
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 TABLE_START, TABLE_END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 
 

@@ -17,12 +17,16 @@ matmul of the unfolded patches but without unfolding) or ``index_add_`` (Embeddi
 are fp32 whatever the input dtype. Each layer's formula assumes the layer is called once per forward
 pass: a shared layer's norm is not the sum of its calls' norms, so the engine must materialise those.
 
-Norms never understate (:func:`certified_sq_norms`): every norm formed from sums over positions (Gram
+Norms never understate (:func:`.certified.certified_sq_norms`): every norm formed from sums over positions (Gram
 identities, per-example gradients summed over positions, bias sums) comes with a bound on its fp32
 rounding error from the magnitudes of its terms; where the terms cancel so much that the bound exceeds
-:data:`GUARD_FRACTION` of the value (crafted inputs), that example is recomputed exactly in fp64,
+:data:`.certified.GUARD_FRACTION` of the value (crafted inputs), that example is recomputed exactly in fp64,
 elsewhere the value plus its bound is returned. DP is a worst case over data sets: one example whose
 per-position gradients nearly cancel must not pass as a small norm and be summed unclipped.
+
+This module is the registry and the entry points; one module per family registers its pair on import
+(``linear``, ``conv`` with ``conv_methods`` and ``conv_autotune``, ``embedding``, ``norm``; ``ecosystem``
+for timm/Hugging Face layers once their library is loaded).
 """
 
 from __future__ import annotations
