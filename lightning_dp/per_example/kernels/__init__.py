@@ -56,10 +56,10 @@ FAST_CLIPPERS: dict[type[nn.Module], FastClipper] = {}
 
 def register_fast_clipper(
     *layer_types: type[nn.Module],
-) -> Callable[[type[_Kernels]], type[_Kernels]]:
+) -> Callable[[type[KernelPair]], type[KernelPair]]:
     """Class decorator registering a kernel pair (static ``sq_norms``/``weighted_grad``) for layer types."""
 
-    def wrap(kernels: type[_Kernels]) -> type[_Kernels]:
+    def wrap(kernels: type[KernelPair]) -> type[KernelPair]:
         for layer_type in layer_types:
             FAST_CLIPPERS[layer_type] = FastClipper(kernels.sq_norms, kernels.weighted_grad)
         return kernels
@@ -67,8 +67,9 @@ def register_fast_clipper(
     return wrap
 
 
-class _Kernels:
-    """Base of the registered kernel pairs (static methods with the registry's signatures)."""
+class KernelPair:
+    """Base of a registered kernel pair: static ``sq_norms`` and ``weighted_grad`` with the registry's
+    signatures (subclass it and decorate with :func:`register_fast_clipper`)."""
 
     @staticmethod
     def sq_norms(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, _Kernels, register_fast_clipper
+from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     bias_sum,
     certified_cached,
@@ -27,7 +27,7 @@ from lightning_dp.per_example.kernels.conv_methods import (
 
 
 @register_fast_clipper(nn.Conv1d, nn.Conv2d)
-class _ConvKernels(_Kernels):
+class _ConvKernels(KernelPair):
     """Convolution as a Linear layer over unfolded patches (T = output positions), per group.
 
     Norms by the Gram trick, or from per-example gradients materialised (by unfolding, or by one

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, _Kernels, register_fast_clipper
+from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     certified_sq_norms,
     fold_weights,
@@ -48,7 +48,7 @@ def _embedding_rows_sq_norms(layer: nn.Embedding, idx: Tensor, d: Tensor) -> Ten
 
 
 @register_fast_clipper(nn.Embedding)
-class _EmbeddingKernels(_Kernels):
+class _EmbeddingKernels(KernelPair):
     """Rows gathered by index: the per-example gradient is a sparse sum of δ_t into rows i_t."""
 
     @staticmethod

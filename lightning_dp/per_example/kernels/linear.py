@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, _Kernels, register_fast_clipper
+from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     bias_sum,
     cache_samples,
@@ -42,7 +42,7 @@ def _linear_inputs(layer: nn.Linear, activations: list[Tensor], backprops: Tenso
 
 
 @register_fast_clipper(nn.Linear)
-class _LinearKernels(_Kernels):
+class _LinearKernels(KernelPair):
     """y = W a + b: ‖g_W‖² = ‖δ‖²‖a‖² for 2-D input, Gram trick or materialise for sequences."""
 
     @staticmethod

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, _Kernels, register_fast_clipper
+from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     cache_samples,
     certified_cached,
@@ -62,7 +62,7 @@ def _norm_layer_grad_samples(
 
 
 @register_fast_clipper(nn.LayerNorm, nn.GroupNorm)
-class _NormKernels(_Kernels):
+class _NormKernels(KernelPair):
     """LayerNorm / GroupNorm: norms and weighted sums of the (small) materialised affine gradients."""
 
     @staticmethod
