@@ -1,4 +1,4 @@
-"""Step time and peak memory on the model zoo (tests/zoo.py): plain vs lightning-dp vs Opacus.
+"""Step time and peak memory on the model zoo (tests/per_example/zoo.py): plain vs lightning-dp vs Opacus.
 
 Each zoo model (tiny configurations, random weights) trains its own copy of the same initial model on
 one fixed batch of ``--batch-size`` examples (zoo batches concatenated), in one process, on one CPU
@@ -57,7 +57,7 @@ from lightning_dp.noise import ConstantNoise
 from lightning_dp.prepare import replace_batchnorm
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Step
-from tests.zoo import ZOO, ZooModel
+from tests.per_example.zoo import ZOO, ZooModel
 
 Batch = tuple[Tensor, ...]
 

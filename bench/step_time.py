@@ -72,8 +72,8 @@ from lightning_dp import PrivacyCallback
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.grad_sample import GradMode
 from lightning_dp.noise import ConstantNoise
+from lightning_dp.per_example import GradMode
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Step, StepContext
 from lightning_dp.strategy import DPStrategy

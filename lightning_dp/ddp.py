@@ -20,7 +20,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import GradMode
+from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, iter_slots
 from lightning_dp.strategy import DPStrategyMixin

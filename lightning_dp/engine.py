@@ -18,8 +18,8 @@ from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLe
 from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.compatibility import check_mechanisms
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import BatchDimensionError, GradMode, PerExampleGradients, PerSampleGradients
-from lightning_dp.recurrent import SWAPS
+from lightning_dp.per_example import BatchDimensionError, GradientCapture, GradMode, PerExampleGradients
+from lightning_dp.per_example.recurrent import SWAPS
 from lightning_dp.release import AllReduce, ReleaseHook, Releases
 from lightning_dp.rng import make_generator, without_generator_states
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepSetup, iter_slots
@@ -30,7 +30,7 @@ def refuse_sequence_first(root: nn.Module) -> None:
 
     Their inputs and outputs are [T, B, ...], so the hooks would take time steps for examples; a size
     check cannot see it when T equals the batch size, this check sees it before the first batch. The
-    recurrent and attention layers that :mod:`lightning_dp.recurrent` swaps in place (exactly
+    recurrent and attention layers that :mod:`lightning_dp.per_example.recurrent` swaps in place (exactly
     ``nn.RNN``/``LSTM``/``GRU``/``MultiheadAttention``/``Transformer*Layer``) put the batch first
     themselves; subclasses of them, whose forward may differ, are not swapped and stay refused."""
     exact = tuple(SWAPS)
@@ -87,7 +87,7 @@ class PrivateStepEngine:
         )
         sampler.use_releases(self.releases)
         self.steps = 0
-        self.grads: PerSampleGradients | None = None
+        self.grads: GradientCapture | None = None
         self.generator: torch.Generator | None = None
         self._pending_generator_state: Tensor | None = None
         self.pending_ctx: StepContext | None = None
@@ -158,7 +158,7 @@ class PrivateStepEngine:
         self.module = module
         if self.grads is None:
             refuse_sequence_first(module)
-            self.grads = PerSampleGradients(
+            self.grads = GradientCapture(
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
             )
             self.clipping.setup(self.grads.params)

@@ -74,7 +74,7 @@ def check_stateful_layers(module: nn.Module) -> None:
     """
     from opacus.grad_sample import GradSampleHooks
 
-    from lightning_dp.grad_sample import trainable_layers
+    from lightning_dp.per_example.capture import trainable_layers
 
     for name, layer in trainable_layers(module):
         if isinstance(layer, _InstanceNorm) and layer.track_running_stats:

@@ -36,7 +36,7 @@ from lightning_dp.errors import DPConfigurationError
 
 if TYPE_CHECKING:
     from lightning_dp.engine import PrivateStepEngine
-    from lightning_dp.grad_sample import PerExampleGradients
+    from lightning_dp.per_example import PerExampleGradients
     from lightning_dp.strategy import DPStrategyMixin
 
 CHECK_EXAMPLES = 4

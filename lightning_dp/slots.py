@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
 
 if TYPE_CHECKING:
-    from lightning_dp.grad_sample import PerExampleGradients
+    from lightning_dp.per_example import PerExampleGradients
     from lightning_dp.release import Releases
 
 
@@ -176,13 +176,19 @@ class Clipping(_Stateful, ABC):
         """Called once the trainable parameters are known (allocate per-coordinate state here)."""
         del params
 
+    @property
+    def is_flat_l2(self) -> bool:
+        """Whether the clipped sum is DP-SGD's flat L2 one (mechanisms that assume it, DPIS and DP-AGD, check)."""
+        return False
+
     @abstractmethod
-    def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
+    def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:
         """Sum over examples of the bounded per-example gradients, in fp32, one tensor per parameter.
 
         Return fresh tensors: the engine adds the noise to them in place.
 
-        ``grad_samples[j]`` has shape ``[B, *param_j.shape]`` (B may be 0).
+        ``grad_samples[j]`` has shape ``[B, *param_j.shape]`` (B may be 0); ``sq_norms()``,
+        ``weighted_sum()`` and ``layers()`` read them without materialising.
         """
 
     def sensitivity(self, ctx: StepContext) -> float:

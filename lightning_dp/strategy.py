@@ -44,9 +44,9 @@ from lightning_dp.checkpointing import (
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import GradMode
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.optim import DPOptimizer
+from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm, check_train_sampler, prepare_module
 from lightning_dp.sampling import Poisson
 from lightning_dp.sensitivity import check_sensitivity, training_step_loss

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import FlatClipping
 from lightning_dp.clipping import per_sample_norms
+from lightning_dp.per_example import PerExampleGradients
 
 torch.set_num_threads(1)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -89,9 +90,10 @@ class RecordingClipping(FlatClipping):
         out = super().clip_and_sum(grad_samples, ctx)
         for i in range(grad_samples[0].shape[0]):
             single = [g[i : i + 1] for g in grad_samples]
-            contribution = super().clip_and_sum(single, ctx)
+            contribution = super().clip_and_sum(PerExampleGradients.from_tensors(single), ctx)
             self.max_contribution = max(
-                self.max_contribution, float(per_sample_norms([c[None] for c in contribution])[0])
+                self.max_contribution,
+                float(per_sample_norms(PerExampleGradients.from_tensors([c[None] for c in contribution]))[0]),
             )
         if grad_samples[0].shape[0]:
             self.max_raw_norm = max(self.max_raw_norm, float(per_sample_norms(grad_samples).max()))

@@ -12,6 +12,7 @@ from conftest import TinyModule, make_trainer
 from lightning_dp import AdaCliP, DPStrategy, FlatClipping, StepContext
 from lightning_dp.accounting import compute_epsilon
 from lightning_dp.clipping import adaclip_scale
+from lightning_dp.per_example import PerExampleGradients
 
 
 def ctx(batch: float, z: float = 0.0) -> StepContext:
@@ -55,12 +56,15 @@ def test_reduces_to_dp_sgd_at_a_zero_b_c():
     C = 2.0
     clip = with_state([0.0, 0.0], [C / math.sqrt(2)] * 2)
     g = torch.tensor([[3.0, 4.0], [0.6, 0.8]])
-    sums = clip.clip_and_sum([g], ctx(2))
+    sums = clip.clip_and_sum(PerExampleGradients.from_tensors([g]), ctx(2))
     close(clip.finalize(sums, ctx(2))[0], [0.9, 1.2])
     flat = FlatClipping()
     flat_ctx = ctx(2)
     flat_ctx.max_grad_norm = C
-    close(flat.finalize(flat.clip_and_sum([g], flat_ctx), flat_ctx)[0], [0.9, 1.2])
+    close(
+        flat.finalize(flat.clip_and_sum(PerExampleGradients.from_tensors([g]), flat_ctx), flat_ctx)[0],
+        [0.9, 1.2],
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,7 +74,7 @@ def test_reduces_to_dp_sgd_at_a_zero_b_c():
 def test_worked_step_without_noise(mode, s_new):
     clip = with_state([1.0, 0.0, -1.0], [1.0, 4.0, 4.0], variance_mode=mode)
     g = torch.tensor([[4.0, 6.0, -1.0], [1.0, 3.0, 2.0]])
-    R = clip.clip_and_sum([g], ctx(2))[0]
+    R = clip.clip_and_sum(PerExampleGradients.from_tensors([g]), ctx(2))[0]
     close(R, [0.707107, 1.207107, 0.5])
     close(clip.finalize([R], ctx(2))[0], [2.060660, 3.621320, 0.5])
     close(clip.s[0], s_new)
@@ -80,7 +84,9 @@ def test_worked_step_without_noise(mode, s_new):
 def test_worked_step_with_a_fixed_noise_draw():
     clip = with_state([1.0, 0.0, -1.0], [1.0, 4.0, 4.0])
     g = torch.tensor([[4.0, 6.0, -1.0], [1.0, 3.0, 2.0]])
-    R = clip.clip_and_sum([g], ctx(2, z=0.5))[0] + 0.5 * torch.tensor([1.0, -2.0, 0.5])
+    R = clip.clip_and_sum(PerExampleGradients.from_tensors([g]), ctx(2, z=0.5))[0] + 0.5 * torch.tensor(
+        [1.0, -2.0, 0.5]
+    )
     close(R, [1.207107, 0.207107, 0.75])
     # 1e-4: clip_factors inflates norms by 1e-5 relative (the fp32 safety margin on the bound)
     close(clip.finalize([R], ctx(2, z=0.5))[0], [2.810660, 0.621320, 1.25], tol=1e-4)
@@ -93,7 +99,7 @@ def test_noise_covariance_is_diag_b_squared():
     z, B, draws = 2.0, 4, 20_000
     clip = with_state([0.5, -1.0, 2.0], [1.0, 4.0, 4.0])
     g = torch.tensor([[0.5, -1.0, 2.0]] * B)
-    R = clip.clip_and_sum([g], ctx(B, z))[0]
+    R = clip.clip_and_sum(PerExampleGradients.from_tensors([g]), ctx(B, z))[0]
     assert float(R.abs().max()) == 0.0
     noise = z * torch.randn(draws, 3, generator=torch.Generator().manual_seed(0))
     b = adaclip_scale(clip.s)[0]
@@ -106,7 +112,7 @@ def test_noise_covariance_is_diag_b_squared():
 def test_invertible_when_nothing_is_clipped():
     g = torch.randn(5, 4)
     clip = with_state([0.3, -0.2, 0.1, 0.0], [100.0] * 4)
-    R = clip.clip_and_sum([g], ctx(5))
+    R = clip.clip_and_sum(PerExampleGradients.from_tensors([g]), ctx(5))
     torch.testing.assert_close(clip.finalize(R, ctx(5))[0], g.mean(0), rtol=1e-5, atol=1e-6)
 
 
@@ -116,7 +122,7 @@ def test_statistics_stay_clamped_and_finite():
     for step in range(30):
         g = [torch.randn(8, 3, 2) * 10, torch.randn(8, 4) * 1e-3]
         c = ctx(8, z=1.0)
-        sums = clip.clip_and_sum(g, c)
+        sums = clip.clip_and_sum(PerExampleGradients.from_tensors(g), c)
         sums = [s + torch.randn(s.shape) for s in sums]
         out = clip.finalize(sums, c)
         assert all(torch.isfinite(t).all() for t in out + clip.m + clip.s), step
@@ -214,7 +220,7 @@ def test_error_decomposition_for_one_example():
     """Property 9 (B = 1): E‖g̃ − g‖² = ‖g − a‖²(1 − 1/‖w‖)² + z²‖b‖² = 3.8604 + 20.25 = 24.1104."""
     clip = with_state([0.0, 0.0, 0.0], [1.0, 4.0, 4.0])  # b = [3, 6, 6]
     g = torch.tensor([[3.0, 6.0, 0.0]])
-    R = clip.clip_and_sum([g], ctx(1, z=0.5))[0]
+    R = clip.clip_and_sum(PerExampleGradients.from_tensors([g]), ctx(1, z=0.5))[0]
     draws = 0.5 * torch.randn(40_000, 3, generator=torch.Generator().manual_seed(1))
     g_tilde = adaclip_scale(clip.s)[0] * (R + draws)  # a = 0, B = 1
     assert float((g_tilde - g).square().sum(1).mean()) == pytest.approx(24.1104, rel=0.03)
@@ -240,7 +246,9 @@ def test_variance_estimator_without_clipping():
     samples = []
     for _ in range(steps):
         g = mu + std * torch.randn(B, 3, generator=gen)
-        R = clip.clip_and_sum([g], ctx(B, z))[0] + z * torch.randn(3, generator=gen)
+        R = clip.clip_and_sum(PerExampleGradients.from_tensors([g]), ctx(B, z))[0] + z * torch.randn(
+            3, generator=gen
+        )
         samples.append(b.square() * (R.square() - z * z) / B)  # per_example mode, before the clamp
     close(torch.stack(samples).mean(0), std.square().tolist(), tol=0.1)
     Z = torch.randn(400_000, generator=gen)
@@ -309,7 +317,7 @@ class _Mixed(torch.nn.Module):
 @pytest.mark.parametrize("seed", range(4))
 def test_fast_transformed_norms_equal_the_materialised_ones(seed):
     from lightning_dp.clipping.adaclip import transformed_sq_norms
-    from lightning_dp.grad_sample import PerSampleGradients
+    from lightning_dp.per_example import GradientCapture
 
     gen = torch.Generator().manual_seed(seed)
     B, d_in, hidden, T = (int(v) for v in torch.randint(2, 9, (4,), generator=gen))
@@ -317,14 +325,16 @@ def test_fast_transformed_norms_equal_the_materialised_ones(seed):
     model = _Mixed(d_in, hidden, T)
     x, tokens = torch.randn(B, T, d_in, generator=gen), torch.randint(0, 7, (B, T), generator=gen)
     y = torch.randint(0, 3, (B,), generator=gen)
-    hooks = PerSampleGradients(model, mode="fast")
+    hooks = GradientCapture(model, mode="fast")
     torch.nn.functional.cross_entropy(model(x, tokens), y).backward()
     fast, _ = hooks.collect()
     assert fast._records, "the fast path must be exercised"
     shift = [torch.randn(p.shape, generator=gen) * 0.3 for p in hooks.params]
     inv_b = [torch.rand(p.shape, generator=gen) * 3 + 0.1 for p in hooks.params]
     got = transformed_sq_norms(fast, shift, inv_b)
-    expected = transformed_sq_norms(fast.materialize(), shift, inv_b)  # a plain list: materialised path
+    expected = transformed_sq_norms(
+        PerExampleGradients.from_tensors(fast.materialize()), shift, inv_b
+    )  # a plain list: materialised path
     assert fast._full is not None
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
     # the clipped transformed sum agrees as well (fast weighted sum, shifted and scaled once)
@@ -335,7 +345,7 @@ def test_fast_transformed_norms_equal_the_materialised_ones(seed):
     torch.nn.functional.cross_entropy(model(x, tokens), y).backward()
     lazy, _ = hooks.collect()
     sums_fast = clip.clip_and_sum(lazy, ctx(B))
-    sums_full = clip.clip_and_sum(lazy.materialize(), ctx(B))
+    sums_full = clip.clip_and_sum(PerExampleGradients.from_tensors(lazy.materialize()), ctx(B))
     for a, b in zip(sums_fast, sums_full, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -344,11 +354,11 @@ def test_fast_norm_near_the_mean_is_recomputed_exactly():
     """An example whose gradient is almost a: the expansion's terms are ~1e6 × their sum, so fp32 would
     lose the norm; those examples are recomputed in fp64 (an underestimate could break sensitivity 1)."""
     from lightning_dp.clipping.adaclip import transformed_sq_norms
-    from lightning_dp.grad_sample import PerSampleGradients
+    from lightning_dp.per_example import GradientCapture
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(30, 5)
-    hooks = PerSampleGradients(layer, mode="fast")
+    hooks = GradientCapture(layer, mode="fast")
     x, y = torch.randn(6, 30), torch.randint(0, 5, (6,))
     torch.nn.functional.cross_entropy(layer(x), y).backward()
     grads, _ = hooks.collect()

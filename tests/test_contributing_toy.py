@@ -19,6 +19,7 @@ from conftest import TinyModule, make_trainer
 from lightning_dp import DPConfigurationError, DPStrategy, FlatClipping
 from lightning_dp.accounting import PoissonGaussian, compute_epsilon
 from lightning_dp.clipping import per_sample_norms
+from lightning_dp.per_example import PerExampleGradients
 
 GUIDE = Path(__file__).resolve().parents[1] / "CONTRIBUTING.md"
 MARKER = "<!-- toy-mechanism -->"
@@ -67,9 +68,13 @@ def test_every_per_example_contribution_is_at_most_c(toy, scale, inputs):
             raw = per_sample_norms(grad_samples)
             singles = []
             for i in range(grad_samples[0].shape[0]):
-                one = super().clip_and_sum([g[i : i + 1] for g in grad_samples], ctx)
+                one = super().clip_and_sum(
+                    PerExampleGradients.from_tensors([g[i : i + 1] for g in grad_samples]), ctx
+                )
                 singles.append(one)
-                contribution = float(per_sample_norms([s[None] for s in one])[0])
+                contribution = float(
+                    per_sample_norms(PerExampleGradients.from_tensors([s[None] for s in one]))[0]
+                )
                 self.pairs.append((self.scale * float(raw[i]), contribution))
             if singles:  # the released sum is the sum of the individual contributions
                 for j, t in enumerate(total):

@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_dp import DPIS, AdaCliP, DPConfigurationError, DPStrategy, FlatClipping
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyLedger, calibrate_noise
 from lightning_dp.accounting.rdp import epsilon_from_rdp
-from lightning_dp.grad_sample import PerExampleGradients
 from lightning_dp.noise import ConstantNoise
+from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases
 from lightning_dp.sampling.dpis import (
     acceptance_probabilities,

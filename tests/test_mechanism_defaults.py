@@ -10,6 +10,7 @@ from conftest import TinyModule, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import AdaCliP, AdaptiveGD, DPStrategy, HeavyBall, Nesterov
+from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.slots import StepContext
 from recipes.linear import LinearClassifier
 
@@ -54,7 +55,7 @@ def test_adaclip_default_h2_makes_step_zero_a_dp_sgd_with_clip_c():
     clip.setup(params)
     c = 2.0
     g = [torch.full((2, 3, 4), 5.0), torch.full((2, 4), 5.0)]  # two examples, norm 5·√16 = 20 each
-    sums = clip.clip_and_sum(g, _ctx(0, max_grad_norm=c))
+    sums = clip.clip_and_sum(PerExampleGradients.from_tensors(g), _ctx(0, max_grad_norm=c))
     assert clip.h2 == pytest.approx(c * c / 16)
     assert clip.init_std == pytest.approx(math.sqrt(clip.h2))
     for b in clip._b:
@@ -68,14 +69,14 @@ def test_adaclip_h2_far_from_the_clip_warns_with_the_fix():
     clip = AdaCliP(h2=1e-2)
     clip.setup([torch.zeros(4800)])
     with pytest.warns(UserWarning, match=r"Use h2 ≈ C²/d = 0\.000208"):
-        clip.clip_and_sum([torch.ones(2, 4800)], _ctx(0))
+        clip.clip_and_sum(PerExampleGradients.from_tensors([torch.ones(2, 4800)]), _ctx(0))
     quiet = AdaCliP(h2=1.0 / 4800)
     quiet.setup([torch.zeros(4800)])
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        quiet.clip_and_sum([torch.ones(2, 4800)], _ctx(0))
+        quiet.clip_and_sum(PerExampleGradients.from_tensors([torch.ones(2, 4800)]), _ctx(0))
 
 
 def _agd_fit(tmp_path, *, max_epochs: int, batch_size: int | None = None) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import TinyModule
 from neighbour import BatchStandardised, Mixup, TinyLM, tiny_data, token_data
-from test_fast_path import ConvModel, SequenceModel
+from per_example.test_capture import ConvModel, SequenceModel
 from torch.utils.data import TensorDataset
 
 from lightning_dp import (

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPConfigurationError, DPStrategy, Poisson
 from lightning_dp.accounting import compute_epsilon
-from lightning_dp.grad_sample import BatchDimensionError
+from lightning_dp.per_example import BatchDimensionError
 
 
 def fit(module: TinyModule, strategy: DPStrategy | None = None, **kwargs) -> DPStrategy:
@@ -159,7 +159,7 @@ def test_sequence_first_recurrent_layer_is_refused_at_fit_start_unless_swapped_e
     with pytest.raises(BatchDimensionError, match=r"Layer 'lstm' \(MyLSTM\) is built with batch_first=False"):
         fit(model, strategy, max_steps=1)
     assert released(strategy) == 0
-    # nn.LSTM itself is swapped in place for an exact layer that puts the batch first (tests/zoo.py).
+    # nn.LSTM itself is swapped in place for an exact layer that puts the batch first (tests/per_example/zoo.py).
     strategy = DPStrategy(noise_multiplier=1.0, seed=0)
     assert fit(SequenceFirstLSTM(), strategy, max_steps=1).engine.steps == 1
 

@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
-from lightning_dp.fast_clipping import certified_sq_norms, materialized_sq_norm, rounding_gamma
-from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.per_example import PerExampleGradients
+from lightning_dp.per_example.kernels.certified import certified_sq_norms, rounding_gamma
+from lightning_dp.per_example.materialized import materialized_sq_norm
 from lightning_dp.slots import Clipping, StepContext, sums_once
 from lightning_dp.validation import number
 
@@ -34,7 +35,7 @@ def adaclip_scale(s: Sequence[Tensor], gamma: float = 1.0) -> list[Tensor]:
 
 
 def transformed_sq_norms(
-    grad_samples: Sequence[Tensor], shift: Sequence[Tensor], inv_scale: Sequence[Tensor]
+    grad_samples: PerExampleGradients, shift: Sequence[Tensor], inv_scale: Sequence[Tensor]
 ) -> Tensor:
     """Each example's ‖(g_i − a)/b‖² over all parameters (fp32, [B]), given a and 1/b per parameter.
 
@@ -46,31 +47,23 @@ def transformed_sq_norms(
     materialise their own per-example gradients only (one layer at a time). Parameters that received no
     gradient count as g_i = 0.
     """
-    if not isinstance(grad_samples, PerExampleGradients) or grad_samples._full is not None:
-        return _materialized_transformed(list(grad_samples), shift, inv_scale)
     index = {p: j for j, p in enumerate(grad_samples.params)}
     total = torch.zeros(grad_samples.batch, dtype=torch.float32, device=grad_samples.params[0].device)
     seen: set[int] = set()
-
-    def add_materialized(samples: dict[nn.Parameter, Tensor]) -> None:
-        for p, g in samples.items():
+    for layer in grad_samples.layers():
+        module = layer.module
+        if type(module) is nn.Linear and math.prod(layer.inputs[0].shape[1:-1]) == 1:
+            for p, value in _linear_transformed_sq_norms(
+                module, layer.inputs[0], layer.output_grad(), index, shift, inv_scale
+            ).items():
+                seen.add(index[p])
+                total.add_(value)
+            continue
+        for p, g in layer.samples().items():
             if p in index:
                 j = index[p]
                 seen.add(j)
                 total.add_(_transformed_sq_norm(g, shift[j], inv_scale[j]))
-
-    add_materialized(grad_samples._materialized)
-    for record in grad_samples._records:
-        module, raw = record.module, record.backprops
-        if raw is not None and type(module) is nn.Linear and math.prod(raw.shape[1:-1]) == 1:
-            backprops = raw * grad_samples.scale  # records keep raw output gradients
-            for p, value in _linear_transformed_sq_norms(
-                module, record.activations[0], backprops, index, shift, inv_scale
-            ).items():
-                seen.add(index[p])
-                total.add_(value)
-        else:
-            add_materialized(record.samples(grad_samples.scale))
     for j in set(range(len(grad_samples.params))) - seen:  # no gradient: (0 − a)/b for every example
         total.add_(float((shift[j].float() * inv_scale[j]).square().sum()))
     return total
@@ -79,15 +72,6 @@ def transformed_sq_norms(
 def _transformed_sq_norm(g: Tensor, a: Tensor, inv_b: Tensor) -> Tensor:
     """‖(g_i − a)/b‖² per example of one materialised [B, *shape] per-example gradient."""
     return materialized_sq_norm((g.float() - a) * inv_b)
-
-
-def _materialized_transformed(
-    grads: list[Tensor], shift: Sequence[Tensor], inv_scale: Sequence[Tensor]
-) -> Tensor:
-    return sum(
-        (_transformed_sq_norm(g, a, ib) for g, a, ib in zip(grads, shift, inv_scale, strict=True)),
-        torch.zeros(grads[0].shape[0] if grads else 0, dtype=torch.float32),
-    )
 
 
 def _linear_transformed_sq_norms(
@@ -218,7 +202,7 @@ class AdaCliP(Clipping):
 
     # -- the step ---------------------------------------------------------------------------------
     @sums_once
-    def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
+    def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:
         """Σ_k clip_1((g_k − a)/b): the transformed, clipped sum that the noise is added to."""
         if not self._started:
             self._start(ctx.max_grad_norm)

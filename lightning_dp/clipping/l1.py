@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
-from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext, sums_once
 
 
-def per_sample_l1_norms(grad_samples: Sequence[Tensor]) -> Tensor:
+def per_sample_l1_norms(grad_samples: PerExampleGradients) -> Tensor:
     """L1 norm of each example's whole gradient (all parameters), in fp32."""
-    tensors = grad_samples.materialize() if isinstance(grad_samples, PerExampleGradients) else grad_samples
+    tensors = grad_samples.materialize()
     batch = tensors[0].shape[0]
     return sum(
         (g.reshape(batch, -1).float().abs().sum(1) for g in tensors),
@@ -32,9 +30,8 @@ class L1Clipping(Clipping):
     mechanism = "laplace"
 
     @sums_once
-    def clip_and_sum(self, grad_samples: Sequence[Tensor], ctx: StepContext) -> list[Tensor]:
+    def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:
         norms = per_sample_l1_norms(grad_samples)
-        ctx.extras["per_sample_l1_norms"] = norms
         return weighted_sum(grad_samples, clip_factors(norms, ctx.max_grad_norm))
 
     def sensitivity(self, ctx: StepContext) -> float:

@@ -25,9 +25,8 @@ from lightning_dp import validation
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent
 from lightning_dp.accounting.rdp import epsilon_from_rdp, segment_rdp
 from lightning_dp.batch_info import IndicesWithInfo
-from lightning_dp.clipping.flat import FlatClipping
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.grad_sample import PerExampleGradients
+from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler, SamplerRuntime, StepContext
@@ -253,7 +252,7 @@ class DPIS(Sampler):
         self.releases = releases
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
-        if type(runtime.clipping) is not FlatClipping:
+        if not runtime.clipping.is_flat_l2:
             raise DPConfigurationError(
                 f"DPIS bounds each contribution itself (norm K~/N~); it cannot be combined with "
                 f"{type(runtime.clipping).__name__}. Use the default clipping slot."

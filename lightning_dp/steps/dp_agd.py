@@ -27,7 +27,6 @@ from torch import Tensor
 
 from lightning_dp.accounting import NoisyMin, PrivacyFilter, rho_from_epsilon
 from lightning_dp.accounting.zcdp import ZCDPConversion
-from lightning_dp.clipping import FlatClipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.loss_queries import LossProbe
@@ -199,7 +198,7 @@ class AdaptiveGD(Step):
             raise DPConfigurationError(
                 "AdaptiveGD sets the noise of every measurement itself: do not pass noise or noise_multiplier."
             )
-        if type(setup.clipping) is not FlatClipping:
+        if not setup.clipping.is_flat_l2:
             raise DPConfigurationError("AdaptiveGD needs flat L2 clipping (the default FlatClipping).")
         rho_tot, rho_ng, rho_nmax = initial_budgets(
             setup.target_epsilon, setup.delta, self.splits, self.conversion

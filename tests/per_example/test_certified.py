@@ -20,9 +20,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp import fast_clipping as fc
 from lightning_dp.clipping.adaclip import _linear_transformed_sq_norms
 from lightning_dp.clipping.flat import clip_factors
+from lightning_dp.per_example.kernels import Cache, is_supported, linear, sq_norms, weighted_grad
+from lightning_dp.per_example.kernels.conv_autotune import force_conv_method
+from lightning_dp.per_example.kernels.conv_methods import CONV_METHODS, ConvMethod
 
 C = 1.0
 BOUND = C * (1 + 1e-6)
@@ -78,8 +80,8 @@ def exact_grads(layer: nn.Module, x: Tensor, d: Tensor) -> list[Tensor]:
 
 def assert_bounded(layer: nn.Module, x: Tensor, d: Tensor) -> None:
     """Each example's exact contribution w_i·‖g_i‖ and the fp32 clipped sum of each example alone ≤ C."""
-    cache: fc.Cache = {}
-    norms = fc.sq_norms(layer, [x], d, cache)
+    cache: Cache = {}
+    norms = sq_norms(layer, [x], d, cache)
     weights = clip_factors(sum(norms.values()).sqrt(), C)
     exact = torch.stack([g.flatten(1).square().sum(1) for g in exact_grads(layer, x, d)]).sum(0).sqrt()
     contribution = weights.double() * exact
@@ -87,7 +89,7 @@ def assert_bounded(layer: nn.Module, x: Tensor, d: Tensor) -> None:
     for i in range(x.shape[0]):  # what one example adds to the released sum, rounding included
         alone = torch.zeros_like(weights)
         alone[i] = weights[i]
-        sums = fc.weighted_grad(layer, [x], d, alone, cache)
+        sums = weighted_grad(layer, [x], d, alone, cache)
         released = sum(s.double().square().sum() for s in sums.values()) ** 0.5
         assert float(released) <= BOUND, (i, float(released))
 
@@ -109,7 +111,7 @@ def _linear(d_in: int, d_out: int, n: int, bias: bool = False) -> Family:
     return lambda: (nn.Linear(d_in, d_out, bias=bias), *cancelling_linear(d_in, d_out, n, 4096.0))
 
 
-def _conv(method: fc.ConvMethod) -> Family:
+def _conv(method: ConvMethod) -> Family:
     """1×1 kernels over 6×6 pixels: the Linear construction with the pixels as positions."""
 
     def make() -> tuple[nn.Module, Tensor, Tensor]:
@@ -123,9 +125,9 @@ def _conv_pairs() -> tuple[nn.Module, Tensor, Tensor]:
     return nn.Conv1d(2, 3, 1), torch.ones(1, 2, T), channels_first(huge_pairs(T, 3, 2))
 
 
-def conv_method(family: str) -> fc.ConvMethod | None:
+def conv_method(family: str) -> ConvMethod | None:
     """The convolution method a family's name ends with (None: the automatic choice)."""
-    for method in sorted(fc.CONV_METHODS, key=len, reverse=True):
+    for method in sorted(CONV_METHODS, key=len, reverse=True):
         if family.startswith("conv-") and family.endswith(method):
             return method
     return None
@@ -135,9 +137,9 @@ FAMILIES: dict[str, Family] = {
     "linear-gram": _linear(64, 64, T),
     "linear-gram-long": _linear(512, 512, 128),
     "linear-materialise-bias": _linear(4, 3, T, bias=True),
-    **{f"conv-{m}": _conv(m) for m in fc.CONV_METHODS},
+    **{f"conv-{m}": _conv(m) for m in CONV_METHODS},
     "linear-bias-pairs": lambda: (nn.Linear(3, 2), torch.ones(1, T, 3), huge_pairs(T, 2, 1)),
-    **{f"conv-pairs-{m}": _conv_pairs for m in fc.CONV_METHODS},
+    **{f"conv-pairs-{m}": _conv_pairs for m in CONV_METHODS},
     "embedding-gram-pairs": lambda: (nn.Embedding(5, 8), torch.full((1, 4), 2), huge_pairs(4, 8, 3)),
     "embedding-sparse-pairs": lambda: (nn.Embedding(5, 2), torch.full((1, T), 3), huge_pairs(T, 2, 4)),
     "layernorm-pairs": lambda: (
@@ -158,14 +160,14 @@ FAMILIES: dict[str, Family] = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_crafted_examples_contribute_at_most_c(family: str, dtype: torch.dtype, monkeypatch) -> None:
     layer, x, d = FAMILIES[family]()
-    if not fc.is_supported(layer):
+    if not is_supported(layer):
         pytest.fail(f"{family}: no fast kernels")
-    monkeypatch.setattr(fc, "FOLD_FLOATS", d[:1].numel())  # the Linear sum folds one example at a time
+    monkeypatch.setattr(linear, "FOLD_FLOATS", d[:1].numel())  # the Linear sum folds one example at a time
     x, d = with_normal_examples(x, d)
     if dtype != torch.float32:
         x = x.to(dtype) if x.is_floating_point() else x
         d = d.to(dtype)
-    with fc.force_conv_method(conv_method(family)):
+    with force_conv_method(conv_method(family)):
         assert_bounded(layer, x, d)
 
 

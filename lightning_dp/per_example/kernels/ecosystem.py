@@ -22,8 +22,9 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
-from lightning_dp import fast_clipping
-from lightning_dp.fast_clipping import Cache, FastClipper, materialized_sq_norm, materialized_weighted_grad
+from lightning_dp.per_example import kernels as fast_kernels
+from lightning_dp.per_example.kernels import Cache, FastClipper
+from lightning_dp.per_example.materialized import materialized_sq_norm, materialized_weighted_grad
 
 Samples = dict[nn.Parameter, Tensor]
 Formula = Callable[[nn.Module, list[Tensor], Tensor], Samples]
@@ -94,7 +95,7 @@ def _conv1d_samples(layer: nn.Module, acts: list[Tensor], bp: Tensor) -> Samples
 def _conv1d_as_linear(layer: nn.Module) -> nn.Linear:
     """A Linear view (not registered anywhere) that the Linear kernels accept: same parameters, keyed
     as the layer's; only per-example gradients they materialise come out transposed."""
-    from lightning_dp.recurrent import LinearPart
+    from lightning_dp.per_example.recurrent import LinearPart
 
     weight, bias = _weight_bias(layer)
     part = LinearPart.__new__(LinearPart)
@@ -106,7 +107,7 @@ def _conv1d_as_linear(layer: nn.Module) -> nn.Linear:
 
 
 def _conv1d_kernels() -> FastClipper:
-    linear = fast_clipping.FAST_CLIPPERS[nn.Linear]
+    linear = fast_kernels.FAST_CLIPPERS[nn.Linear]
 
     def sq_norms(layer: nn.Module, acts: list[Tensor], bp: Tensor, cache: Cache | None = None) -> Samples:
         inner: Cache = {}
@@ -130,7 +131,7 @@ def _conv1d_kernels() -> FastClipper:
 
 
 def _register(layer_type: type[nn.Module], kernels: FastClipper, formula: Formula) -> None:
-    fast_clipping.FAST_CLIPPERS.setdefault(layer_type, kernels)
+    fast_kernels.FAST_CLIPPERS.setdefault(layer_type, kernels)
     GradSampleHooks.GRAD_SAMPLERS.setdefault(layer_type, formula)
 
 
@@ -139,7 +140,7 @@ def register_loaded() -> None:
     timm_norm = sys.modules.get("timm.layers.norm")
     if timm_norm is not None:
         if isinstance(getattr(timm_norm, "LayerNorm", None), type):
-            norm = fast_clipping.FAST_CLIPPERS[nn.LayerNorm]
+            norm = fast_kernels.FAST_CLIPPERS[nn.LayerNorm]
             _register(timm_norm.LayerNorm, norm, GradSampleHooks.GRAD_SAMPLERS[nn.LayerNorm])
         if isinstance(getattr(timm_norm, "LayerNorm2d", None), type):
             _register(

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_dp import DPStrategy, FlatClipping
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.grad_sample import PerSampleGradients
+from lightning_dp.per_example import GradientCapture
 
 
 class SequenceModel(TinyModule):
@@ -105,10 +105,10 @@ def test_fast_path_trains_exactly_like_materialised_gradients(name):
 
 
 def test_auto_mode_is_fast_only_when_every_layer_supports_it():
-    assert PerSampleGradients(TinyModule().net, mode="auto").mode == "fast"
-    assert PerSampleGradients(ConvModel().net, mode="auto").mode == "fast"
-    assert PerSampleGradients(MixedModel().net, mode="auto").mode == "materialize"
-    mixed = PerSampleGradients(MixedModel().net, mode="fast")
+    assert GradientCapture(TinyModule().net, mode="auto").mode == "fast"
+    assert GradientCapture(ConvModel().net, mode="auto").mode == "fast"
+    assert GradientCapture(MixedModel().net, mode="auto").mode == "materialize"
+    mixed = GradientCapture(MixedModel().net, mode="fast")
     assert [mixed.path_of(m) for _, m in mixed.layers] == ["fast", "functorch", "fast"]
 
 
@@ -137,7 +137,7 @@ def test_fit_start_reports_the_path_of_every_layer():
 
 def test_invalid_grad_sample_mode_is_refused():
     with pytest.raises(ValueError, match="mode must be"):
-        PerSampleGradients(TinyModule().net, mode="ghost")  # type: ignore[arg-type]
+        GradientCapture(TinyModule().net, mode="ghost")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("mode", ["fast", "materialize"])
@@ -192,7 +192,7 @@ def test_book_keeping_skips_weight_gradients_and_changes_nothing(name, monkeypat
     assert len(no_autograd_grad) > 2
     assert all(no_autograd_grad[1:])
     monkeypatch.setattr(
-        PerSampleGradients, "skip_param_grads", property(lambda s: False, lambda s, v: None), raising=False
+        GradientCapture, "skip_param_grads", property(lambda s: False, lambda s, v: None), raising=False
     )
     make_trainer(DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3), max_epochs=2).fit(reference)
     for a, b in zip(skipping.parameters(), reference.parameters(), strict=True):
@@ -206,10 +206,10 @@ def test_book_keeping_skips_weight_gradients_and_changes_nothing(name, monkeypat
 def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, norms_first, monkeypatch):
     """With few nonzero weights (DPIS's rejected candidates), the weighted sum reduces over those rows
     only; it equals the sum over the materialised per-example gradients, whatever the other rows hold."""
-    from lightning_dp import fast_clipping
+    from lightning_dp.per_example import gradients, kernels
 
     rows_seen: list[int] = []
-    kernel, from_cache = fast_clipping.weighted_grad, fast_clipping.materialized_weighted_grad
+    kernel, from_cache = kernels.weighted_grad, gradients.materialized_weighted_grad
 
     def spy(layer, activations, backprops, weights, cache=None):
         rows_seen.append(backprops.shape[0])
@@ -220,11 +220,11 @@ def test_sparse_weights_sum_only_their_rows_and_match_the_dense_sum(name, kept, 
         rows_seen.extend(g.shape[0] for g in samples.values() if name in ("sequence", "conv"))
         return from_cache(samples, weights)
 
-    monkeypatch.setattr(fast_clipping, "weighted_grad", spy)
-    monkeypatch.setattr(fast_clipping, "materialized_weighted_grad", spy_cached)
+    monkeypatch.setattr(kernels, "weighted_grad", spy)
+    monkeypatch.setattr(gradients, "materialized_weighted_grad", spy_cached)
     torch.manual_seed(0)
     model = MODELS[name]()
-    grads = PerSampleGradients(model.net, loss_reduction="mean", mode="auto")
+    grads = GradientCapture(model.net, loss_reduction="mean", mode="auto")
     x, y = model.x[:16], model.y[:16]
     torch.nn.functional.cross_entropy(model(x), y).backward()
     per_example, batch = grads.collect()
@@ -267,7 +267,7 @@ def test_materialised_layers_release_their_inputs_during_the_backward():
     freed as in a plain backward; a layer that still needs its inputs for the sum keeps them."""
     torch.manual_seed(0)
     model = SequenceStack()
-    grads = PerSampleGradients(model, mode="fast")
+    grads = GradientCapture(model, mode="fast")
     grads.skip_param_grads = True
     storages = {}
 
@@ -286,7 +286,7 @@ def test_materialised_layers_release_their_inputs_during_the_backward():
     assert use_count(storages[model.norm]._cdata) == 1, "nothing but this test holds the released input"
     assert use_count(storages[model.out]._cdata) == 2, "the kept record still holds its input"
     fast, batch = grads.collect()
-    reference = PerSampleGradients(model, mode="materialize")
+    reference = GradientCapture(model, mode="materialize")
     grads.remove()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     expected, _ = reference.collect()
@@ -305,7 +305,7 @@ def test_two_backward_passes_before_collect_add_up_per_example(name):
     torch.manual_seed(0)
     model = MODELS[name]()
     x, y = model.x[:8], model.y[:8]
-    grads = PerSampleGradients(model.net, mode="fast")
+    grads = GradientCapture(model.net, mode="fast")
     grads.skip_param_grads = True
     for _ in range(2):
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -317,7 +317,7 @@ def assert_twice_one_pass(grads, model, x, y):
     """What ``grads`` collected is, per example, twice one materialised pass of ``model`` on (x, y)."""
     twice, _ = grads.collect()
     grads.remove()
-    reference = PerSampleGradients(model.net, mode="materialize")
+    reference = GradientCapture(model.net, mode="materialize")
     torch.nn.functional.cross_entropy(model(x), y).backward()
     once, _ = reference.collect()
     reference.remove()
@@ -331,7 +331,7 @@ def test_the_steps_sum_frees_each_layer_and_a_second_sum_is_refused():
     and anything that would need the freed terms raises instead of summing nothing."""
     torch.manual_seed(0)
     model = SequenceStack()
-    grads = PerSampleGradients(model, mode="fast")
+    grads = GradientCapture(model, mode="fast")
     grads.skip_param_grads = True
     x, y = torch.randn(6, 4, 6), torch.randint(0, 3, (6,))
     torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -348,7 +348,7 @@ def test_the_steps_sum_frees_each_layer_and_a_second_sum_is_refused():
 
 def test_the_engine_frees_per_example_terms_in_its_last_sum_only(monkeypatch):
     """The first step's consistency check sums once before the clipped sum: only the clipped sum frees."""
-    from lightning_dp.grad_sample import PerExampleGradients
+    from lightning_dp.per_example import PerExampleGradients
 
     flags: list[bool] = []
     original = PerExampleGradients.weighted_sum
@@ -382,14 +382,14 @@ def test_in_a_lightning_fit_the_backward_hooks_take_the_norms_and_release(monkey
     """Lightning calls ``zero_grad`` between ``training_step`` and the backward; the forward's call
     counts must survive it, or no layer would take its norms in the hook and release its record."""
     seen: list[tuple[bool, bool]] = []
-    original = PerSampleGradients._accumulate
+    original = GradientCapture._accumulate
 
     def spy(self, module, activations, grad, count):
         original(self, module, activations, grad, count)
         if self.path_of(module) == "fast":
             seen.append((self.records[-1].norms is not None, self.records[-1].released))
 
-    monkeypatch.setattr(PerSampleGradients, "_accumulate", spy)
+    monkeypatch.setattr(GradientCapture, "_accumulate", spy)
     torch.manual_seed(0)
     # spies on every backward hook: the sensitivity check's passes would add to it
     strategy = DPStrategy(noise_multiplier=0.5, max_grad_norm=0.1, seed=3, check_sensitivity=False)
@@ -406,7 +406,7 @@ def test_a_second_backward_through_the_same_forward():
     torch.manual_seed(0)
     mlp = TinyModule()  # Linears on single vectors: their records keep their inputs
     x, y = mlp.x[:8], mlp.y[:8]
-    grads = PerSampleGradients(mlp.net, mode="fast")
+    grads = GradientCapture(mlp.net, mode="fast")
     grads.skip_param_grads = True
     loss = torch.nn.functional.cross_entropy(mlp(x), y)
     loss.backward(retain_graph=True)
@@ -414,9 +414,25 @@ def test_a_second_backward_through_the_same_forward():
     assert_twice_one_pass(grads, mlp, x, y)
 
     stack = SequenceStack()
-    grads = PerSampleGradients(stack, mode="fast")
+    grads = GradientCapture(stack, mode="fast")
     grads.skip_param_grads = True
     loss = torch.nn.functional.cross_entropy(stack(torch.randn(4, 3, 6)), torch.randint(0, 3, (4,)))
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward through the same forward"):
         loss.backward()
+
+
+def test_each_capture_times_its_convolutions_once_and_keeps_the_choice_to_itself():
+    """The autotuner's cache belongs to the capture: one choice per conv layer shape over several batches
+    of different sizes, and a second capture starts empty (no module-global state between runs)."""
+    model = ConvModel()
+    grads = GradientCapture(model.net, mode="fast")
+    for batch in (5, 3):
+        torch.nn.functional.cross_entropy(model(model.x[:batch]), model.y[:batch]).backward()
+        grads.collect()[0].sq_norms()
+        grads.clear()
+    assert len(grads.conv_tuner.choices) == 2  # the two Conv2d layers, timed on the first batch only
+    other = GradientCapture(copy.deepcopy(model.net), mode="fast")
+    assert other.conv_tuner.choices == {}
+    grads.remove()
+    other.remove()

@@ -451,20 +451,20 @@ def zoo_lightning_module(entry: ZooModel, **kwargs: Any) -> ZooLightningModule:
 # The table of per-example paths in docs/models.md
 # --------------------------------------------------------------------------------------------------
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 TABLE_START, TABLE_END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 
 
 def path_summary(entry: ZooModel) -> dict[str, Counter[str]]:
     """Which path each trainable layer of the model takes: path → Counter of layer type names."""
-    from lightning_dp.grad_sample import PerSampleGradients
+    from lightning_dp.per_example import GradientCapture
     from lightning_dp.prepare import replace_batchnorm
 
     torch.manual_seed(0)
     model = entry.build()
     if entry.on_batchnorm == "replace":
         replace_batchnorm(model)
-    grads = PerSampleGradients(model)
+    grads = GradientCapture(model)
     try:
         summary: dict[str, Counter[str]] = {}
         for _, layer in grads.layers:
@@ -494,7 +494,7 @@ def paths_table() -> str:
 
 
 def write_table() -> None:
-    """Rewrite the table between the markers of docs/models.md (``python -m tests.zoo``)."""
+    """Rewrite the table between the markers of docs/models.md (``python -m tests.per_example.zoo``)."""
     text = DOC.read_text()
     head, rest = text.split(TABLE_START)
     _, tail = rest.split(TABLE_END)

@@ -1,4 +1,4 @@
-"""Every zoo model (tests/zoo.py): exact per-example gradients, and one private step through the Trainer."""
+"""Every zoo model (tests/per_example/zoo.py): exact per-example gradients, and one private step through the Trainer."""
 
 from __future__ import annotations
 
@@ -9,12 +9,21 @@ from torch.utils.data import TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.fast_clipping import GUARD_FRACTION
-from lightning_dp.grad_sample import PerSampleGradients
+from lightning_dp.per_example import GradientCapture
+from lightning_dp.per_example.kernels.certified import GUARD_FRACTION
 from lightning_dp.prepare import replace_batchnorm
 from tests.conftest import make_trainer
+from tests.per_example.zoo import (
+    DOC,
+    TABLE_END,
+    TABLE_START,
+    ZOO,
+    ZooModel,
+    paths_table,
+    zoo_lightning_module,
+    zoo_model,
+)
 from tests.tolerances import assert_certified
-from tests.zoo import DOC, TABLE_END, TABLE_START, ZOO, ZooModel, paths_table, zoo_lightning_module, zoo_model
 
 RTOL = 1e-6
 
@@ -50,7 +59,7 @@ def close(actual: Tensor, expected: Tensor, scale: float) -> bool:
 def test_per_example_gradients_equal_autograd_on_each_example(entry: ZooModel) -> None:
     model, batch = _model(entry), _batch(entry)
     expected = reference_grads(model, batch)  # the original layer classes, before any swap
-    grads = PerSampleGradients(model)
+    grads = GradientCapture(model)
     try:
         model(*batch).backward()
         samples, n = grads.collect()
@@ -131,7 +140,7 @@ def test_a_layer_with_a_tuple_output_gets_every_output_s_gradient() -> None:
     model = _UsesBoth().double()
     batch = (torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,)))
     expected = reference_grads(model, batch)
-    grads = PerSampleGradients(model)
+    grads = GradientCapture(model)
     assert grads.path_of(model.layer) == "functorch"
     model(*batch).backward()
     samples, _ = grads.collect()
@@ -142,7 +151,7 @@ def test_a_layer_with_a_tuple_output_gets_every_output_s_gradient() -> None:
 
 def test_a_recomputed_layer_that_draws_random_numbers_is_refused() -> None:
     model = _UsesBoth(dropout=0.5)
-    PerSampleGradients(model)
+    GradientCapture(model)
     with pytest.raises(DPConfigurationError, match="draws random numbers"):
         model(torch.randn(5, 4), torch.randint(0, 3, (5,))).backward()
 
@@ -158,7 +167,7 @@ class _ReadsAnotherLayersWeight(nn.Module):
 
 def test_a_parameter_used_outside_its_layer_is_refused_naming_it() -> None:
     model = _ReadsAnotherLayersWeight()
-    grads = PerSampleGradients(model)
+    grads = GradientCapture(model)
     model(torch.randn(4, 3)).backward()
     with pytest.raises(DPConfigurationError, match=r"\['b.weight'\]"):
         grads.collect()
@@ -167,7 +176,7 @@ def test_a_parameter_used_outside_its_layer_is_refused_naming_it() -> None:
 def test_swapped_layers_keep_their_parameters_and_state_dict_keys() -> None:
     lstm = nn.LSTM(3, 4, num_layers=2, bidirectional=True)
     keys, params = list(lstm.state_dict()), list(lstm.parameters())
-    grads = PerSampleGradients(nn.Sequential(lstm))
+    grads = GradientCapture(nn.Sequential(lstm))
     assert type(lstm) is not nn.LSTM
     assert isinstance(lstm, nn.LSTM)
     assert list(lstm.state_dict()) == keys
@@ -178,16 +187,16 @@ def test_swapped_layers_keep_their_parameters_and_state_dict_keys() -> None:
 
 def test_unsupported_recurrent_options_are_refused_naming_the_layer() -> None:
     with pytest.raises(DPConfigurationError, match=r"Layer 0: nn\.LSTM with proj_size"):
-        PerSampleGradients(nn.Sequential(nn.LSTM(3, 4, proj_size=2)))
+        GradientCapture(nn.Sequential(nn.LSTM(3, 4, proj_size=2)))
     with pytest.raises(DPConfigurationError, match="kdim/vdim"):
-        PerSampleGradients(nn.Sequential(nn.MultiheadAttention(4, 2, kdim=3, vdim=3)))
+        GradientCapture(nn.Sequential(nn.MultiheadAttention(4, 2, kdim=3, vdim=3)))
 
 
 def test_the_models_page_table_is_the_zoo_s() -> None:
-    """docs/models.md's table of paths is produced by ``python -m tests.zoo``, never edited by hand."""
+    """docs/models.md's table of paths is produced by ``python -m tests.per_example.zoo``, never edited by hand."""
     text = DOC.read_text()
     table = text.split(TABLE_START)[1].split(TABLE_END)[0].strip()
-    assert table == paths_table(), "docs/models.md is stale: run `python -m tests.zoo`"
+    assert table == paths_table(), "docs/models.md is stale: run `python -m tests.per_example.zoo`"
 
 
 @pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
@@ -215,7 +224,7 @@ def test_a_poisson_batch_of_one_example_with_a_position_lookup(name: str) -> Non
     entry = zoo_model(name)
     net = zoo_lightning_module(entry).net
     batch = [t[:1] for t in zoo_lightning_module(entry).data]
-    grads = PerSampleGradients(net)
+    grads = GradientCapture(net)
     try:
         grads.expect_batch(1)  # as the engine does with the size the sampler drew
         net(*batch).backward()

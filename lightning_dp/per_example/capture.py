@@ -5,7 +5,7 @@ of that output during backward, and Opacus's registered grad sampler (or its fun
 unknown layers) turns the pair into per-example gradients. Tensor hooks, unlike module full-backward
 hooks, survive in-place operations on a layer's output (torchvision's ResNet ``out += identity`` and
 ``ReLU(inplace=True)``), and leave ``state_dict`` keys untouched. On the fast path the same hook
-computes the layer's per-example norms (``fast_clipping``) and keeps only what the clipped sum needs.
+computes the layer's per-example norms (``per_example.kernels``) and keeps only what the clipped sum needs.
 """
 
 from __future__ import annotations
@@ -13,32 +13,19 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
-from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp import ecosystem, fast_clipping, recurrent, vmap_grads
 from lightning_dp.errors import DPConfigurationError
-
-GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
-
-
-def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Trainable parameters registered on ``module`` itself and on none of its descendants (aliases such
-    as Opacus's DPLSTM renaming its cells' weights belong to the cells)."""
-    below = {id(p) for child in module.children() for p in child.parameters()}
-    return [
-        (n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in below
-    ]
-
-
-def _has_trainable_children(module: nn.Module) -> bool:
-    return any(p.requires_grad for child in module.children() for p in child.parameters())
+from lightning_dp.per_example import kernels, recurrent, vmap
+from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients
+from lightning_dp.per_example.kernels import ecosystem
+from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
+from lightning_dp.per_example.materialized import add_samples, direct_params, grad_sampler, layer_method
 
 
 def trainable_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -58,15 +45,6 @@ def trainable_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     yield from visit("", root)
 
 
-def layer_method(module: nn.Module) -> str:
-    """How a layer's per-example gradients are computed when materialised: 'formula' (Opacus's per-layer
-    formula), 'direct' (a container's own parameters, see ``direct_path``) or 'functorch' (recomputed
-    per example, ``vmap_grads``)."""
-    if type(module) in GradSampleHooks.GRAD_SAMPLERS:
-        return "formula"
-    return "direct" if _has_trainable_children(module) else "functorch"
-
-
 def expands_params(module: nn.Module) -> bool:
     """A container whose own parameters all have a leading dimension of 1 (ViT's ``cls_token`` and
     ``pos_embed``): they are batch-expanded during its forward so their gradient is per example."""
@@ -75,249 +53,6 @@ def expands_params(module: nn.Module) -> bool:
 
 
 GradMode = Literal["auto", "fast", "materialize"]
-
-
-@dataclass(eq=False)
-class Record:
-    """One call of a fast-path layer: its inputs and raw output gradient until they are released.
-
-    The backward hook computes the per-example squared norms at once (``norms``). When the kernels
-    materialised every per-example gradient of the layer on the way (``cache``, [B, *param.shape]
-    each, no larger than the inputs and output gradient they come from), the clipped sum needs
-    nothing else, so the inputs and output gradient are dropped there and then (``released``): the
-    backward pass frees them as it would in a plain step. Norms and cache are raw, i.e. per-example
-    values are ``scale`` (resp. ``scale²``) times them.
-    """
-
-    module: nn.Module
-    activations: list[Any]
-    backprops: Tensor | None
-    norms: dict[nn.Parameter, Tensor] | None = None
-    cache: fast_clipping.Cache = field(default_factory=dict)
-    spent: bool = False
-    """Everything but the norms dropped after the step's clipped sum (see ``release_on_sum``)."""
-
-    @property
-    def released(self) -> bool:
-        return self.backprops is None
-
-    def spend(self) -> None:
-        """Drop the inputs, output gradient and cached per-example gradients: the sum is done."""
-        self.activations.clear()  # in place: the backward hook holds the same list
-        self.backprops, self.cache, self.spent = None, {}, True
-
-    def _check_unspent(self) -> None:
-        if self.spent:
-            raise RuntimeError(
-                f"The per-example gradients of {type(self.module).__name__} were freed after the step's "
-                "clipped sum; a clipping slot must take one weighted sum per step."
-            )
-
-    def sq_norms(self) -> dict[nn.Parameter, Tensor]:
-        """Raw per-example squared norms of each parameter (computed once, cached materialisations kept)."""
-        if self.norms is None:
-            self._check_unspent()
-            assert self.backprops is not None
-            self.norms = fast_clipping.sq_norms(self.module, self.activations, self.backprops, self.cache)
-        return self.norms
-
-    def release_if_cached(self, params: Sequence[nn.Parameter]) -> None:
-        """Drop the inputs and output gradient when ``cache`` holds every one of ``params``."""
-        if all(p in self.cache for p in params):
-            self.activations.clear()  # in place: the backward hook holds the same list
-            self.backprops = None
-
-    def samples(self, scale: float) -> dict[nn.Parameter, Tensor]:
-        """The layer's per-example gradients [B, *shape] (scaled), from the cache or Opacus's formula."""
-        self._check_unspent()
-        if self.released:
-            return {p: g * scale for p, g in self.cache.items()}
-        assert self.backprops is not None
-        return _sampler(self.module)(self.module, self.activations, self.backprops * scale)
-
-    def take(self, rows: Tensor) -> Record:
-        """The same record restricted to batch rows ``rows``."""
-        self._check_unspent()
-        return Record(
-            self.module,
-            [_take(a, rows) for a in self.activations],
-            None if self.backprops is None else _take(self.backprops, rows),
-            None if self.norms is None else {p: _take(v, rows) for p, v in self.norms.items()},
-            {p: _take(g, rows) for p, g in self.cache.items()},
-        )
-
-
-class PerExampleGradients(Sequence[Tensor]):
-    """The per-example gradients of one batch, one entry per parameter, materialised only on demand.
-
-    Layers with a fast formula keep only (inputs, output gradients): their per-example norms and the
-    clipped sum are computed from those directly (``sq_norms``, ``weighted_sum``), never as a
-    [B, *param.shape] tensor. Indexing or iterating materialises every entry (Opacus's formulas), so
-    a clipping that needs the full per-example gradients still gets them.
-    """
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        batch: int,
-        materialized: dict[nn.Parameter, Tensor],
-        records: list[Record],
-        scale: float = 1.0,
-    ) -> None:
-        self.params, self.batch = params, batch
-        self.scale = scale
-        """Records hold the raw output gradients; per-example gradients are ``scale`` times theirs
-        (the batch size under a mean loss), applied to the few scalars that need it, not to every δ."""
-        self._materialized = materialized
-        self._records = records
-        self._full: list[Tensor] | None = None
-        self.release_on_sum = False
-        """Set by the engine when the next ``weighted_sum`` is the step's last use of the per-example
-        terms: each layer's are then freed as soon as its sum is taken, which lowers the step's peak."""
-
-    def __len__(self) -> int:
-        return len(self.params)
-
-    def __getitem__(self, index: int) -> Tensor:  # type: ignore[override]
-        return self.materialize()[index]
-
-    def materialize(self) -> list[Tensor]:
-        """Every parameter's [B, *shape] per-example gradients (zeros for unused parameters)."""
-        if self._full is None:
-            grads = dict(self._materialized)
-            for record in self._records:
-                _add_samples(grads, record.samples(self.scale))
-            self._full = [
-                grads[p] if p in grads else torch.zeros((self.batch, *p.shape), device=p.device)
-                for p in self.params
-            ]
-        return self._full
-
-    def sq_norms(self) -> Tensor:
-        """Each example's squared gradient norm over all parameters, in fp32."""
-        device = self.params[0].device
-        total = torch.zeros(self.batch, dtype=torch.float32, device=device)
-        if self._full is not None:
-            sources: list[Tensor] = self._full
-        else:
-            sources = list(self._materialized.values())
-            for record in self._records:
-                for value in record.sq_norms().values():
-                    total += value
-            total *= self.scale**2
-        for g in sources:
-            total += fast_clipping.materialized_sq_norm(g)
-        return total
-
-    def weighted_sum(self, weights: Tensor) -> list[Tensor]:
-        """Σ_i w_i g_i per parameter in fp32; examples with weight 0 contribute exactly 0 (NaN-safe)."""
-        if self._full is not None:
-            return [fast_clipping.materialized_weighted(g, weights) for g in self._full]
-        sums = fast_clipping.materialized_weighted_grad(self._materialized, weights)
-        weights = weights * self.scale
-        rows = _sparse_rows(weights)
-        for record in self._records:
-            layer_sums = _layer_weighted_sum(record, weights, rows)
-            if self.release_on_sum:
-                record.spend()
-            for p, value in layer_sums.items():
-                sums[p] = value if p not in sums else sums[p] + value
-        return [
-            sums[p] if p in sums else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
-            for p in self.params
-        ]
-
-
-def _layer_weighted_sum(record: Record, weights: Tensor, rows: Tensor | None) -> dict[nn.Parameter, Tensor]:
-    """Σ_i w_i g_i of one fast-path layer call (raw scale), over ``rows`` only when given."""
-    if rows is not None:  # reductions over the weighted rows only
-        record, weights = record.take(rows), weights[rows]
-    record._check_unspent()
-    if record.released:  # the cache holds every per-example gradient of the layer
-        return fast_clipping.materialized_weighted_grad(record.cache, weights)
-    assert record.backprops is not None
-    return fast_clipping.weighted_grad(
-        record.module, record.activations, record.backprops, weights, record.cache
-    )
-
-
-SPARSE_FRACTION = 0.5
-"""``weighted_sum`` reduces over the rows with a nonzero weight only when they are at most this
-fraction of the batch (DPIS rejects about 1 − 1/k of its candidates): the row gather then costs less
-than the reduction it shortens."""
-
-
-def _sparse_rows(weights: Tensor) -> Tensor | None:
-    """Indices of the nonzero weights when few enough of them are nonzero, else None."""
-    keep = weights != 0
-    kept = int(keep.sum())
-    if kept > SPARSE_FRACTION * weights.numel():
-        return None
-    return keep.nonzero().squeeze(1)
-
-
-def _take(value: Any, rows: Tensor) -> Any:
-    """Rows ``rows`` of a batch-first recorded input (non-tensor inputs pass through)."""
-    return value.index_select(0, rows.to(value.device)) if isinstance(value, Tensor) else value
-
-
-def _sampler(module: nn.Module) -> GradSampler:
-    if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-        return _embedding_with_padding
-    formula = GradSampleHooks.GRAD_SAMPLERS.get(type(module))
-    return _recompute if formula is None else functools.partial(_dense, formula)
-
-
-def _dense(
-    formula: GradSampler, module: nn.Module, activations: list[Any], backprops: Tensor
-) -> dict[nn.Parameter, Tensor]:
-    """Opacus's formulas assume standard strides (its convolution one is wrong on channels_last, and on
-    a [B, C, 1, 1] tensor whose size-1 dimensions carry other strides, which ``contiguous`` keeps)."""
-    dense = [_standard(a) if isinstance(a, Tensor) else a for a in activations]
-    return formula(module, dense, _standard(backprops))
-
-
-def _standard(t: Tensor) -> Tensor:
-    """``t`` with row-major strides on every dimension (copied only where they differ)."""
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= size
-    if t.stride() == tuple(reversed(strides)):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _recompute(module: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
-    """A layer without a formula, from its positional inputs and single output (``vmap_grads``)."""
-    return vmap_grads.per_example_grads(
-        module, dict(direct_params(module)), (activations, {}), [0], [backprops]
-    )
-
-
-def _embedding_with_padding(
-    module: nn.Module, activations: list[Tensor], backprops: Tensor
-) -> dict[nn.Parameter, Tensor]:
-    """Opacus's embedding formula gives the ``padding_idx`` row a gradient; torch gives it none."""
-    assert isinstance(module, nn.Embedding)
-    assert module.padding_idx is not None
-    samples = _dense(GradSampleHooks.GRAD_SAMPLERS[nn.Embedding], module, activations, backprops)
-    samples[cast(nn.Parameter, module.weight)][:, module.padding_idx] = 0
-    return samples
-
-
-def _add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, Tensor]) -> None:
-    """Sum each parameter's per-example gradients over the calls (and tied layers) that use it."""
-    for param, sample in samples.items():
-        if param.requires_grad:
-            previous = into.get(param)
-            if previous is not None and previous.shape != sample.shape:
-                raise RuntimeError(
-                    f"A parameter of shape {tuple(param.shape)} is used by layer calls that see different "
-                    f"batches ({previous.shape[0]} vs {sample.shape[0]} examples): every call must see the whole "
-                    "batch on dimension 0 (a PackedSequence through Opacus's DPLSTM does not; use nn.LSTM)."
-                )
-            into[param] = sample if previous is None else previous + sample
 
 
 class _Graft(torch.autograd.Function):
@@ -354,7 +89,7 @@ class _Tap(torch.autograd.Function):
         return (None, *grads)
 
 
-class PerSampleGradients:
+class GradientCapture:
     """Hooks on every trainable layer of ``root`` that capture what per-example clipping needs.
 
     ``loss_reduction='mean'`` means the loss the user backpropagates is a mean over the batch, so
@@ -373,16 +108,18 @@ class PerSampleGradients:
         self.loss_reduction = loss_reduction
         self.enabled = True
         self.grad_samples: dict[nn.Parameter, Tensor] = {}
-        self.records: list[Record] = []
+        self.records: list[LayerCall] = []
         self.batch_size: int | None = None
         self.calls: list[tuple[nn.Module, int]] = []
         """(layer, size of dim 0 of its output gradient) of every call since the last ``clear``."""
+        self.conv_tuner = ConvAutotuner()
+        """This capture's choice of convolution norm method per shape (timed once, kept for the run)."""
         ecosystem.register_loaded()
         self._swapped = recurrent.swap(root)
         self.layers = list(trainable_layers(root))
         if mode == "auto":
             layers = [m for _, m in self.layers if layer_method(m) != "direct"]
-            mode = "fast" if all(fast_clipping.is_supported(m) for m in layers) else "materialize"
+            mode = "fast" if all(kernels.is_supported(m) for m in layers) else "materialize"
         self.mode = mode
         self._own: dict[nn.Module, list[nn.Parameter]] = {
             m: [p for _, p in direct_params(m)] for _, m in self.layers
@@ -427,7 +164,7 @@ class PerSampleGradients:
 
     def path_of(self, module: nn.Module) -> str:
         """'fast' (norms from inputs and output gradients), 'formula', 'functorch' or 'direct' (materialised)."""
-        if self.mode == "fast" and fast_clipping.is_supported(module):
+        if self.mode == "fast" and kernels.is_supported(module):
             return "fast"
         return layer_method(module)
 
@@ -515,15 +252,16 @@ class PerSampleGradients:
         batch = grad.shape[0]
         self.calls.append((module, batch))
         if self.path_of(module) == "fast":
-            record = Record(module, activations, grad.detach())
+            record = LayerCall(module, activations, grad.detach(), tuner=self.conv_tuner)
             own = self._own[module]
             if all(self._uses[p] == 1 for p in own):  # a shared parameter's norm has cross terms
                 record.sq_norms()  # now, while the output gradient is in cache
                 record.release_if_cached(own)
             self.records.append(record)
         else:
-            _add_samples(
-                self.grad_samples, _sampler(module)(module, activations, grad.detach() * self._scale(batch))
+            add_samples(
+                self.grad_samples,
+                grad_sampler(module)(module, activations, grad.detach() * self._scale(batch)),
             )
         self.batch_size = batch
 
@@ -533,7 +271,7 @@ class PerSampleGradients:
         """Layers recomputed per example: keep every input (keyword ones too) and tap every output tensor."""
         if not self._active(module):
             return None
-        taps = vmap_grads.output_tensors(output)
+        taps = vmap.output_tensors(output)
         if not taps:
             return None
         first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
@@ -565,12 +303,12 @@ class PerSampleGradients:
         scale = self._scale(batch)
         self.enabled = False  # the recomputation must not reach the hooks of the layer or its children
         try:
-            samples = vmap_grads.per_example_grads(
+            samples = vmap.per_example_grads(
                 module, dict(direct_params(module)), saved, positions, [g * scale for g in grads]
             )
         finally:
             self.enabled = True
-        _add_samples(self.grad_samples, samples)
+        add_samples(self.grad_samples, samples)
         self.batch_size = batch
 
     def _expand(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -596,7 +334,7 @@ class PerSampleGradients:
 
     def _expanded_grad(self, param: nn.Parameter, grad: Tensor) -> None:
         batch = grad.shape[0]
-        _add_samples(self.grad_samples, {param: (grad.detach() * self._scale(batch)).unsqueeze(1)})
+        add_samples(self.grad_samples, {param: (grad.detach() * self._scale(batch)).unsqueeze(1)})
         self.batch_size = batch
 
     def collect(self, expected: int | None = None) -> tuple[PerExampleGradients, int]:
@@ -641,7 +379,7 @@ class PerSampleGradients:
         """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
         return float(batch) if self.loss_reduction == "mean" else 1.0
 
-    def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[Record]:
+    def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[LayerCall]:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
         norm, so those calls are materialised and summed; the others stay fast."""
         seen: dict[nn.Parameter, int] = {p: 1 for p in materialized}
@@ -651,7 +389,7 @@ class PerSampleGradients:
         fast = []
         for record in self.records:
             if any(seen.get(p, 0) > 1 for p in record.module.parameters()):
-                _add_samples(materialized, record.samples(scale))
+                add_samples(materialized, record.samples(scale))
             else:
                 fast.append(record)
         return fast

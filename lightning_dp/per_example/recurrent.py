@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from lightning_dp import fast_clipping
 from lightning_dp.errors import DPConfigurationError
+from lightning_dp.per_example import kernels as fast_kernels
 
 
 class LinearPart(nn.Linear):
@@ -54,7 +54,7 @@ class HiddenPart(LinearPart):
 
 # Parts and Linear-equivalent layers use the Linear kernels and Opacus's Linear formula.
 for _linear_type in (LinearPart, HiddenPart, NonDynamicallyQuantizableLinear, RNNLinear):
-    fast_clipping.FAST_CLIPPERS[_linear_type] = fast_clipping.FAST_CLIPPERS[nn.Linear]
+    fast_kernels.FAST_CLIPPERS[_linear_type] = fast_kernels.FAST_CLIPPERS[nn.Linear]
     GradSampleHooks.GRAD_SAMPLERS.setdefault(_linear_type, GradSampleHooks.GRAD_SAMPLERS[nn.Linear])
 
 

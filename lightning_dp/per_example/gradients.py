@@ -1,0 +1,271 @@
+"""What one batch's backward left per layer call (:class:`LayerCall`) and the per-example gradients of the
+batch as a whole (:class:`PerExampleGradients`): squared norms and weighted sums without materialising."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.per_example import kernels
+from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
+from lightning_dp.per_example.materialized import (
+    add_samples,
+    grad_sampler,
+    materialized_sq_norm,
+    materialized_weighted,
+    materialized_weighted_grad,
+)
+
+
+@dataclass(eq=False)
+class LayerCall:
+    """One call of a fast-path layer: its inputs and raw output gradient until they are released.
+
+    The backward hook computes the per-example squared norms at once (``norms``). When the kernels
+    materialised every per-example gradient of the layer on the way (``cache``, [B, *param.shape]
+    each, no larger than the inputs and output gradient they come from), the clipped sum needs
+    nothing else, so the inputs and output gradient are dropped there and then (``released``): the
+    backward pass frees them as it would in a plain step. Norms and cache are raw, i.e. per-example
+    values are ``scale`` (resp. ``scale²``) times them.
+    """
+
+    module: nn.Module
+    activations: list[Any]
+    backprops: Tensor | None
+    norms: dict[nn.Parameter, Tensor] | None = None
+    cache: kernels.Cache = field(default_factory=dict)
+    spent: bool = False
+    """Everything but the norms dropped after the step's clipped sum (see ``release_on_sum``)."""
+    tuner: ConvAutotuner | None = None
+    """The capture's convolution autotuner, current while the norms are computed."""
+
+    @property
+    def released(self) -> bool:
+        return self.backprops is None
+
+    def spend(self) -> None:
+        """Drop the inputs, output gradient and cached per-example gradients: the sum is done."""
+        self.activations.clear()  # in place: the backward hook holds the same list
+        self.backprops, self.cache, self.spent = None, {}, True
+
+    def _check_unspent(self) -> None:
+        if self.spent:
+            raise RuntimeError(
+                f"The per-example gradients of {type(self.module).__name__} were freed after the step's "
+                "clipped sum; a clipping slot must take one weighted sum per step."
+            )
+
+    def sq_norms(self) -> dict[nn.Parameter, Tensor]:
+        """Raw per-example squared norms of each parameter (computed once, cached materialisations kept)."""
+        if self.norms is None:
+            self._check_unspent()
+            assert self.backprops is not None
+            with self.tuner.active() if self.tuner is not None else contextlib.nullcontext():
+                self.norms = kernels.sq_norms(self.module, self.activations, self.backprops, self.cache)
+        return self.norms
+
+    def release_if_cached(self, params: Sequence[nn.Parameter]) -> None:
+        """Drop the inputs and output gradient when ``cache`` holds every one of ``params``."""
+        if all(p in self.cache for p in params):
+            self.activations.clear()  # in place: the backward hook holds the same list
+            self.backprops = None
+
+    def samples(self, scale: float) -> dict[nn.Parameter, Tensor]:
+        """The layer's per-example gradients [B, *shape] (scaled), from the cache or Opacus's formula."""
+        self._check_unspent()
+        if self.released:
+            return {p: g * scale for p, g in self.cache.items()}
+        assert self.backprops is not None
+        return grad_sampler(self.module)(self.module, self.activations, self.backprops * scale)
+
+    def take(self, rows: Tensor) -> LayerCall:
+        """The same record restricted to batch rows ``rows``."""
+        self._check_unspent()
+        return LayerCall(
+            self.module,
+            [_take(a, rows) for a in self.activations],
+            None if self.backprops is None else _take(self.backprops, rows),
+            None if self.norms is None else {p: _take(v, rows) for p, v in self.norms.items()},
+            {p: _take(g, rows) for p, g in self.cache.items()},
+            tuner=self.tuner,
+        )
+
+
+class LayerGradients:
+    """One layer's share of a batch's per-example gradients, as a clipping slot reads them.
+
+    A fast-path layer call whose inputs are still held has ``module`` set: a clipping may compute from
+    ``inputs`` and :meth:`output_grad` directly (AdaCliP's Linear formula). Otherwise ``module`` is None
+    and :meth:`samples` gives the stored per-example gradients. :meth:`samples` always works.
+    """
+
+    def __init__(
+        self, call: LayerCall | None, scale: float, materialized: dict[nn.Parameter, Tensor] | None = None
+    ) -> None:
+        self._call, self._scale, self._materialized = call, scale, materialized
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The layer whose inputs and output gradient are held, or None (gradients materialised)."""
+        return None if self._call is None or self._call.released else self._call.module
+
+    @property
+    def inputs(self) -> list[Any]:
+        """The layer call's recorded inputs (empty where ``module`` is None)."""
+        return [] if self.module is None or self._call is None else self._call.activations
+
+    def output_grad(self) -> Tensor:
+        """The per-example gradient of the layer's output (scaled; a new tensor); only where ``module`` is set."""
+        if self.module is None or self._call is None or self._call.backprops is None:
+            raise ValueError("this entry holds materialised per-example gradients, not a layer call")
+        return self._call.backprops * self._scale
+
+    def samples(self) -> dict[nn.Parameter, Tensor]:
+        """Per-example gradients [B, *shape] of this entry's parameters (materialised now for a layer call)."""
+        if self._call is None:
+            assert self._materialized is not None
+            return self._materialized
+        return self._call.samples(self._scale)
+
+
+class PerExampleGradients(Sequence[Tensor]):
+    """The per-example gradients of one batch, one entry per parameter, materialised only on demand.
+
+    Layers with a fast formula keep only (inputs, output gradients): their per-example norms and the
+    clipped sum are computed from those directly (``sq_norms``, ``weighted_sum``), never as a
+    [B, *param.shape] tensor. Indexing or iterating materialises every entry (Opacus's formulas), so
+    a clipping that needs the full per-example gradients still gets them.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        batch: int,
+        materialized: dict[nn.Parameter, Tensor],
+        records: list[LayerCall],
+        scale: float = 1.0,
+    ) -> None:
+        self.params, self.batch = params, batch
+        self.scale = scale
+        """Records hold the raw output gradients; per-example gradients are ``scale`` times theirs
+        (the batch size under a mean loss), applied to the few scalars that need it, not to every δ."""
+        self._materialized = materialized
+        self._records = records
+        self._full: list[Tensor] | None = None
+        self.release_on_sum = False
+        """Set by the engine when the next ``weighted_sum`` is the step's last use of the per-example
+        terms: each layer's are then freed as soon as its sum is taken, which lowers the step's peak."""
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Tensor]) -> PerExampleGradients:
+        """Wrap materialised per-example gradients [B, *shape] (tests, a clipping applied to a hand-made
+        batch); each entry is identified by a placeholder parameter of the entry's shape."""
+        if not tensors:
+            raise ValueError("from_tensors needs at least one [B, *shape] tensor")
+        params = [
+            nn.Parameter(torch.empty_strided(g.shape[1:], [0] * (g.dim() - 1), device=g.device), False)
+            for g in tensors
+        ]
+        grads = cls(params, tensors[0].shape[0], {}, [])
+        grads._full = list(tensors)
+        return grads
+
+    def layers(self) -> list[LayerGradients]:
+        """The batch per layer: one entry per fast-path layer call, one for all materialised parameters.
+
+        Parameters no layer reached are in no entry (their per-example gradients are zero).
+        """
+        if self._full is not None:
+            return [LayerGradients(None, 1.0, dict(zip(self.params, self._full, strict=True)))]
+        whole = [LayerGradients(None, 1.0, self._materialized)] if self._materialized else []
+        return whole + [LayerGradients(call, self.scale) for call in self._records]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __getitem__(self, index: int) -> Tensor:  # type: ignore[override]
+        return self.materialize()[index]
+
+    def materialize(self) -> list[Tensor]:
+        """Every parameter's [B, *shape] per-example gradients (zeros for unused parameters)."""
+        if self._full is None:
+            grads = dict(self._materialized)
+            for record in self._records:
+                add_samples(grads, record.samples(self.scale))
+            self._full = [
+                grads[p] if p in grads else torch.zeros((self.batch, *p.shape), device=p.device)
+                for p in self.params
+            ]
+        return self._full
+
+    def sq_norms(self) -> Tensor:
+        """Each example's squared gradient norm over all parameters, in fp32."""
+        device = self.params[0].device if self.params else None
+        total = torch.zeros(self.batch, dtype=torch.float32, device=device)
+        if self._full is not None:
+            sources: list[Tensor] = self._full
+        else:
+            sources = list(self._materialized.values())
+            for record in self._records:
+                for value in record.sq_norms().values():
+                    total += value
+            total *= self.scale**2
+        for g in sources:
+            total += materialized_sq_norm(g)
+        return total
+
+    def weighted_sum(self, weights: Tensor) -> list[Tensor]:
+        """Σ_i w_i g_i per parameter in fp32; examples with weight 0 contribute exactly 0 (NaN-safe)."""
+        if self._full is not None:
+            return [materialized_weighted(g, weights) for g in self._full]
+        sums = materialized_weighted_grad(self._materialized, weights)
+        weights = weights * self.scale
+        rows = _sparse_rows(weights)
+        for record in self._records:
+            layer_sums = _layer_weighted_sum(record, weights, rows)
+            if self.release_on_sum:
+                record.spend()
+            for p, value in layer_sums.items():
+                sums[p] = value if p not in sums else sums[p] + value
+        return [
+            sums[p] if p in sums else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
+            for p in self.params
+        ]
+
+
+def _layer_weighted_sum(
+    record: LayerCall, weights: Tensor, rows: Tensor | None
+) -> dict[nn.Parameter, Tensor]:
+    """Σ_i w_i g_i of one fast-path layer call (raw scale), over ``rows`` only when given."""
+    if rows is not None:  # reductions over the weighted rows only
+        record, weights = record.take(rows), weights[rows]
+    record._check_unspent()
+    if record.released:  # the cache holds every per-example gradient of the layer
+        return materialized_weighted_grad(record.cache, weights)
+    assert record.backprops is not None
+    return kernels.weighted_grad(record.module, record.activations, record.backprops, weights, record.cache)
+
+
+SPARSE_FRACTION = 0.5
+"""``weighted_sum`` reduces over the rows with a nonzero weight only when they are at most this
+fraction of the batch (DPIS rejects about 1 − 1/k of its candidates): the row gather then costs less
+than the reduction it shortens."""
+
+
+def _sparse_rows(weights: Tensor) -> Tensor | None:
+    """Indices of the nonzero weights when few enough of them are nonzero, else None."""
+    keep = weights != 0
+    kept = int(keep.sum())
+    if kept > SPARSE_FRACTION * weights.numel():
+        return None
+    return keep.nonzero().squeeze(1)
+
+
+def _take(value: Any, rows: Tensor) -> Any:
+    """Rows ``rows`` of a batch-first recorded input (non-tensor inputs pass through)."""
+    return value.index_select(0, rows.to(value.device)) if isinstance(value, Tensor) else value

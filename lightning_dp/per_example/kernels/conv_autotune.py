@@ -1,0 +1,152 @@
+"""Which convolution norm method to use for a layer and input shape: a rough cost model, then a timed
+choice among the close candidates, cached per shape."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_dp.per_example.kernels.conv_methods import (
+    CONV_METHODS,
+    CONV_NORMS,
+    MATERIALISING,
+    ConvLayer,
+    ConvMethod,
+    padded_positions,
+    saved_per_example,
+)
+
+_forced: ContextVar[ConvMethod | None] = ContextVar("forced_conv_method", default=None)
+_active: ContextVar[ConvAutotuner | None] = ContextVar("conv_autotuner", default=None)
+
+
+@contextlib.contextmanager
+def force_conv_method(method: ConvMethod | None) -> Iterator[None]:
+    """Use one convolution norm method everywhere inside the block (tests, benchmarks)."""
+    if method is not None and method not in CONV_METHODS:
+        raise ValueError(f"conv method must be one of {CONV_METHODS}, got {method!r}")
+    token = _forced.set(method)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+class ConvAutotuner:
+    """The convolution norm method per layer and input shape, chosen once and then reused.
+
+    Each :class:`~lightning_dp.per_example.GradientCapture` owns one (no state shared between models,
+    runs or tests); the kernels ask the one made current by :meth:`active`.
+    """
+
+    def __init__(self) -> None:
+        self.choices: dict[tuple[Any, ...], ConvMethod] = {}
+        """The timed choice per (layer shape, input shape without the batch, device, dtype)."""
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[ConvAutotuner]:
+        """Make this the autotuner the convolution kernels use inside the block."""
+        token = _active.set(self)
+        try:
+            yield self
+        finally:
+            _active.reset(token)
+
+    def method(self, layer: ConvLayer, x: Tensor, backprops: Tensor) -> ConvMethod:
+        """The fastest norm method for this layer and input shape within its memory budget, timed once.
+
+        The methods give the same norms (up to fp32 rounding), so the choice is a speed decision under a
+        memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold",
+        "correlate") are allowed only when those fit in what the layer's record already holds
+        (:func:`saved_per_example`), and "correlate" only when its C/G-fold copy of the output gradients
+        does too; the two Gram methods work a chunk of examples at a time and are always allowed. Of the allowed methods, those within 3× of the cheapest by the rough estimate of
+        :func:`_conv_costs` are timed; which wins depends on the hardware (unfold copies are cheap on
+        GPUs, grouped convolutions with many groups are not always), hence measured rather than
+        modelled. Cached per shape excluding the batch size, which Poisson sampling changes every step.
+        """
+        if backprops.shape[0] == 0:  # nothing to time on an empty batch
+            return "unfold"
+        key = (
+            type(layer), layer.weight.shape, layer.stride, layer.padding, layer.dilation, layer.groups,
+            tuple(x.shape[1:]), x.device.type, x.dtype,
+        )  # fmt: skip
+        choice = self.choices.get(key)
+        if choice is None:
+            costs = _conv_costs(layer, x, backprops)
+            budget = saved_per_example(x, backprops)
+            if layer.weight.numel() > budget:
+                for method in MATERIALISING:
+                    del costs[method]
+            # correlate repeats the output gradients once per input channel of a group
+            if "correlate" in costs and layer.in_channels // layer.groups * backprops[0].numel() > budget:
+                del costs["correlate"]
+            cheapest = min(costs.values())
+            runs = {
+                m: functools.partial(CONV_NORMS[m], layer, x, backprops)
+                for m, cost in costs.items()
+                if cost <= 3 * cheapest
+            }
+            choice = self.choices[key] = runs.popitem()[0] if len(runs) == 1 else _fastest(runs, x.device)
+        return choice
+
+
+COPY_COST = 40
+"""Multiply-adds one copied or gathered float costs, roughly (CPU, one thread: a ``bmm`` does about
+40 multiply-adds in the time a patch copy moves one float)."""
+STRIDED_ADD_COST = 100
+"""Same for one element of the position Gram's strided accumulation (small inner dimensions)."""
+
+
+def _conv_costs(layer: ConvLayer, x: Tensor, backprops: Tensor) -> dict[ConvMethod, int]:
+    """Rough cost per example of each norm method, in multiply-adds (copies weighted as above)."""
+    G, L, K = layer.groups, math.prod(backprops.shape[2:]), math.prod(layer.kernel_size)
+    p, o = layer.weight[0].numel(), layer.out_channels // G
+    per_example = G * L * p * o
+    patches = COPY_COST * G * L * p
+    # XᵀX over the unpadded input when zero padding is added to M afterwards
+    positions = math.prod(x.shape[2:]) if layer.padding_mode == "zeros" else padded_positions(layer, x)
+    cg = layer.in_channels // G
+    return {
+        "grouped": per_example,
+        "correlate": per_example + (COPY_COST * cg * G * L * o if cg > 1 else 0),  # repeated δ
+        "unfold": per_example + patches,
+        "gram": G * L * L * (p + o) + patches,
+        "position-gram": positions**2 * layer.in_channels + G * L * L * (STRIDED_ADD_COST * K + o),
+    }
+
+
+def conv_method(layer: ConvLayer, x: Tensor, backprops: Tensor) -> ConvMethod:
+    """The method forced by :func:`force_conv_method`, else the current autotuner's choice (a fresh one,
+    which keeps nothing, outside any :meth:`ConvAutotuner.active` block)."""
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    return (_active.get() or ConvAutotuner()).method(layer, x, backprops)
+
+
+def _fastest(
+    runs: Mapping[ConvMethod, Callable[[], Any]], device: torch.device, rounds: int = 3
+) -> ConvMethod:
+    """The run with the best wall-clock time: each warmed up once, then timed in interleaved rounds
+    (so a slow moment of the machine does not decide the choice for the whole training)."""
+    best = dict.fromkeys(runs, math.inf)
+    for fn in runs.values():
+        fn()
+    for _ in range(rounds):
+        for method, fn in runs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[method] = min(best[method], time.perf_counter() - start)
+    return min(best, key=best.__getitem__)

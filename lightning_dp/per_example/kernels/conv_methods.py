@@ -1,0 +1,293 @@
+"""The convolution norm methods: Gram, position Gram, unfold, batch-grouped and correlate, chunked to a
+memory budget. All give the same norms up to fp32 rounding; :mod:`.conv_autotune` picks one."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn import grad as nn_grad
+
+from lightning_dp.per_example.kernels.certified import (
+    certified_sq_norms,
+    gram_certified,
+    gram_sq_norm,
+    rounding_gamma,
+)
+
+ConvLayer = nn.Conv1d | nn.Conv2d
+
+
+def _conv_padded_input(layer: ConvLayer, x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Input in ``dtype`` (fp32) padded exactly as the layer pads it (zeros, reflect, ..., 'same' possibly
+    asymmetric)."""
+    x = x.to(dtype)
+    pad = list(layer._reversed_padding_repeated_twice)
+    if not any(pad):
+        return x
+    return F.pad(x, pad, mode="constant" if layer.padding_mode == "zeros" else layer.padding_mode)
+
+
+def _channel_last(layer: ConvLayer, x: Tensor) -> Tensor:
+    """The fp32 input [B, *spatial, C], contiguous, padded exactly as the layer pads it."""
+    pad = list(layer._reversed_padding_repeated_twice)
+    if any(pad) and layer.padding_mode == "zeros":  # one copy: pad the channel-last view directly
+        return F.pad(x.float().movedim(1, -1), [0, 0, *pad]).contiguous()
+    return _conv_padded_input(layer, x).movedim(1, -1).contiguous()
+
+
+def _conv_patches(layer: ConvLayer, x: Tensor) -> Tensor:
+    """Unfolded input patches [B, G, L, prod(kernel)·C_in/G] in fp32, columns in (kernel, channel) order.
+
+    Gathered from strided ``Tensor.unfold`` views of the channel-last input with one copy: each
+    kernel row is then a contiguous run of k·C floats, 2–3× faster than ``F.unfold``'s (channel,
+    kernel) order on CPU. Dilation is a window of span (k-1)·d+1 sampled every d.
+    """
+    n, G = len(layer.kernel_size), layer.groups
+    x = _channel_last(layer, x)
+    for i, (k, s, d) in enumerate(zip(layer.kernel_size, layer.stride, layer.dilation)):
+        x = x.unfold(1 + i, (k - 1) * d + 1, s)  # [B, *out, C, *window]
+    if any(d > 1 for d in layer.dilation):
+        every_d: tuple[Any, ...] = (Ellipsis, *(slice(None, None, d) for d in layer.dilation))
+        x = x[every_d]
+    B, out, C = x.shape[0], x.shape[1 : 1 + n], x.shape[1 + n]
+    # [B, *out, G, C/G, *kernel] -> [B, G, *out, *kernel, C/G] -> [B, G, L, prod(kernel)·C/G]
+    x = x.unflatten(1 + n, (G, C // G))
+    x = x.permute(0, 1 + n, *range(1, 1 + n), *range(3 + n, 3 + 2 * n), 2 + n)
+    return x.reshape(B, G, math.prod(out), math.prod(layer.kernel_size) * (C // G))
+
+
+def _conv_inputs(layer: ConvLayer, x: Tensor, backprops: Tensor) -> tuple[Tensor, Tensor]:
+    """Patches [B, G, L, p/G] (see :func:`_conv_patches`) and backprops [B, G, L, o/G] per group, fp32."""
+    B, G, L = backprops.shape[0], layer.groups, math.prod(backprops.shape[2:])
+    d = backprops.float().reshape(B, G, layer.out_channels // G, L)
+    return _conv_patches(layer, x), d.transpose(2, 3)
+
+
+ConvMethod = Literal["gram", "position-gram", "unfold", "grouped", "correlate"]
+CONV_METHODS: tuple[ConvMethod, ...] = ("gram", "position-gram", "unfold", "grouped", "correlate")
+
+
+def conv_weight_grad(
+    layer: ConvLayer,
+    x: Tensor,
+    grad_output: Tensor,
+    groups: int,
+    shape: Any,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """The layer's weight-gradient convolution on its input in ``dtype`` (fp32; zero padding done by the
+    convolution itself, other padding modes and 'same' padded here first)."""
+    conv_weight = nn_grad.conv1d_weight if isinstance(layer, nn.Conv1d) else nn_grad.conv2d_weight
+    padding: Any = layer.padding
+    if layer.padding_mode == "zeros" and not isinstance(padding, str):
+        x = x.to(dtype)
+    else:
+        x, padding = _conv_padded_input(layer, x, dtype), 0
+    return conv_weight(
+        x, shape, grad_output, stride=layer.stride, padding=padding, dilation=layer.dilation, groups=groups
+    )
+
+
+def conv_samples_grouped(
+    layer: ConvLayer, x: Tensor, backprops: Tensor, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Per-example weight gradients [B, *weight.shape] in ``dtype`` (fp32; fp64 for the guard's exact
+    recompute) from ONE weight-gradient convolution with the batch folded into the channels (B·groups
+    groups): no unfolded patches, no per-example bmm."""
+    B = backprops.shape[0]
+    if B == 0:
+        return backprops.new_zeros((0, *layer.weight.shape), dtype=dtype)
+    xb = x.reshape(1, B * x.shape[1], *x.shape[2:])
+    db = backprops.to(dtype).reshape(1, B * backprops.shape[1], *backprops.shape[2:])
+    shape = (B * layer.out_channels, *layer.weight.shape[1:])
+    return conv_weight_grad(layer, xb, db, B * layer.groups, shape, dtype).view(B, *layer.weight.shape)
+
+
+def _conv_exact_sq_norms(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Exact squared weight-gradient norms (fp64) of a few examples: the guard's recompute."""
+    return conv_samples_grouped(layer, x, backprops, torch.float64).flatten(1).square().sum(1)
+
+
+def conv_sum_err(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Rounding bound of per-example weight gradients summed over the L output positions in fp32:
+    γ_L Σ_t ‖a_t‖‖δ_t‖ ≤ γ_L √K ‖x_padded‖‖δ‖ (Cauchy–Schwarz; an input position lies in at most K =
+    prod(kernel) patches), from two norms per example instead of the patches."""
+    xp = x.float() if layer.padding_mode == "zeros" else _conv_padded_input(layer, x)
+    K = math.prod(layer.kernel_size)
+    L = math.prod(backprops.shape[2:])
+    return (
+        rounding_gamma(L)
+        * math.sqrt(K)
+        * xp.flatten(1).norm(dim=1)
+        * backprops.float().flatten(1).norm(dim=1)
+    )
+
+
+def _conv_samples_correlate(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example weight gradients [B, *weight.shape] from ONE forward convolution: each example's
+    padded input channel correlated with that example's output gradients as the kernel.
+
+    g[b, o, c, k] = Σ_t δ[b, o, t] · x[b, c, stride·t + dilation·k], a correlation over x whose kernel
+    δ is dilated by the layer's stride and which steps by the layer's dilation; one group per (example,
+    input channel). oneDNN runs this forward convolution 2× faster than the batch-grouped
+    weight-gradient one for a first layer on grey images (CNN conv1: 2.5 vs 5.9 ms). With C/G > 1
+    input channels per group the output gradients are repeated C/G times, so it pays for few channels.
+    """
+    B, G = backprops.shape[0], layer.groups
+    if B == 0:
+        return backprops.new_zeros((0, *layer.weight.shape), dtype=torch.float32)
+    C, K = layer.in_channels, layer.kernel_size
+    cg, og, out = C // G, layer.out_channels // G, backprops.shape[2:]
+    xp = _conv_padded_input(layer, x)
+    kernels = (
+        backprops.float().reshape(B, G, 1, og, *out).expand(B, G, cg, og, *out).reshape(B * C * og, 1, *out)
+    )
+    conv = F.conv1d if isinstance(layer, nn.Conv1d) else F.conv2d
+    full = conv(
+        xp.reshape(1, B * C, *xp.shape[2:]),
+        kernels,
+        stride=layer.dilation,
+        dilation=layer.stride,
+        groups=B * C,
+    )
+    first_k: tuple[Any, ...] = (0, slice(None), *(slice(0, k) for k in K))
+    g = full[first_k]  # [B·C·og, *kernel] in (example, group, input channel, output channel) order
+    return g.reshape(B, G, cg, og, *K).transpose(2, 3).reshape(B, *layer.weight.shape)
+
+
+def _conv_samples_unfold(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example weight gradients [B, *weight.shape] as bmms of unfolded patches and backprops.
+
+    Written into one channel-last buffer [B, O, *kernel, C/G] and returned as a permuted view of it:
+    the norm and the weighted sum read it in that order, so it is never copied into the weight's layout.
+    The patches are unfolded a chunk of examples at a time (see :func:`_chunks`).
+    """
+    B, G, n = backprops.shape[0], layer.groups, len(layer.kernel_size)
+    o, c = layer.out_channels, layer.in_channels // G
+    out = backprops.new_empty((B, o, *layer.kernel_size, c), dtype=torch.float32)
+    for rows in _chunks(layer, x, backprops):
+        a, d = _conv_inputs(layer, x[rows], backprops[rows])
+        b = a.shape[0] * G
+        torch.bmm(
+            d.reshape(b, *d.shape[2:]).transpose(1, 2),
+            a.reshape(b, *a.shape[2:]),
+            out=out[rows].view(b, o // G, -1),
+        )
+    return out.permute(0, 1, 2 + n, *range(2, 2 + n))
+
+
+def _conv_gram(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example squared weight-gradient norms by the Gram trick over output positions, per group."""
+    terms = backprops.new_zeros((3, backprops.shape[0]), dtype=torch.float32)  # value, bound, spread
+    for rows in _chunks(layer, x, backprops, gram=True):
+        a, d = _conv_inputs(layer, x[rows], backprops[rows])
+        b, G = a.shape[0], a.shape[1]
+        found = gram_sq_norm(a.reshape(b * G, *a.shape[2:]), d.reshape(b * G, *d.shape[2:]))
+        terms[:, rows] = _sum_groups(found, b, G)
+    return _conv_certified(layer, x, backprops, terms)
+
+
+def _conv_position_gram(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Per-example squared weight-gradient norms by the Gram trick, without unfolding any patch.
+
+    Two patches overlap kernel offset by kernel offset: a_t·a_s = Σ_k M[P_t + k·dil, P_s + k·dil], with
+    M = XᵀX the channel-contracted Gram matrix of the padded input positions and P_t the corner of
+    output t. So the [L, L] patch Gram is a sum of prod(kernel) strided views of M. It costs
+    (H·W)²·C/G per group instead of L²·C·k²/G plus the patch copy: far cheaper on small, deep inputs
+    (ResNet's last stage, ScatterNet features), far dearer on large ones (the timer decides).
+    """
+    G = layer.groups
+    zero_padded = layer.padding_mode == "zeros"
+    out = backprops.shape[2:]
+    L = math.prod(out)
+    terms = backprops.new_zeros((3, backprops.shape[0]), dtype=torch.float32)  # value, bound, spread
+    offsets = list(itertools.product(*(range(k) for k in layer.kernel_size)))
+    for rows in _chunks(layer, x, backprops, gram=True, positions=True):
+        xs = x[rows].float() if zero_padded else _conv_padded_input(layer, x[rows])
+        b, spatial = xs.shape[0], xs.shape[2:]
+        X = xs.reshape(b * G, xs.shape[1] // G, math.prod(spatial))
+        M = torch.bmm(X.transpose(1, 2), X).view(b * G, *spatial, *spatial)
+        if zero_padded and any(layer._reversed_padding_repeated_twice):
+            M = F.pad(M, list(layer._reversed_padding_repeated_twice) * 2)  # zero rows/columns
+        aa = M.new_zeros((b * G, *out, *out))
+        for offset in offsets:
+            window = tuple(
+                slice(k * d, k * d + s * (o - 1) + 1, s)
+                for k, d, s, o in zip(offset, layer.dilation, layer.stride, out, strict=True)
+            )
+            aa += M[(slice(None), *window, *window)]
+        d = backprops[rows].float().reshape(b * G, layer.out_channels // G, L)
+        dd = torch.bmm(d.transpose(1, 2), d)
+        # each entry of aa is a dot product of length C/G·K: C/G for M, K windows added
+        found = gram_certified(aa.view(b * G, L, L), dd, X.shape[1] + len(offsets), d.shape[1])
+        terms[:, rows] = _sum_groups(found, b, G)
+    return _conv_certified(layer, x, backprops, terms)
+
+
+def _sum_groups(found: tuple[Tensor, Tensor, Tensor], b: int, G: int) -> Tensor:
+    """(value, bound, spread) per example [3, b] from those per (example, group); the bound covers the
+    sum over the groups too."""
+    value, bound, spread = (t.view(b, G) for t in found)
+    total = value.sum(1)
+    return torch.stack([total, bound.sum(1) + rounding_gamma(G) * value.abs().sum(1), spread.sum(1)])
+
+
+def _conv_certified(layer: ConvLayer, x: Tensor, backprops: Tensor, terms: Tensor) -> Tensor:
+    """The Gram methods' norms through the guard (exact recompute by a fp64 weight-gradient convolution;
+    the clipped sum's convolution adds at most B·L terms per entry)."""
+    B, L = backprops.shape[0], math.prod(backprops.shape[2:])
+    return certified_sq_norms(
+        terms[0], terms[1], lambda i: _conv_exact_sq_norms(layer, x[i], backprops[i]), terms[2], B * L
+    )
+
+
+def saved_per_example(x: Tensor, backprops: Tensor) -> int:
+    """Floats per example the layer's record holds (its input and output gradient): the memory budget
+    of its norm method. Per-example gradients within it are kept instead of the record (released in
+    the backward hook, see ``gradients.LayerCall``), so the clipping pass's peak stays near a plain step's."""
+    return max(1, (x.numel() + backprops.numel()) // max(1, backprops.shape[0]))
+
+
+CHUNK_FLOATS = 1 << 20
+"""Most floats of temporaries per chunk of examples (4 MiB): bigger chunks fall out of the CPU caches
+and ran 2× slower on ScatterNet's first convolution at 3,072 candidates."""
+
+
+def _chunks(
+    layer: ConvLayer, x: Tensor, backprops: Tensor, gram: bool = False, positions: bool = False
+) -> Iterator[slice]:
+    """Slices of the batch whose temporaries fit in the layer's budget and in :data:`CHUNK_FLOATS`
+    (at least one example per slice): unfolded patches, or with ``positions`` the (padded)
+    input-position Gram matrix; plus the two [L, L] Gram matrices with ``gram``."""
+    B, L, G = backprops.shape[0], math.prod(backprops.shape[2:]), layer.groups
+    if positions:
+        temporary = G * padded_positions(layer, x) ** 2
+    else:
+        temporary = L * G * layer.weight[0].numel()
+    temporary += 2 * G * L * L if gram else 0
+    step = max(1, min(saved_per_example(x, backprops) * B, CHUNK_FLOATS) // temporary)
+    for start in range(0, B, step):
+        yield slice(start, min(B, start + step))
+
+
+def padded_positions(layer: ConvLayer, x: Tensor) -> int:
+    """Number of input positions after the layer's padding."""
+    pad = layer._reversed_padding_repeated_twice
+    return math.prod(size + pad[2 * i] + pad[2 * i + 1] for i, size in enumerate(reversed(x.shape[2:])))
+
+
+MATERIALISING: tuple[ConvMethod, ...] = ("unfold", "grouped", "correlate")
+"""Methods returning per-example gradients [B, *weight.shape] (kept for the sum); the others return norms."""
+CONV_NORMS: dict[ConvMethod, Callable[[ConvLayer, Tensor, Tensor], Tensor]] = {
+    "gram": _conv_gram,
+    "position-gram": _conv_position_gram,
+    "unfold": _conv_samples_unfold,
+    "grouped": conv_samples_grouped,
+    "correlate": _conv_samples_correlate,
+}
