@@ -143,6 +143,7 @@ def train_engine(run: Run, X: Tensor, Y: Tensor, epochs: int) -> tuple[nn.Module
 def train_trainer(run: Run, X: Tensor, Y: Tensor, epochs: int) -> tuple[nn.Module, float]:
     """The full Lightning path: Trainer(strategy=DPStrategy(...)) on an ImageClassifier."""
     import lightning as L
+    from _harness import trainer_kwargs
     from torch.utils.data import DataLoader, TensorDataset
 
     from recipes.classifier import ImageClassifier
@@ -150,10 +151,7 @@ def train_trainer(run: Run, X: Tensor, Y: Tensor, epochs: int) -> tuple[nn.Modul
     module = ImageClassifier(arch="logreg", in_features=784, lr=run.lr)
     module.net = model_for(run.seed)
     strategy = make_strategy(run)
-    trainer = L.Trainer(
-        strategy=strategy, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-    )  # fmt: skip
+    trainer = L.Trainer(**trainer_kwargs(strategy=strategy, max_epochs=epochs))
     trainer.fit(module, DataLoader(TensorDataset(X, Y), batch_size=BATCH, shuffle=True))
     return module.net, strategy.epsilon
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
+from _harness import trainer_kwargs
 from lightning.pytorch import Trainer
 
 from lightning_dp import AdaCliP, ConstantNoise, DPStrategy
@@ -46,15 +47,7 @@ def one(mechanism: str, canary: str, epsilon: float, broken: bool, m: int, steps
     if broken:
         extra["noise"] = SilentNoise()
     trainer = Trainer(
-        strategy=DPStrategy(target_epsilon=epsilon, seed=seed, **extra),
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **trainer_kwargs(strategy=DPStrategy(target_epsilon=epsilon, seed=seed, **extra), max_steps=steps)
     )
     torch.manual_seed(seed)
     model = ImageClassifier(arch="logreg", in_features=64, lr=8.0 if canary == "input" else 2.0)

@@ -50,6 +50,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from _harness import cpu_name, trainer_kwargs
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -253,19 +254,15 @@ def run_worker(args: argparse.Namespace) -> int:
     loader = DataLoader(data, batch_size=loader_batch, shuffle=True, drop_last=True)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
-            accelerator=args.accelerator,
-            devices=procs,
-            strategy=strategy,
-            max_steps=args.steps,
-            max_epochs=1,
-            callbacks=[*callbacks, timer],  # the privacy callback first: its ε logging is inside the step
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=root,
+            **trainer_kwargs(
+                accelerator=args.accelerator,
+                devices=procs,
+                strategy=strategy,
+                max_steps=args.steps,
+                max_epochs=1,
+                callbacks=[*callbacks, timer],  # the privacy callback first: its ε logging is inside the step
+                default_root_dir=root,
+            )
         )
         trainer.fit(module, train_dataloaders=loader)
     return 0
@@ -375,14 +372,6 @@ def print_table(spec: ModelSpec, rows: list[tuple[Config, dict[str, Any]]], args
         )
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
-    except OSError:
-        return "?"
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
@@ -438,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         f"ddp_scaling: torch {torch.__version__}, lightning {L.__version__}, lightning-dp "
         f"{lightning_dp.__version__}; {args.accelerator}"
         + (f" ({gpus} × {torch.cuda.get_device_name(0)})" if gpus else "")
-        + f", CPU {_cpu_name()}, {cores} cores available, 1 torch thread per process"
+        + f", CPU {cpu_name()}, {cores} cores available, 1 torch thread per process"
     )
     print(
         f"{args.repeats} fit(s) per configuration, alternating order; {args.steps} steps per fit, the "

@@ -24,6 +24,7 @@ import warnings
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
+from _harness import trainer_kwargs
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_dp import DPIS, DPStrategy, Poisson, PrivacyCallback
@@ -46,16 +47,11 @@ def run_one(
     )
     epochs = epochs_for(epsilon, args)
     trainer = Trainer(
-        accelerator="cpu",
-        max_epochs=epochs,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[PrivacyCallback(report=False)],
+        **trainer_kwargs(
+            max_epochs=epochs,
+            strategy=strategy,
+            callbacks=[PrivacyCallback(report=False)],
+        )
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)

@@ -29,6 +29,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
+from _harness import trainer_kwargs
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_dp import DPStrategy, HeavyBall
@@ -62,16 +63,11 @@ def run(
     strategy = DPStrategy(target_epsilon=epsilon, delta=1e-5, max_grad_norm=args.clip, step=step, seed=seed)
     log_dir = tempfile.TemporaryDirectory()  # the privacy report is written there, not into the cwd
     trainer = Trainer(
-        default_root_dir=log_dir.name,
-        strategy=strategy,
-        accelerator="cpu",
-        max_epochs=args.epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        **trainer_kwargs(
+            default_root_dir=log_dir.name,
+            strategy=strategy,
+            max_epochs=args.epochs,
+        )
     )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)

@@ -25,6 +25,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
+from _harness import trainer_kwargs
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from lightning_dp import DPStrategy, LineSearch
@@ -95,17 +96,12 @@ def run(method: str, seed: int, args: argparse.Namespace, data: MNISTDataModule)
     test_y = torch.tensor([int(data.test_set[i][1]) for i in range(len(data.test_set))])  # type: ignore[arg-type]
     probe = Probe((test_x, test_y), args.eval_every, args.target)
     trainer = Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_steps=args.max_steps,
-        max_epochs=-1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[probe],
+        **trainer_kwargs(
+            strategy=strategy,
+            max_steps=args.max_steps,
+            max_epochs=-1,
+            callbacks=[probe],
+        )
     )
     trainer.fit(model, datamodule=data)
     times = probe.step_times[5:] or probe.step_times  # skip warm-up

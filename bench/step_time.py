@@ -48,8 +48,6 @@ import functools
 import gc
 import json
 import logging
-import math
-import platform
 import statistics
 import tempfile
 import time
@@ -63,6 +61,7 @@ import lightning as L
 import opacus
 import torch
 import torch.nn.functional as F
+from _harness import cpu_name, quantile, trainer_kwargs
 from opacus import PrivacyEngine
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -608,13 +607,6 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f}"
 
 
-def _quantile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def _memory_cells(nbytes: int | None, plain: int | None) -> tuple[str, str]:
     """(MB, ratio to plain) as printed; n/a where not measured."""
     if nbytes is None:
@@ -643,7 +635,7 @@ def print_model_table(
             print(f"{v.name:<{w}}  n/a ({v.error or 'no timed rounds'})")
             continue
         med = statistics.median(v.times)
-        iqr = f"{_ms(_quantile(v.times, 0.25))}-{_ms(_quantile(v.times, 0.75))}"
+        iqr = f"{_ms(quantile(v.times, 0.25))}-{_ms(quantile(v.times, 0.75))}"
         ratio = f"{med / plain_median:.2f}" if plain_median else "n/a"
         peak, mem = _memory_cells(v.peak_bytes, plain_peak)
         rss, rss_ratio = _memory_cells(v.rss_bytes, plain_rss)
@@ -675,8 +667,8 @@ def variant_record(spec: ModelSpec, v: Variant, plain_median: float | None) -> d
     rec.update(
         rounds=v.rounds,
         median_ms=med * 1e3,
-        p25_ms=_quantile(v.times, 0.25) * 1e3,
-        p75_ms=_quantile(v.times, 0.75) * 1e3,
+        p25_ms=quantile(v.times, 0.25) * 1e3,
+        p75_ms=quantile(v.times, 0.75) * 1e3,
         ratio_to_plain=med / plain_median if plain_median else None,
         peak_mb=v.peak_bytes / 2**20 if v.peak_bytes is not None else None,
         rss_peak_mb=v.rss_bytes / 2**20 if v.rss_bytes is not None else None,
@@ -779,19 +771,15 @@ def _fit_once(
     loader = DataLoader(data, batch_size=batch_of(spec, args), shuffle=True, drop_last=True)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
-            accelerator=device.type,
-            devices=1,
-            strategy=strategy,
-            max_steps=args.trainer_steps,
-            max_epochs=1,
-            callbacks=[*callbacks, timer],  # the privacy callback first: its logging is inside the step
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            default_root_dir=root,
+            **trainer_kwargs(
+                accelerator=device.type,
+                devices=1,
+                strategy=strategy,
+                max_steps=args.trainer_steps,
+                max_epochs=1,
+                callbacks=[*callbacks, timer],  # the privacy callback first: its logging is inside the step
+                default_root_dir=root,
+            )
         )
         t0 = time.perf_counter()
         trainer.fit(module, train_dataloaders=loader)
@@ -896,12 +884,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", message=".*treespec.*")
     device = torch.device(args.device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
         f"step_time: torch {torch.__version__}, opacus {opacus.__version__}, lightning {L.__version__}, "

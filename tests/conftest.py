@@ -7,10 +7,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import logging
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -124,33 +121,6 @@ def tiny() -> TinyModule:
 def _run_in_tmp(tmp_path, monkeypatch):
     """Every test runs in its own folder, so reports and logs never land in the repository."""
     monkeypatch.chdir(tmp_path)
-
-
-def finish_distributed() -> None:
-    """End of a DDP worker script: destroy the process group while the interpreter is alive.
-
-    Otherwise Gloo's worker threads can abort the exit with SIGABRT ("terminate called without an
-    active exception") after the run itself succeeded (pytorch/pytorch#190489).
-    """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-def run_worker(script: str, out: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run ``tests/<script> OUT ARGS...`` in a fresh interpreter (one thread, the repository on the
-    path) and require it to succeed; multi-process workers launch their other ranks themselves."""
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here.parent))
-    run = subprocess.run(
-        [sys.executable, str(here / script), str(out), *args],
-        cwd=out,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-5000:]
-    return run
 
 
 @pytest.fixture

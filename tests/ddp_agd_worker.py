@@ -6,26 +6,16 @@ Each rank writes ``OUT/agd.rank<r>.json``: its final weights, the ledger and the
 from __future__ import annotations
 
 import json
-import os
-import sys
-import warnings
-from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-warnings.filterwarnings("ignore")
+import _worker
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-from conftest import finish_distributed  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from lightning_dp import AdaptiveGD, DPDDPStrategy
+from recipes.linear import LinearClassifier
 
-from lightning_dp import AdaptiveGD, DPDDPStrategy  # noqa: E402
-from recipes.linear import LinearClassifier  # noqa: E402
-
-torch.set_num_threads(1)
-OUT = Path(sys.argv[1])
+OUT, _ = _worker.start()
 
 g = torch.Generator().manual_seed(0)
 x = torch.rand(400, 6, generator=g)
@@ -57,4 +47,4 @@ record = {
 }
 (OUT / f"agd.rank{strategy.global_rank}.json").write_text(json.dumps(record))
 
-finish_distributed()
+_worker.finish_distributed()

@@ -7,25 +7,16 @@ single-process run; each rank writes its final weights and search statistics to 
 from __future__ import annotations
 
 import json
-import os
-import sys
-import warnings
-from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-warnings.filterwarnings("ignore")
+import _worker
+import torch
+from conftest import TinyModule
+from lightning.pytorch import Trainer
 
-import torch  # noqa: E402
-from conftest import TinyModule, finish_distributed  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
+from lightning_dp import DPDDPStrategy, DPStrategy, LineSearch
 
-from lightning_dp import DPDDPStrategy, DPStrategy, LineSearch  # noqa: E402
-
-torch.set_num_threads(1)
-OUT = Path(sys.argv[1])
-DEVICES = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+OUT, ARGS = _worker.start()
+DEVICES = int(ARGS[0]) if ARGS else 2
 
 
 class LossModule(TinyModule):
@@ -61,4 +52,4 @@ torch.save(module.state_dict(), OUT / f"weights.{DEVICES}.rank{rank}.pt")
     json.dumps({"steps": strategy.engine.steps, **step.metrics()})
 )
 
-finish_distributed()
+_worker.finish_distributed()

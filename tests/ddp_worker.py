@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
-import warnings
-from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-warnings.filterwarnings("ignore")
+import _worker
+import torch
+from conftest import TinyModule
+from lightning.pytorch import Callback, Trainer
 
-import torch  # noqa: E402
-from conftest import TinyModule, finish_distributed  # noqa: E402
-from lightning.pytorch import Callback, Trainer  # noqa: E402
+from lightning_dp import DPDDPStrategy
 
-from lightning_dp import DPDDPStrategy  # noqa: E402
-
-torch.set_num_threads(1)
-OUT = Path(sys.argv[1])
+OUT, _ = _worker.start()
 
 
 def trainer(strategy: DPDDPStrategy, **kwargs) -> Trainer:
@@ -194,4 +185,4 @@ except DPConfigurationError as err:
     refusal = str(err)
 dump("unequal", t.strategy, refusal=refusal)
 
-finish_distributed()
+_worker.finish_distributed()

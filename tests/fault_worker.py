@@ -14,28 +14,20 @@ import io
 import json
 import os
 import signal
-import sys
 import time
 import types
-import warnings
-from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-warnings.filterwarnings("ignore")
+import _worker
+import torch
+from conftest import TinyModule
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-import torch  # noqa: E402
-from conftest import TinyModule, finish_distributed  # noqa: E402
-from lightning.pytorch import Callback, Trainer  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+import lightning_dp.checkpointing
+from lightning_dp import DPDDPStrategy, DPStrategy
 
-import lightning_dp.checkpointing  # noqa: E402
-from lightning_dp import DPDDPStrategy, DPStrategy  # noqa: E402
-
-torch.set_num_threads(1)
-OUT = Path(sys.argv[1])
-MODE = sys.argv[2]
+OUT, ARGS = _worker.start()
+MODE = ARGS[0]
 SIGMA, MAX_STEPS = 1.0, 16
 
 
@@ -111,13 +103,13 @@ def trainer(strategy, every: int, devices: int, **kwargs) -> Trainer:
 
 
 if MODE == "write":
-    hang_in_write(int(sys.argv[3]))
+    hang_in_write(int(ARGS[1]))
     trainer(DPStrategy(noise_multiplier=SIGMA, seed=0), every=3, devices=1).fit(
         TinyModule(n=128, batch_size=16)
     )
 elif MODE == "ddp_kill":
     module = KillMidStep(n=128, batch_size=16)
-    module.kill_step = int(sys.argv[3])
+    module.kill_step = int(ARGS[1])
     trainer(DPDDPStrategy(noise_multiplier=SIGMA, seed=0), every=2, devices=2).fit(module)
 elif MODE == "ddp_resume":
     from lightning_dp.checkpointing import latest_valid_checkpoint
@@ -125,4 +117,4 @@ elif MODE == "ddp_resume":
     path = latest_valid_checkpoint(OUT / "ckpt")
     t = trainer(DPDDPStrategy(noise_multiplier=SIGMA, seed=0), every=2, devices=2, callbacks=[Record()])
     t.fit(TinyModule(n=128, batch_size=16), ckpt_path=path)
-    finish_distributed()
+    _worker.finish_distributed()

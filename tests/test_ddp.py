@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer, run_worker
+from _worker import run_worker, worker_env
+from conftest import TinyModule, make_trainer
 
 from lightning_dp import DPStrategy
 from lightning_dp.accounting import compute_epsilon
@@ -72,9 +72,8 @@ def test_tiny_sample_rate_keeps_ranks_in_lock_step(ddp_results):
 @pytest.mark.slow
 def test_cli_on_two_processes_matches_single_process_epsilon(tmp_path):
     """The issue's acceptance run: the digits config on 2 CPU processes, same q, steps and ε."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     config = str(HERE.parent / "configs" / "digits_dpsgd.yaml")
-    common = ["--config", config, "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "3"]
+    common = ["--config", config, "--trainer.enable_progress_bar", "false", "--trainer.max_epochs", "1"]
 
     def run(*extra: str) -> dict:
         out = tmp_path / str(len(extra))
@@ -89,7 +88,7 @@ def test_cli_on_two_processes_matches_single_process_epsilon(tmp_path):
             str(out),
             *extra,
         ]
-        done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=600)
+        done = subprocess.run(cmd, cwd=out, env=worker_env(), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
         return json.loads(next(out.rglob("privacy_report.json")).read_text())
 

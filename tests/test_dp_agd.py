@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from conftest import run_worker
+from _worker import run_worker
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import AdaptiveGD, DPConfigurationError, DPStrategy

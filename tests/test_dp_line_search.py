@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TinyModule, make_trainer, run_worker
+from _worker import run_worker
+from conftest import TinyModule, make_trainer
 from opacus.accountants.analysis.rdp import compute_rdp
 
 from lightning_dp import DPConfigurationError, DPStrategy

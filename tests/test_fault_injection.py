@@ -15,12 +15,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _worker import launch, worker_env
 from conftest import TinyModule, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -34,8 +34,6 @@ from lightning_dp.checkpointing import (
     latest_valid_checkpoint,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).resolve().parent / "fault_worker.py"
 SIGMA, MAX_STEPS, N, BATCH = 1.0, 16, 128, 16  # as in fault_worker.py
 # The kill points are random; a failure names the seed, and LDP_FAULT_SEED=<seed> replays it.
 SEED = int(os.environ.get("LDP_FAULT_SEED", random.randrange(1 << 30)))
@@ -46,10 +44,6 @@ def exact_epsilon(steps: int) -> float:
     ledger = PrivacyLedger(delta=1e-5)
     ledger.record(PoissonGaussian(noise_multiplier=SIGMA, sample_rate=BATCH / N), count=steps)
     return float(ledger.epsilon())
-
-
-def env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
 def saved_state(path: str) -> dict:
@@ -99,13 +93,7 @@ def test_checkpoint_problem_names_truncation_and_bad_crc(tmp_path):
 def killed_mid_write(tmp_path_factory):
     out = tmp_path_factory.mktemp("fault_write")
     hang_at = random.Random(SEED).randint(2, 4)  # which checkpoint write is interrupted
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), str(out), "write", str(hang_at)],
-        env=env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = launch("fault_worker.py", out, "write", str(hang_at))
     deadline = time.monotonic() + 300
     while not (out / "writing").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -236,15 +224,14 @@ def test_full_disk_while_writing_the_report_says_so_and_leaves_no_temp_file(tmp_
 
 
 # -- SIGKILL of one DDP rank mid-step, resume under 2-process DDP ------------------------------------------
-def launch_ddp(*args: str) -> list[subprocess.CompletedProcess]:
+def launch_ddp(out: Path, *args: str) -> list[subprocess.CompletedProcess]:
     """Both ranks at once (Lightning sees LOCAL_RANK and does not spawn), so their imports overlap."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
     for rank in (0, 1):
-        rank_env = dict(
-            env(),
+        rank_env = worker_env(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             WORLD_SIZE="2",
@@ -252,23 +239,15 @@ def launch_ddp(*args: str) -> list[subprocess.CompletedProcess]:
             LOCAL_RANK=str(rank),
             GLOBAL_RANK=str(rank),
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), *args],
-                env=rank_env,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        procs.append(launch("fault_worker.py", out, *args, env=rank_env))
     outs = []
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=300)
+            text, _ = proc.communicate(timeout=300)
         except subprocess.TimeoutExpired:  # a rank left waiting for its dead peer
             proc.kill()
-            out, _ = proc.communicate()
-        outs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
+            text, _ = proc.communicate()
+        outs.append(subprocess.CompletedProcess(proc.args, proc.returncode, text))
     return outs
 
 
@@ -276,11 +255,11 @@ def launch_ddp(*args: str) -> list[subprocess.CompletedProcess]:
 def ddp_resumed(tmp_path_factory):
     out = tmp_path_factory.mktemp("fault_ddp")
     kill_step = random.Random(SEED + 1).randint(5, 11)
-    killed = launch_ddp(str(out), "ddp_kill", str(kill_step))
+    killed = launch_ddp(out, "ddp_kill", str(kill_step))
     assert killed[1].returncode == -signal.SIGKILL, killed[1].stdout[-3000:]
     assert killed[0].returncode != 0, "rank 0 finished although rank 1 died"
     before = sorted(os.listdir(out / "ckpt"))
-    resumed = launch_ddp(str(out), "ddp_resume")
+    resumed = launch_ddp(out, "ddp_resume")
     for rank in resumed:
         assert rank.returncode == 0, f"seed {SEED}:\n{rank.stdout[-4000:]}"
     records = [json.loads((out / f"resume.rank{r}.json").read_text()) for r in (0, 1)]

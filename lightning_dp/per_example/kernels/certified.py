@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache
+from lightning_dp.per_example.kernels.registry import Cache
 from lightning_dp.per_example.materialized import materialized_sq_norm, materialized_weighted
 
 

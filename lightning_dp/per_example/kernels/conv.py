@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     bias_sum,
     certified_cached,
@@ -24,6 +23,7 @@ from lightning_dp.per_example.kernels.conv_methods import (
     conv_sum_err,
     conv_weight_grad,
 )
+from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
 
 
 @register_fast_clipper(nn.Conv1d, nn.Conv2d)

@@ -23,7 +23,7 @@ from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
 from lightning_dp.per_example import kernels as fast_kernels
-from lightning_dp.per_example.kernels import Cache, FastClipper
+from lightning_dp.per_example.kernels.registry import Cache, FastClipper
 from lightning_dp.per_example.materialized import materialized_sq_norm, materialized_weighted_grad
 
 Samples = dict[nn.Parameter, Tensor]

@@ -7,7 +7,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     certified_sq_norms,
     fold_weights,
@@ -16,6 +15,7 @@ from lightning_dp.per_example.kernels.certified import (
     sum_bound,
     weight_bias,
 )
+from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
 
 
 def embedding_use_gram(T: int, embedding_dim: int) -> bool:

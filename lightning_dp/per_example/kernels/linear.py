@@ -7,7 +7,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     bias_sum,
     cache_samples,
@@ -21,6 +20,7 @@ from lightning_dp.per_example.kernels.certified import (
     reuse_cached,
     weight_bias,
 )
+from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.materialized import materialized_sq_norm
 
 

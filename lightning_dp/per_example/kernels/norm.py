@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dp.per_example.kernels import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.kernels.certified import (
     cache_samples,
     certified_cached,
@@ -17,6 +16,7 @@ from lightning_dp.per_example.kernels.certified import (
     reuse_cached,
     weight_bias,
 )
+from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
 from lightning_dp.per_example.materialized import materialized_weighted_grad
 
 

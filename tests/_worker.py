@@ -1,0 +1,70 @@
+"""The one preamble of the multi-process test workers (``tests/*_worker.py``) and the helpers that launch them.
+
+A worker script begins with ``from _worker import start, finish_distributed`` (its folder is on the path
+when it runs as a script) and ``OUT, ARGS = start()``; it ends with ``finish_distributed()``. Tests launch
+a worker with :func:`run_worker` (run to success) or :func:`launch` (a process to watch or kill).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, in every rank
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+if str(ROOT) not in sys.path:  # a worker runs as a script: the repository is not on its path
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def start() -> tuple[Path, list[str]]:
+    """A worker's first call: one thread, no warnings on stderr; returns (OUT, the other arguments)."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    return Path(sys.argv[1]), sys.argv[2:]
+
+
+def finish_distributed() -> None:
+    """End of a DDP worker script: destroy the process group while the interpreter is alive.
+
+    Otherwise Gloo's worker threads can abort the exit with SIGABRT ("terminate called without an
+    active exception") after the run itself succeeded (pytorch/pytorch#190489).
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The environment of a worker: one thread, the repository on the path, plus ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+
+
+def launch(script: str, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start ``tests/<script> OUT ARGS...`` in a fresh interpreter, stderr merged into its stdout pipe."""
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / script), str(out), *args],
+        env=worker_env() if env is None else env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def run_worker(script: str, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/<script> OUT ARGS...`` in a fresh interpreter (in OUT) and require it to succeed;
+    multi-process workers launch their other ranks themselves."""
+    run = subprocess.run(
+        [sys.executable, str(TESTS / script), str(out), *args],
+        cwd=out,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-5000:]
+    return run

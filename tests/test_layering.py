@@ -1,0 +1,249 @@
+"""The package's layering (issue #19): no import cycles, no upward imports, no slot folder importing another.
+
+Every module of ``lightning_dp/`` is parsed with ``ast`` (nothing is imported), and every import of a
+``lightning_dp`` module counts: top-level, inside a function, or under ``TYPE_CHECKING`` (a lazy import
+hides a dependency, it does not remove it). ``FLOORS`` places each file by its path, bottom to top; the
+old and the new location of a file that is being moved both have their place, so the test holds
+before and after the move. ``ALLOWED_*`` name today's violations, one by one: remove an entry when the
+import it names is gone (a stale entry fails too, so the list only shrinks).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_dp"
+
+# Bottom to top. A key ending in "/" holds a whole folder; the longest matching key places a file.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "base",
+        (
+            "errors.py",
+            "validation.py",
+            "_validate.py",
+            "rng.py",
+            "batches.py",
+            "batching.py",
+            "batch_info.py",
+            "losses.py",
+        ),
+    ),
+    ("accounting", ("accounting/",)),
+    # per-example gradients: the new folder and the files that move into it
+    (
+        "per_example",
+        (
+            "per_example/",
+            "fast_clipping.py",
+            "grad_sample.py",
+            "vmap_grads.py",
+            "recurrent.py",
+            "ecosystem.py",
+        ),
+    ),
+    ("slots", ("slots.py", "release.py", "compatibility.py", "prepare.py")),
+    # the four slot folders (one floor; none imports another, see SLOT_FOLDERS); probes.py is now
+    # steps/loss_queries.py and dp_line_search.py is steps/line_search/
+    ("slot folders", ("sampling/", "clipping/", "noise/", "steps/", "probes.py")),
+    ("engine", ("engine.py",)),
+    # the strategy: the new folder and the files that move into it, the callback and what runs at fit
+    (
+        "strategies",
+        (
+            "strategies/",
+            "strategy.py",
+            "ddp.py",
+            "optim.py",
+            "checkpointing.py",
+            "callbacks.py",
+            "sensitivity.py",
+            "run_length.py",
+        ),
+    ),
+    ("top", ("report.py", "audit.py", "tuning/", "tuning.py", "cli.py", "__init__.py")),
+]
+SLOT_FOLDERS = ("sampling/", "clipping/", "noise/", "steps/")
+
+# Today's upward and slot-to-slot imports, as (importer, imported), paths under lightning_dp/: known debt of
+# the restructuring (architecture review, section 4). Remove an entry when its import is gone.
+ALLOWED_UPWARD: set[tuple[str, str]] = {
+    ("callbacks.py", "report.py"),  # PrivacyCallback writes the report (report.py may belong lower)
+    ("prepare.py", "strategy.py"),  # a lazy DPStrategyMixin import
+    ("steps/line_search/__init__.py", "strategy.py"),  # EmptyBatch: moves to batches.py
+    ("steps/loss_queries.py", "strategy.py"),  # EmptyBatch: moves to batches.py
+}
+# Today's cycles on one floor, each named by one import that closes it (all lazy or TYPE_CHECKING imports;
+# an allowed upward import above closes others). Remove an entry when its import is gone.
+ALLOWED_CYCLE_EDGES: set[tuple[str, str]] = {
+    ("report.py", "__init__.py"),  # lightning_dp.__version__, lazily
+    ("tuning/planning.py", "__init__.py"),  # lightning_dp.register(), lazily
+    ("tuning/reporting.py", "__init__.py"),  # lightning_dp.__version__, lazily
+    ("tuning/planning.py", "cli.py"),  # DPLightningCLI, lazily; cli imports tuning lazily too
+    ("callbacks.py", "strategy.py"),  # DPStrategyMixin, lazily (the review: a HasPrivacyEngine Protocol)
+    ("sensitivity.py", "strategy.py"),  # DPStrategyMixin under TYPE_CHECKING
+    ("slots.py", "release.py"),  # Releases under TYPE_CHECKING
+}
+
+
+def _module_files() -> dict[str, str]:
+    """Dotted module name (``lightning_dp.x.y``) -> path relative to the package (``x/y.py``)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        parts = ["lightning_dp", *Path(rel).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = rel
+    return out
+
+
+def _imports(module: str, rel: str, modules: dict[str, str]) -> Iterator[str]:
+    """The ``lightning_dp`` modules that ``module`` imports: ``from pkg import sub`` names the
+    submodule, ``from pkg import Name`` the package's ``__init__``."""
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    package = module if rel.endswith("__init__.py") else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse((PACKAGE / rel).read_text(), filename=rel)):
+        if isinstance(node, ast.Import):
+            targets = [known(alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            sub = [f"{source}.{alias.name}" for alias in node.names]
+            targets = [name if name in modules else known(source) for name in sub]
+        else:
+            continue
+        yield from (t for t in targets if t is not None and t != module)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """File -> the files it imports, both relative to ``lightning_dp/``."""
+    modules = _module_files()
+    return {rel: {modules[t] for t in _imports(m, rel, modules)} for m, rel in modules.items()}
+
+
+def floor_of(rel: str) -> tuple[int, str]:
+    """(index, key) of the longest FLOORS key that places ``rel``; an unplaced file is an error."""
+    best: tuple[int, int, str] | None = None
+    for index, (_, keys) in enumerate(FLOORS):
+        for key in keys:
+            if (rel == key or (key.endswith("/") and rel.startswith(key))) and (
+                best is None or len(key) > best[1]
+            ):
+                best = (index, len(key), key)
+    assert best is not None, f"{rel} has no floor: add it (or its folder) to FLOORS in tests/test_layering.py"
+    return best[0], best[2]
+
+
+def layering_violations(graph: dict[str, set[str]]) -> dict[tuple[str, str], str]:
+    """Each upward or slot-to-slot import, with its message."""
+    found = {}
+    for importer, imported in sorted((a, b) for a, targets in graph.items() for b in targets):
+        (low, low_key), (high, high_key) = floor_of(importer), floor_of(imported)
+        if high > low:
+            found[importer, imported] = (
+                f"{importer} imports {imported} (floor {FLOORS[high][0]} above floor {FLOORS[low][0]})"
+            )
+        elif low_key != high_key and {low_key, high_key} <= set(SLOT_FOLDERS):
+            found[importer, imported] = (
+                f"{importer} imports {imported} (slot folder {high_key} beside {low_key})"
+            )
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """The strongly connected components with more than one file (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[tuple[str, ...]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(tuple(sorted(component)))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(components)
+
+
+def test_no_upward_imports() -> None:
+    found = layering_violations(import_graph())
+    new = [message for edge, message in found.items() if edge not in ALLOWED_UPWARD]
+    stale = sorted(ALLOWED_UPWARD - found.keys())
+    assert not new, "upward imports (move the code down, or pass what it needs in):\n" + "\n".join(new)
+    assert not stale, f"ALLOWED_UPWARD names imports that are gone, remove them: {stale}"
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:
+    seen, todo = {start}, [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            if nxt == goal:
+                return True
+            seen.add(nxt)
+            todo.append(nxt)
+    return start == goal
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    allowed = ALLOWED_UPWARD | ALLOWED_CYCLE_EDGES
+    rest = {a: {b for b in targets if (a, b) not in allowed} for a, targets in graph.items()}
+    new = [
+        " <-> ".join(component)
+        + "\n    "
+        + "\n    ".join(f"{a} imports {b}" for a in component for b in sorted(rest[a] & set(component)))
+        for component in import_cycles(rest)
+    ]
+    stale = sorted(
+        (a, b) for a, b in ALLOWED_CYCLE_EDGES if b not in graph.get(a, ()) or not _reaches(graph, b, a)
+    )
+    assert not new, "import cycles (break one import of each):\n" + "\n".join(new)
+    assert not stale, f"ALLOWED_CYCLE_EDGES names imports that no longer close a cycle, remove them: {stale}"
+
+
+def test_the_checks_see_a_cycle_an_upward_import_and_a_slot_import() -> None:
+    graph = {
+        "errors.py": {"engine.py"},
+        "engine.py": {"slots.py"},
+        "slots.py": {"errors.py"},
+        "clipping/flat.py": {"noise/constant.py"},
+        "noise/constant.py": set(),
+    }
+    assert import_cycles(graph) == [("engine.py", "errors.py", "slots.py")]
+    assert layering_violations(graph) == {
+        ("errors.py", "engine.py"): "errors.py imports engine.py (floor engine above floor base)",
+        ("clipping/flat.py", "noise/constant.py"): (
+            "clipping/flat.py imports noise/constant.py (slot folder noise/ beside clipping/)"
+        ),
+    }
