@@ -126,3 +126,15 @@ def test_noise_dividing_says_when_early_steps_drown():
         noise.calibrate(3.0, 1e-5, sampler, 150, "rdp")
     assert noise.sigmas is not None
     assert max(noise.sigmas) / min(noise.sigmas) > 3
+
+
+def test_line_search_says_when_its_gradients_get_much_more_noise_than_dp_sgds():
+    """On the digits MLP at ε = 1 its filter and searches leave the gradients ~1.4× DP-SGD's σ (13 points
+    of accuracy in bench/mechanisms.py): the run says so and names the fix; at ε = 8 the gap is small."""
+    from mechanism_runs import run
+
+    said = run("digits", "LineSearch()", 0, 1.0, 2).said
+    assert any("LineSearch's gradients get noise" in s for s in said), said
+    assert not any(
+        "LineSearch's gradients get noise" in s for s in run("digits", "LineSearch()", 0, 8.0, 2).said
+    )
