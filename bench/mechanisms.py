@@ -46,7 +46,9 @@ def main() -> None:
                 std = statistics.stdev(accs) if len(accs) > 1 else 0.0
                 eps = max(r.epsilon for r in results)
                 said = "; ".join(sorted({s for r in results for s in r.said})) or "—"
-                print(f"| {name} | {statistics.mean(accs):.3f} ± {std:.3f} | {eps:.3f} | {said} |", flush=True)
+                print(
+                    f"| {name} | {statistics.mean(accs):.3f} ± {std:.3f} | {eps:.3f} | {said} |", flush=True
+                )
 
 
 if __name__ == "__main__":
