@@ -6,6 +6,7 @@ privacy ledger that never lets ε pass its target.
 """
 
 from lightning_dp.audit import AuditResult, audit
+from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.ddp import DPDDPStrategy
@@ -17,7 +18,7 @@ from lightning_dp.sampling import DPIS, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.line_search import LineSearch
-from lightning_dp.strategy import DPStrategy, EmptyBatch
+from lightning_dp.strategy import DPStrategy
 from lightning_dp.tuning import tune
 
 __version__ = "0.1.0"

@@ -157,8 +157,9 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
 
     def setup(self, trainer: Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
-            self.engine.rank, self.engine.world_size = self.global_rank, self.world_size
-            self.engine.all_reduce = all_reduce_sum if self.world_size > 1 else None
+            self.engine.connect(
+                self.global_rank, self.world_size, all_reduce_sum if self.world_size > 1 else None
+            )
         super().setup(trainer)
 
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:

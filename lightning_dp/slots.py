@@ -100,7 +100,7 @@ class Sampler(_Stateful, ABC):
     """True for samplers that set σ themselves (``step_noise_multiplier``); the strategy then skips
     the noise slot's calibration."""
     carries_batch_info: bool = False
-    """True when the batch sampler yields :class:`~lightning_dp.batch_info.IndicesWithInfo`: the info
+    """True when the batch sampler yields :class:`~lightning_dp.batches.IndicesWithInfo`: the info
     travels with the batch through DataLoader prefetching and is handed back via ``begin_step``."""
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:

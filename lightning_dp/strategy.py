@@ -32,8 +32,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp import validation
 from lightning_dp.accounting import BudgetExceededError
-from lightning_dp.batch_info import BatchWithInfo, InfoDataset
-from lightning_dp.batching import batch_length, split_batch
+from lightning_dp.batches import BatchWithInfo, EmptyBatch, InfoDataset, batch_length, split_batch
 from lightning_dp.checkpointing import (
     atomic_save,
     check_privacy_state,
@@ -55,13 +54,6 @@ from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
 CHECKPOINT_KEY = "lightning_dp"
-
-
-class EmptyBatch:
-    """What the train loader yields for an empty Poisson batch; the strategy turns it into noise."""
-
-    def __repr__(self) -> str:
-        return "EmptyBatch()"
 
 
 class _CollateWithEmpty:

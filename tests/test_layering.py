@@ -23,31 +23,19 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
         (
             "errors.py",
             "validation.py",
-            "_validate.py",
             "rng.py",
             "batches.py",
-            "batching.py",
-            "batch_info.py",
             "losses.py",
         ),
     ),
     ("accounting", ("accounting/",)),
-    # per-example gradients: the new folder and the files that move into it
     (
         "per_example",
-        (
-            "per_example/",
-            "fast_clipping.py",
-            "grad_sample.py",
-            "vmap_grads.py",
-            "recurrent.py",
-            "ecosystem.py",
-        ),
+        ("per_example/",),
     ),
     ("slots", ("slots.py", "release.py", "compatibility.py", "prepare.py")),
-    # the four slot folders (one floor; none imports another, see SLOT_FOLDERS); probes.py is now
-    # steps/loss_queries.py and dp_line_search.py is steps/line_search/
-    ("slot folders", ("sampling/", "clipping/", "noise/", "steps/", "probes.py")),
+    # the four slot folders (one floor; none imports another, see SLOT_FOLDERS)
+    ("slot folders", ("sampling/", "clipping/", "noise/", "steps/")),
     ("engine", ("engine.py",)),
     # the strategy: the new folder and the files that move into it, the callback and what runs at fit
     (
@@ -63,7 +51,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "run_length.py",
         ),
     ),
-    ("top", ("report.py", "audit.py", "tuning/", "tuning.py", "cli.py", "__init__.py")),
+    ("top", ("report.py", "audit.py", "tuning/", "cli.py", "__init__.py")),
 ]
 SLOT_FOLDERS = ("sampling/", "clipping/", "noise/", "steps/")
 
@@ -72,8 +60,6 @@ SLOT_FOLDERS = ("sampling/", "clipping/", "noise/", "steps/")
 ALLOWED_UPWARD: set[tuple[str, str]] = {
     ("callbacks.py", "report.py"),  # PrivacyCallback writes the report (report.py may belong lower)
     ("prepare.py", "strategy.py"),  # a lazy DPStrategyMixin import
-    ("steps/line_search/__init__.py", "strategy.py"),  # EmptyBatch: moves to batches.py
-    ("steps/loss_queries.py", "strategy.py"),  # EmptyBatch: moves to batches.py
 }
 # Today's cycles on one floor, each named by one import that closes it (all lazy or TYPE_CHECKING imports;
 # an allowed upward import above closes others). Remove an entry when its import is gone.

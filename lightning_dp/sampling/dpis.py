@@ -24,7 +24,7 @@ from torch import Tensor
 from lightning_dp import validation
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent
 from lightning_dp.accounting.rdp import epsilon_from_rdp, segment_rdp
-from lightning_dp.batch_info import IndicesWithInfo
+from lightning_dp.batches import IndicesWithInfo
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases

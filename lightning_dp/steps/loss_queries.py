@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.batching import batch_length, split_batch
+from lightning_dp.batches import EmptyBatch, batch_length, split_batch
 from lightning_dp.errors import DPConfigurationError
 
 __all__ = ["PROBE_METHOD", "LossProbe", "require_loss_probe"]
@@ -216,6 +216,5 @@ _MISSING = object()
 
 
 def _is_empty(batch: Any) -> bool:
-    from lightning_dp.strategy import EmptyBatch
 
     return isinstance(batch, EmptyBatch) or batch_length(batch) == 0

@@ -30,6 +30,7 @@ from lightning_dp import validation
 from lightning_dp.accounting import PrivacyEvent, PrivacyFilter, calibrate_noise
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
+from lightning_dp.batches import EmptyBatch
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
@@ -414,7 +415,6 @@ class LineSearch(Step):
         host = self.host
         if host.train_data is None:
             raise DPConfigurationError("LineSearch draws extra batches: train through DPStrategy.")
-        from lightning_dp.strategy import EmptyBatch
 
         dataset, collate = host.train_data
         rank, world = host.releases.rank, host.releases.world_size
@@ -529,7 +529,6 @@ class LineSearch(Step):
         if isinstance(event, LineSearchJoint) or not host.releases.can_afford(event, reserve=True):
             return None
         batch = self._fresh_batch()
-        from lightning_dp.strategy import EmptyBatch
 
         for p in host.params:
             p.grad = None
