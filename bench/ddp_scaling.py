@@ -56,9 +56,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dp
-from lightning_dp import PrivacyCallback
-from lightning_dp.ddp import DPDDPStrategy
-from lightning_dp.strategy import DPStrategy
+from lightning_dp import DPDDPStrategy, DPStrategy, PrivacyCallback
 from recipes.models import mlp, tramer_boneh_cnn
 
 SIGMA = 1.0

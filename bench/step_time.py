@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_dp
-from lightning_dp import PrivacyCallback
+from lightning_dp import DPStrategy, PrivacyCallback
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.engine import PrivateStepEngine
@@ -75,7 +75,6 @@ from lightning_dp.noise import ConstantNoise
 from lightning_dp.per_example import GradMode
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Step, StepContext
-from lightning_dp.strategy import DPStrategy
 from recipes.models import mlp, tramer_boneh_cnn
 
 SIGMA = 1.0

@@ -9,7 +9,6 @@ from lightning_dp.audit import AuditResult, audit
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
-from lightning_dp.ddp import DPDDPStrategy
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
 from lightning_dp.noise import ConstantNoise, NoiseDividing
@@ -18,24 +17,9 @@ from lightning_dp.sampling import DPIS, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.line_search import LineSearch
-from lightning_dp.strategy import DPStrategy
+from lightning_dp.strategies import DPDDPStrategy, DPStrategy, PrivacyConfig, register
 from lightning_dp.tuning import tune
-
-__version__ = "0.1.0"
-
-
-def register() -> None:
-    """Make ``strategy="dp"`` and ``strategy="dp_ddp"`` work in ``Trainer`` and LightningCLI YAML.
-
-    Runs on ``import lightning_dp``. Lightning 2.6 has no entry-point group for strategies, so a script
-    that never imports lightning_dp must name the class instead (``lightning_dp.DPStrategy``).
-    """
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    for cls in (DPStrategy, DPDDPStrategy):
-        if cls.strategy_name not in StrategyRegistry:
-            cls.register_strategies(StrategyRegistry)
-
+from lightning_dp.version import __version__
 
 register()
 
@@ -61,6 +45,7 @@ __all__ = [
     "NoiseDividing",
     "Poisson",
     "PrivacyCallback",
+    "PrivacyConfig",
     "Sampler",
     "Step",
     "StepContext",

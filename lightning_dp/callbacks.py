@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any
+from typing import Any, Protocol, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.prepare import trains_privately
 from lightning_dp.report import privacy_report, write_report
 from lightning_dp.run_length import warn_if_budget_left, warn_on_minibatch_adaptive_step
 from lightning_dp.validation import flag, number
@@ -16,17 +18,22 @@ from lightning_dp.validation import flag, number
 log = logging.getLogger(__name__)
 
 
-def dp_strategy_of(trainer: Trainer) -> Any:
-    """The trainer's DP strategy, or a clear error when the Trainer does not train privately."""
-    from lightning_dp.strategy import DPStrategyMixin
+class HasPrivacyEngine(Protocol):
+    """What the callback, the report and the audit read from a DP strategy: its engine."""
 
+    @property
+    def engine(self) -> PrivateStepEngine: ...
+
+
+def dp_strategy_of(trainer: Trainer) -> HasPrivacyEngine:
+    """The trainer's DP strategy, or a clear error when the Trainer does not train privately."""
     strategy = trainer.strategy
-    if not isinstance(strategy, DPStrategyMixin):
+    if not trains_privately(strategy) or not isinstance(getattr(strategy, "engine", None), PrivateStepEngine):
         raise TypeError(
             f"PrivacyCallback needs a DP strategy (Trainer(strategy=DPStrategy(...)) or strategy='dp'), "
             f"got {type(strategy).__name__}."
         )
-    return strategy
+    return cast(HasPrivacyEngine, strategy)
 
 
 def _loggers_write_now(trainer: Trainer) -> bool:
@@ -102,11 +109,7 @@ class PrivacyCallback(Callback):
             "dp/sample_rate": float(engine.sampler.sample_rate),
             "dp/steps": float(engine.steps),
         }
-        step_metrics = getattr(
-            engine.step_slot, "metrics", None
-        )  # released values only, e.g. the line search's η
-        if callable(step_metrics):
-            out.update(step_metrics())
+        out.update(engine.step_slot.metrics())  # released values only, e.g. the line search's η
         return out
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -63,6 +63,7 @@ class PrivateStepEngine:
         loss_reduction: str,
         seed: int | None,
         grad_sample_mode: GradMode = "auto",
+        max_physical_batch_size: int | None = None,
     ) -> None:
         self.grad_sample_mode: GradMode = grad_sample_mode
         check_mechanisms(sampler, clipping, noise, accountant)
@@ -100,7 +101,8 @@ class PrivateStepEngine:
         """The current logical batch, set by the strategy before each training step (for loss probes)."""
         self.train_data: tuple[Any, Any] | None = None
         """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
-        self.max_physical_batch_size: int | None = None
+        self.max_physical_batch_size = max_physical_batch_size
+        """Virtual batching: at most this many examples per forward (None: the whole logical batch)."""
         self.realised_batch: int | None = None
         """Examples the sampler drew for the current sampled batch (``begin_batch``); None: unchecked."""
         self._chunk_batch: int | None = None

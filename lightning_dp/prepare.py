@@ -23,6 +23,12 @@ from lightning_dp.errors import DPConfigurationError
 OnBatchNorm = Literal["raise", "replace"]
 
 
+def trains_privately(strategy: object) -> bool:
+    """Whether a Trainer's strategy is one of lightning-dp's (``DPStrategyBase.trains_privately``); asked
+    by code below the strategies (module hooks, the callback), which must not import them."""
+    return getattr(strategy, "trains_privately", False) is True
+
+
 def batchnorm_layers(module: nn.Module) -> list[str]:
     """Names of every BatchNorm layer, including ``affine=False`` ones that Opacus's validator misses."""
     return [name for name, m in module.named_modules() if isinstance(m, _BatchNorm)]
@@ -104,10 +110,8 @@ class BufferWatch:
         ]
 
     def _watching(self, layer: nn.Module) -> bool:
-        from lightning_dp.strategy import DPStrategyMixin
-
         trainer = getattr(self.root, "_trainer", None)
-        if trainer is not None and not isinstance(trainer.strategy, DPStrategyMixin):
+        if trainer is not None and not trains_privately(trainer.strategy):
             self.remove()  # the module went on to a non-private fit: nothing to protect
             return False
         return layer.training and torch.is_grad_enabled()

@@ -8,6 +8,7 @@ from typing import IO, Any
 
 from lightning_dp.accounting import PrivacyFilter
 from lightning_dp.checkpointing import atomic_write
+from lightning_dp.version import __version__
 
 REPORT_NAME = "privacy_report.json"
 CURVE_NAME = "privacy_curve.png"
@@ -17,8 +18,6 @@ def privacy_report(
     strategy: Any, stopped_on_budget: bool = False, test_metrics: dict[str, float] | None = None
 ) -> dict[str, Any]:
     """Everything a reader needs to check the claim, as plain JSON-able values."""
-    from lightning_dp import __version__
-
     engine = strategy.engine
     epsilon, order = engine.ledger.epsilon_and_order()
     sigma = engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else None

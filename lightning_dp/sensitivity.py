@@ -24,7 +24,7 @@ import random
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -37,7 +37,26 @@ from lightning_dp.errors import DPConfigurationError
 if TYPE_CHECKING:
     from lightning_dp.engine import PrivateStepEngine
     from lightning_dp.per_example import PerExampleGradients
-    from lightning_dp.strategy import DPStrategyMixin
+
+
+class SensitivityHost(Protocol):
+    """What the check reads from the strategy (both DP strategies have it)."""
+
+    check_sensitivity: bool
+    max_physical_batch_size: int | None
+
+    @property
+    def engine(self) -> PrivateStepEngine: ...
+    @property
+    def lightning_module(self) -> LightningModule | None: ...
+    @property
+    def root_device(self) -> torch.device: ...
+    @property
+    def precision_plugin(self) -> Any: ...
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any: ...
+
 
 CHECK_EXAMPLES = 4
 """Examples in the check's larger batch (the smaller one leaves the last out): two trials of two passes
@@ -115,7 +134,7 @@ def relative_tolerance(precision: str, device: torch.device) -> float:
     return max(RELATIVE_FLOOR, 16 * eps)
 
 
-def skip_reason(strategy: DPStrategyMixin) -> str | None:
+def skip_reason(strategy: SensitivityHost) -> str | None:
     """Why the check cannot or need not run for this fit (None: it runs)."""
     module = strategy.lightning_module
     if not strategy.check_sensitivity:
@@ -134,7 +153,7 @@ def skip_reason(strategy: DPStrategyMixin) -> str | None:
     return None
 
 
-def check_sensitivity(strategy: DPStrategyMixin) -> SensitivityResult | None:
+def check_sensitivity(strategy: SensitivityHost) -> SensitivityResult | None:
     """Run the check for ``strategy``'s fit, refuse the run if it fails, or say why it is skipped."""
     reason = skip_reason(strategy)
     if reason is not None:
@@ -219,7 +238,7 @@ def check_sensitivity(strategy: DPStrategyMixin) -> SensitivityResult | None:
 
 
 def _seeded_loss(
-    strategy: DPStrategyMixin, module: LightningModule, rng: GlobalRNG, batch: Any
+    strategy: SensitivityHost, module: LightningModule, rng: GlobalRNG, batch: Any
 ) -> Tensor | None:
     """``training_step``'s loss from the first trial seed: two calls on same-shaped batches draw the same."""
     rng.reseed(TRIAL_SEEDS[0])

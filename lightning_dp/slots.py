@@ -46,8 +46,8 @@ class StepContext:
     """Scratch space of a clipping slot within one step (read by nothing else)."""
 
 
-class _Stateful:
-    """Slots that carry state across steps return it here so checkpoints resume exactly."""
+class Slot:
+    """What the four slots share: a name, a mechanism kind, a seed, and state that checkpoints resume exactly."""
 
     mechanism: str = "gaussian"
     """The kind of release this slot is built for: "gaussian" (default) or "laplace" (pure ε-DP);
@@ -92,7 +92,7 @@ class SamplerRuntime:
     ``Releases.noisy_statistic`` instead; kept for samplers that need a plain collective."""
 
 
-class Sampler(_Stateful, ABC):
+class Sampler(Slot, ABC):
     """Which examples form each batch, and with what probability (drives the sample rate q)."""
 
     sample_rate: float = 0.0
@@ -102,6 +102,9 @@ class Sampler(_Stateful, ABC):
     carries_batch_info: bool = False
     """True when the batch sampler yields :class:`~lightning_dp.batches.IndicesWithInfo`: the info
     travels with the batch through DataLoader prefetching and is handed back via ``begin_step``."""
+    restored_shape: tuple[int | None, float | None] = (None, None)
+    """(N, q) read from a checkpoint by ``load_state_dict``: a resume on other data or another batch
+    size is refused (None: the sampler keeps no such record)."""
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
         """Called by the strategy before every epoch's loader is built; default: nothing to keep."""
@@ -164,7 +167,7 @@ def sums_once(clip_and_sum: ClipAndSum) -> ClipAndSum:
     return clip_and_sum
 
 
-class Clipping(_Stateful, ABC):
+class Clipping(Slot, ABC):
     """How each per-example gradient is bounded before the noisy sum is released."""
 
     @property
@@ -208,7 +211,7 @@ NOISE_SLICE = 1 << 16
 """Largest number of Gaussians drawn at once by :meth:`Noise.add_noise` (256 KiB of fp32)."""
 
 
-class Noise(_Stateful, ABC):
+class Noise(Slot, ABC):
     """How much noise each step adds: a noise multiplier per step, and the draw itself."""
 
     @abstractmethod
@@ -317,7 +320,7 @@ class StepHost(Protocol):
     def clear_gradients(self) -> None: ...
 
 
-class Step(_Stateful):
+class Step(Slot):
     """How the private gradient (already in ``p.grad``) moves the weights; default: the user's optimizer."""
 
     needs_sums: bool = False
@@ -371,6 +374,6 @@ class Step(_Stateful):
         return {}
 
 
-def iter_slots(*slots: _Stateful) -> Iterator[tuple[str, _Stateful]]:
+def iter_slots(*slots: Slot) -> Iterator[tuple[str, Slot]]:
     """(slot name, object) pairs in the fixed order the checkpoint uses."""
     yield from zip(("sampler", "clipping", "noise", "step"), slots, strict=True)

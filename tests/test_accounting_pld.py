@@ -7,6 +7,7 @@ import dp_accounting
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
 
+from lightning_dp import PrivacyConfig
 from lightning_dp.accounting import (
     BudgetExceededError,
     PLDNumericalError,
@@ -18,7 +19,6 @@ from lightning_dp.accounting import (
     compute_epsilon,
 )
 from lightning_dp.compatibility import check_mechanisms
-from lightning_dp.strategy import _validate_privacy_arguments
 
 DELTA = 1e-5
 HISTORY = [((2.0, 0.01), 150), ((4.0, 0.02), 60), ((2.0, 0.01), 40)]  # σ ≥ 2: cheap PLD grids
@@ -87,7 +87,7 @@ def test_missing_dp_accounting_is_named_with_the_fix(monkeypatch):
 
 
 def test_strategy_and_engine_accept_pld():
-    _validate_privacy_arguments(3.0, DELTA, 1.0, None, "pld", "mean")
+    assert PrivacyConfig(target_epsilon=3.0, delta=DELTA, accountant="pld").accountant == "pld"
     from lightning_dp.clipping.flat import FlatClipping
     from lightning_dp.noise.constant import ConstantNoise
     from lightning_dp.sampling import Poisson

@@ -498,6 +498,7 @@ def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
         AdaCliP,
         AdaptiveGD,
         ConstantNoise,
+        DPDDPStrategy,
         FixedSize,
         HeavyBall,
         LineSearch,
@@ -505,7 +506,6 @@ def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
         NoiseDividing,
         PrivacyCallback,
     )
-    from lightning_dp.ddp import DPDDPStrategy
     from lightning_dp.steps.dp_accelerated import MultiStageNesterov
 
     required: dict[type, dict] = {

@@ -162,7 +162,7 @@ def test_checkpoints_written_by_the_strategy_are_complete_at_every_save(tmp_path
         written.append(os.path.basename(path))
         atomic_save(checkpoint, path)
 
-    monkeypatch.setattr("lightning_dp.strategy.atomic_save", counting_save)
+    monkeypatch.setattr("lightning_dp.strategies.base.atomic_save", counting_save)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     strategy = DPStrategy(noise_multiplier=SIGMA, seed=0)
     trainer = make_trainer(

@@ -140,7 +140,7 @@ def test_a_refused_check_leaves_grads_and_rng_untouched(monkeypatch):
             seen["after"] = torch.get_rng_state()
             seen["grads"] = [p.grad for p in strategy.lightning_module.parameters()]
 
-    monkeypatch.setattr("lightning_dp.strategy.check_sensitivity", spy)
+    monkeypatch.setattr("lightning_dp.strategies.base.check_sensitivity", spy)
     with pytest.raises(DPConfigurationError, match=REFUSED):
         make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=1).fit(Mixup(n=64, batch_size=16))
     assert torch.equal(seen["rng"], seen["after"])

@@ -140,9 +140,9 @@ def test_empty_batches_are_noise_only_steps_user_code_never_sees():
 
 
 def test_collate_turns_empty_index_list_into_sentinel():
-    from lightning_dp.strategy import _CollateWithEmpty
+    from lightning_dp.strategies.loaders import CollateWithEmpty
 
-    collate = _CollateWithEmpty(torch.utils.data.default_collate)
+    collate = CollateWithEmpty(torch.utils.data.default_collate)
     assert isinstance(collate([]), EmptyBatch)
     assert collate([torch.ones(2)]).shape == (1, 2)
 

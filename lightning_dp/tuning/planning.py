@@ -53,10 +53,10 @@ def override_args(overrides: Mapping[str, Any]) -> list[str]:
 
 def instantiate_cli(args: Sequence[str]) -> Any:
     """A DPLightningCLI built without running (no config file written)."""
-    import lightning_dp
     from lightning_dp.cli import DPLightningCLI
+    from lightning_dp.strategies import register
 
-    lightning_dp.register()
+    register()
     with (
         warnings.catch_warnings()
     ):  # `lightning-dp tune` passes the trial's args while sys.argv holds the tuner's
@@ -74,7 +74,7 @@ def _plan_trial(cli: Any, score: Score) -> TrialPlan:
     from lightning_dp.noise import ConstantNoise
     from lightning_dp.sampling import Poisson
     from lightning_dp.slots import Step
-    from lightning_dp.strategy import DPStrategy
+    from lightning_dp.strategies import DPStrategy
 
     trainer = cli.trainer
     strategy = trainer.strategy

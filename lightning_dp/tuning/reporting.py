@@ -18,6 +18,7 @@ from lightning_dp.accounting.repeat_select import (
     max_history_rdp,
 )
 from lightning_dp.tuning.planning import TuningPlan, instantiate_cli, naive_epsilon, tuned_epsilon
+from lightning_dp.version import __version__
 
 _PUBLIC_DP_STATE = ("version", "steps", "ledger", "max_grad_norm")
 
@@ -39,8 +40,6 @@ def tuning_report(
     tuning_plan: TuningPlan, selected: dict[str, Any] | None, *, seed_given: bool
 ) -> dict[str, Any]:
     """The public report: ε of the search and how it was computed. No K, no other trial, no trial index (I2)."""
-    import lightning_dp
-
     ledger = tuning_plan.ledger()
     epsilon, order = ledger.epsilon_and_order()
     orders = ledger.orders
@@ -63,7 +62,7 @@ def tuning_report(
         if tuning_plan.spec.score.private
         else None,
         "seed_given": seed_given,
-        "lightning_dp_version": lightning_dp.__version__,
+        "lightning_dp_version": __version__,
     }
 
 

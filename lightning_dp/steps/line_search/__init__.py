@@ -18,7 +18,6 @@ one batch shared by the gradient and its searches, and the ln(1/δ) multi-order 
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Literal
 
 import numpy as np
@@ -27,13 +26,13 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from lightning_dp import validation
-from lightning_dp.accounting import PrivacyEvent, PrivacyFilter, calibrate_noise
+from lightning_dp.accounting import PrivacyEvent, PrivacyFilter
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
-from lightning_dp.slots import Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
+from lightning_dp.slots import Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
 from lightning_dp.steps.line_search.cheb import (
     angle_degrees,
@@ -42,6 +41,7 @@ from lightning_dp.steps.line_search.cheb import (
     reset_eta0,
     shrink_clips,
 )
+from lightning_dp.steps.line_search.noise import LineSearchNoise
 from lightning_dp.steps.line_search.svt import (
     SearchResult,
     SVTNoise,
@@ -55,58 +55,6 @@ from lightning_dp.validation import flag, number
 Accounting = Literal["safe", "paper"]
 Mode = Literal["nn", "adaptive"]
 BatchRule = Literal["fresh", "same"]
-
-
-class LineSearchNoise(Noise):
-    """The noise slot a :class:`LineSearch` installs: σ of the gradient is 1/√(2ρ_grad), ρ_grad its state.
-
-    ``calibrate`` runs the line search's budget planner (the per-iteration budget, not a fixed σ).
-    """
-
-    def __init__(self, owner: LineSearch) -> None:
-        self.owner = owner
-
-    @property
-    def is_set(self) -> bool:
-        return self.owner.rho_grad is not None
-
-    def noise_multiplier(self, step: int) -> float:
-        del step
-        if self.owner.rho_grad is None:
-            raise RuntimeError("The line search budget is not set: give noise_multiplier or target_epsilon.")
-        return 1.0 / math.sqrt(2.0 * self.owner.rho_grad)
-
-    def calibrate(
-        self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str
-    ) -> None:
-        del accountant
-        self.owner.size_budget(sampler.sample_rate, steps)
-        if self.owner.mode == "nn" and self.owner.rho_grad is not None:
-            _warn_if_gradients_get_much_more_noise(
-                self.noise_multiplier(0),
-                calibrate_noise(
-                    target_epsilon=target_epsilon, delta=delta, sample_rate=sampler.sample_rate, steps=steps
-                ),
-            )
-
-
-#: LineSearch's gradient σ over DP-SGD's for the same budget above which the run is warned: measured on
-#: the digits MLP (bench/mechanisms.py), 1.32 cost 1.6 points of accuracy at ε = 3, 1.44 cost 13 at ε = 1.
-NOISE_RATIO_WARNING = 1.25
-
-
-def _warn_if_gradients_get_much_more_noise(sigma: float, dp_sgd_sigma: float) -> None:
-    """Say so when the searches and the privacy filter leave the gradients much noisier than DP-SGD's."""
-    ratio = sigma / dp_sgd_sigma
-    if ratio > NOISE_RATIO_WARNING:
-        warnings.warn(
-            f"LineSearch's gradients get noise σ = {sigma:.3g}, {ratio:.2f}× the σ = {dp_sgd_sigma:.3g} DP-SGD "
-            "gets from the same budget and steps: its privacy filter prices each subsampled release more "
-            "conservatively than DP-SGD's RDP ledger, and the step-size searches take a share. Where "
-            "training is noise-limited (small ε, a CNN) that costs accuracy: compare with DP-SGD (drop "
-            "step=LineSearch()) or raise target_epsilon.",
-            stacklevel=2,
-        )
 
 
 class LineSearch(Step):

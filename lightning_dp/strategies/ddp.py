@@ -18,12 +18,15 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
-from lightning_dp.slots import Clipping, Noise, Sampler, Step, iter_slots
-from lightning_dp.strategy import DPStrategyMixin
+from lightning_dp.slots import Clipping, Noise, Sampler, Slot, Step, iter_slots
+from lightning_dp.strategies.base import DPStrategyBase
+from lightning_dp.strategies.config import PrivacyConfig
+from lightning_dp.strategies.refusals import refuse_laplace_shares
 
 
 def all_reduce_sum(tensors: list[Tensor]) -> list[Tensor]:
@@ -42,14 +45,14 @@ def all_reduce_sum(tensors: list[Tensor]) -> list[Tensor]:
 _SCALARS = (bool, int, float, str, type(None))
 
 
-def slot_settings(slot: object) -> dict[str, Any]:
+def slot_settings(slot: Slot) -> dict[str, Any]:
     """A slot's name and its public scalar settings (per-rank ones, such as its rank, left out)."""
     settings = {
         key: value
         for key, value in vars(slot).items()
         if not key.startswith("_") and "rank" not in key and isinstance(value, _SCALARS)
     }
-    return {"name": getattr(slot, "name", type(slot).__name__), **settings}
+    return {"name": slot.name, **settings}
 
 
 def find_disagreement(per_rank: list[dict[str, Any]]) -> tuple[int, str, Any, Any] | None:
@@ -84,7 +87,7 @@ def check_ranks_agree(fields: dict[str, Any], world_size: int) -> None:
     )
 
 
-class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
+class DPDDPStrategy(DPStrategyBase, DDPStrategy):
     """Differentially private DDP: ``Trainer(strategy="dp_ddp", devices=N, num_nodes=M)``.
 
     Takes the privacy arguments of :class:`~lightning_dp.DPStrategy`. The train DataLoader's
@@ -124,6 +127,7 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
+        config = PrivacyConfig.pick(locals(), owner=type(self).__name__)
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         DDPStrategy.__init__(
             self,
@@ -136,32 +140,19 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._init_dp(
-            target_epsilon=target_epsilon,
-            delta=delta,
-            max_grad_norm=max_grad_norm,
-            noise_multiplier=noise_multiplier,
-            accountant=accountant,
-            sampler=sampler,
-            clipping=clipping,
-            noise=noise,
-            step=step,
-            on_batchnorm=on_batchnorm,
-            loss_reduction=loss_reduction,
-            seed=seed,
-            max_physical_batch_size=max_physical_batch_size,
-            grad_sample_mode=grad_sample_mode,
-            check_sensitivity=check_sensitivity,
-        )
+        self._init_dp(config)
         self.per_device_batch_size = per_device_batch_size
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
+            refuse_laplace_shares(self.engine.accountant, self.world_size)
             self.engine.connect(
                 self.global_rank, self.world_size, all_reduce_sum if self.world_size > 1 else None
             )
         super().setup(trainer)
 
+    @override
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
         """Every rank must price the same run: the given fields, δ, the target, C and the slots."""
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
@@ -180,12 +171,14 @@ class DPDDPStrategy(DPStrategyMixin, DDPStrategy):
             common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})
         check_ranks_agree({**fields, **common}, self.world_size)
 
+    @override
     def configure_ddp(self) -> None:
         """No DistributedDataParallel wrapper: only start every rank from rank 0's weights."""
         assert self.model is not None
         _sync_module_states(self.model)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="DP-SGD on Lightning's DDP (lightning-dp)", override=True

@@ -1,0 +1,287 @@
+"""DPStrategyBase: the Lightning hooks of a private run, in the order Lightning calls them.
+
+Each hook is a short checklist; the work is in the modules beside this one:
+
+1. ``setup``              refuse settings that break privacy (refusals); fix the module in place; attach hooks
+2. ``setup_optimizers``   wrap the user's optimizer so the step slot moves the weights (optim)
+3. ``load_checkpoint``    restore the ledger, the slots and the RNG streams, after set-up (checkpoints)
+4. ``process_dataloader`` swap the train loader for the sampler slot's batches; calibrate σ (loaders)
+5. ``training_step``      an empty batch never reaches user code: it becomes a noise-only step (routing)
+6. ``post_backward``      clip, price in the ledger, add noise: every later hook sees private grads
+7. ``save_checkpoint``    store the privacy state next to the weights (checkpoints)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_dp.accounting import BudgetExceededError, PrivacyLedger
+from lightning_dp.batches import BatchWithInfo, EmptyBatch
+from lightning_dp.callbacks import PrivacyCallback
+from lightning_dp.checkpointing import atomic_save, is_local_path, unreadable_checkpoint
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.errors import DPConfigurationError
+from lightning_dp.prepare import OnBatchNorm, prepare_module
+from lightning_dp.sensitivity import check_sensitivity
+from lightning_dp.strategies import checkpoints, loaders, refusals, routing
+from lightning_dp.strategies.config import PrivacyConfig
+from lightning_dp.strategies.norm_pass import sampler_runtime
+from lightning_dp.strategies.optim import DPOptimizer
+
+CHECKPOINT_KEY = checkpoints.CHECKPOINT_KEY
+
+
+class DPStrategyBase(Strategy):
+    """The DP wiring shared by :class:`DPStrategy` and the distributed ``DPDDPStrategy``."""
+
+    trains_privately = True
+    """Marks a private strategy for code that must not import this one (``prepare.trains_privately``)."""
+    per_device_batch_size: bool = False
+    """False: the DataLoader's batch_size is the expected *logical* batch over all devices, so q and
+    ε do not depend on the device count. True: Lightning's per-device meaning (logical = × world size)."""
+    world_size: int
+    global_rank: int
+
+    def _init_dp(self, config: PrivacyConfig) -> None:
+        """Build the engine from the validated config (called by each concrete ``__init__``)."""
+        self.config = config
+        self.engine: PrivateStepEngine = config.build_engine()
+        self.check_sensitivity = config.check_sensitivity
+        self.max_physical_batch_size = config.max_physical_batch_size
+        self.on_batchnorm: OnBatchNorm = config.on_batchnorm
+        self.setup_notes: list[str] = []
+        self.clipping_paths = ""
+        self._sensitivity_checked = False
+        self._resumed = False
+        self._train_loader_pass: object = refusals.NO_PASS
+        self._realised_sizes: loaders.RealisedSizes | None = None
+
+    # -- conveniences for users and callbacks ---------------------------------------------------------
+    @property
+    def ledger(self) -> PrivacyLedger:
+        return self.engine.ledger
+
+    @property
+    def epsilon(self) -> float:
+        """ε spent so far (at the configured δ)."""
+        return float(self.engine.ledger.epsilon())
+
+    @property
+    def target_epsilon(self) -> float | None:
+        return self.engine.target_epsilon
+
+    @property
+    def delta(self) -> float:
+        return self.engine.delta
+
+    def planned_steps(self, trainer: Trainer, num_batches: int) -> int:
+        """Optimizer steps the Trainer will run, from max_epochs, max_steps and limit_train_batches."""
+        return loaders.planned_steps(trainer, num_batches)
+
+    # -- 1. set-up ---------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            refusals.refuse_unsafe_trainer(trainer, self.precision_plugin)
+            self._train_loader_pass = refusals.NO_PASS
+            assert self.lightning_module is not None
+            self.setup_notes = prepare_module(self.lightning_module, self.on_batchnorm)
+            for note in self.setup_notes:
+                rank_zero_info(f"lightning-dp: {note}")
+            self.engine.attach(self.lightning_module)
+            self._describe_clipping_paths()
+            refusals.warn_on_non_private_gradient_hooks(trainer, self.engine)
+            _ensure_privacy_callback(trainer)
+        super().setup(trainer)
+
+    def _describe_clipping_paths(self) -> None:
+        """One line at fit start: which per-example path each layer takes."""
+        grads = self.engine.grads
+        assert grads is not None
+        paths: dict[str, list[str]] = {}
+        for name, module in grads.layers:
+            paths.setdefault(grads.path_of(module), []).append(f"{name or '<root>'}:{type(module).__name__}")
+        described = "; ".join(f"{path} {', '.join(names)}" for path, names in sorted(paths.items()))
+        self.clipping_paths = f"per-example clipping ({grads.mode} mode): {described}"
+        rank_zero_info(f"lightning-dp: {self.clipping_paths}")
+
+    # -- 2. optimizers --------------------------------------------------------------------------------------
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            refusals.refuse_uncovered_parameters(self.optimizers, self.engine)
+            self.optimizers = [DPOptimizer(o, self.engine) for o in self.optimizers]
+
+    # -- 3. checkpoints --------------------------------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        checkpoint[CHECKPOINT_KEY] = checkpoints.gather_dp_state(self.engine, self.world_size)
+        plain_file = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None
+        if not (plain_file and is_local_path(filepath)):
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        elif self.is_global_zero:  # temp file + fsync + rename: a crash never leaves half a checkpoint
+            atomic_save(checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except Exception as err:
+            problem = unreadable_checkpoint(checkpoint_path) if is_local_path(checkpoint_path) else None
+            if problem is None:
+                raise
+            raise DPConfigurationError(problem) from err
+        if self._fitting():
+            checkpoints.restore_dp_state(
+                self.engine, checkpoint, checkpoint_path, self.world_size, self.global_rank
+            )
+            self._resumed = True
+        return checkpoint
+
+    # -- 4. data ---------------------------------------------------------------------------------------------------
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._trainer()
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        self._train_loader_pass = refusals.refuse_several_train_loaders(trainer, self._train_loader_pass)
+        loader = refusals.refuse_unsupported_loader(dataloader)
+        num_batches = self._bind_sampler(loader)
+        self._plan_noise(trainer, loader, num_batches)
+        sampler = self.engine.sampler
+        self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches))
+        return loaders.private_loader(loader, self._realised_sizes, sampler.carries_batch_info)
+
+    def _bind_sampler(self, loader: DataLoader) -> int:
+        """Fix N and the logical batch in the sampler slot (q = batch / N); the batches of an epoch."""
+        assert loader.batch_size is not None
+        num_samples = len(loader.dataset)  # type: ignore[arg-type]
+        self.engine.train_data = (loader.dataset, loaders.CollateWithEmpty(loader.collate_fn))
+        logical_batch = loader.batch_size * (self.world_size if self.per_device_batch_size else 1)
+        self._check_ranks_agree({"N (training examples)": num_samples, "logical batch": logical_batch})
+        try:
+            self.engine.sampler.bind(
+                num_samples, logical_batch, rank=self.global_rank, world_size=self.world_size
+            )
+        except ValueError as err:
+            raise DPConfigurationError(str(err)) from err
+        if self._resumed:
+            checkpoints.check_resumed_data(self.engine.sampler)
+        refusals.warn_on_large_delta(self.engine.delta, num_samples)
+        return max(1, math.ceil(num_samples / logical_batch))
+
+    def _plan_noise(self, trainer: Trainer, loader: DataLoader, num_batches: int) -> None:
+        """σ for the planned steps (or the sampler's own schedule); refuse a budget short of one step."""
+        engine, sampler = self.engine, self.engine.sampler
+        if sampler.carries_batch_info or sampler.schedules_noise:
+            sampler.attach_runtime(self._sampler_runtime(trainer, loader, num_batches))
+        if not engine.noise.is_set and not sampler.schedules_noise:
+            loaders.calibrate(engine, loaders.planned_steps(trainer, num_batches))
+        if not self._resumed:
+            refusals.refuse_unaffordable_first_step(engine)
+        self._check_ranks_agree(
+            {"q (sample rate)": sampler.sample_rate, "noise multiplier": loaders.first_sigma(engine)}
+        )
+
+    def _sampler_runtime(self, trainer: Trainer, loader: DataLoader, num_batches: int) -> Any:
+        assert self.lightning_module is not None
+        return sampler_runtime(
+            self.engine, self.lightning_module, loader, self.root_device,
+            lambda batch: self.batch_to_device(batch, self.root_device),
+            planned_steps=loaders.planned_steps(trainer, num_batches),
+            steps_per_epoch=loaders.steps_per_epoch(trainer, num_batches),
+            chunk=self.max_physical_batch_size or loader.batch_size or 256,
+        )  # fmt: skip
+
+    def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
+        """Distributed strategies refuse a run whose ranks disagree on ``fields`` (one process: nothing)."""
+        del fields
+
+    # -- 5. training step --------------------------------------------------------------------------------------------------
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if isinstance(batch, BatchWithInfo):
+            return BatchWithInfo(self.batch_to_device(batch.batch, device, dataloader_idx), batch.info)
+        if isinstance(batch, EmptyBatch):
+            return batch
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_sensitivity_once()
+        batch, args, kwargs = routing.unwrap_batch_info(self.engine, args, kwargs)
+        self.engine.batch = batch
+        module = self.lightning_module
+        assert module is not None
+        if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
+            return None  # the budget cannot pay for this batch: nothing is released, training stops
+        if isinstance(batch, EmptyBatch):
+            return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
+        if self.max_physical_batch_size is None:
+            return super().training_step(*args, **kwargs)
+        user_step, chunk = super().training_step, self.max_physical_batch_size
+        return routing.virtual_batch_step(user_step, self.engine, module, batch, chunk, *args[1:], **kwargs)
+
+    def _check_sensitivity_once(self) -> None:
+        """Once per fit, before the first release: refuse a loss or forward that mixes examples."""
+        if not self._sensitivity_checked:
+            self._sensitivity_checked = True
+            check_sensitivity(self)
+
+    # -- 6. the private step ----------------------------------------------------------------------------------------------------
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.engine.grads is None:
+            return
+        try:
+            self.engine.privatize()
+        except BudgetExceededError as err:
+            raise DPConfigurationError(refusals.budget_message(self.engine, self._trainer())) from err
+
+    @override
+    def on_train_end(self) -> None:
+        """Steps that train on a look-ahead point (Nesterov) write their final iterate into the weights."""
+        super().on_train_end()
+        for optimizer in self.optimizers:
+            original = optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
+            self.engine.step_slot.finalize(original)
+
+    # -- teardown --------------------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        self.engine.detach()
+        self.optimizers = [o.original_optimizer if isinstance(o, DPOptimizer) else o for o in self.optimizers]
+        super().teardown()
+
+    def _trainer(self) -> Trainer | None:
+        return self.lightning_module.trainer if self.lightning_module is not None else None
+
+    def _fitting(self) -> bool:
+        trainer = self._trainer()
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def _ensure_privacy_callback(trainer: Trainer) -> None:
+    """A private fit always has a PrivacyCallback: the budget stop and the report depend on it."""
+    if not any(isinstance(c, PrivacyCallback) for c in trainer.callbacks):  # type: ignore[attr-defined]
+        trainer.callbacks.append(PrivacyCallback())  # type: ignore[attr-defined]

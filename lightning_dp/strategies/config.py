@@ -1,0 +1,128 @@
+"""PrivacyConfig: the privacy arguments of both strategies, validated once and turned into the engine.
+
+``DPStrategy`` and ``DPDDPStrategy`` keep flat keyword arguments (LightningCLI and jsonargparse read a
+class's signature for YAML) and hand them here in one piece, so the checks and the defaults live in one
+place; ``tests/strategies/test_config.py`` keeps the two signatures and this class in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lightning_dp import validation
+from lightning_dp.clipping import FlatClipping
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.errors import DPConfigurationError
+from lightning_dp.noise import ConstantNoise
+from lightning_dp.per_example import GradMode
+from lightning_dp.prepare import OnBatchNorm
+from lightning_dp.sampling import Poisson
+from lightning_dp.slots import Clipping, Noise, Sampler, Step
+from lightning_dp.validation import number
+
+DEFAULT_TARGET_EPSILON = 3.0
+Accountant = Literal["rdp", "prv", "pld", "pure"]
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    """What a private run promises and how it is built: the budget, C, the accountant and the four slots.
+
+    A slot left as None is the default (Poisson sampling, flat L2 clipping, constant σ, the user's
+    optimizer); ``target_epsilon`` defaults to 3 when neither it nor a noise level is given.
+    """
+
+    target_epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None
+    accountant: Accountant = "rdp"
+    sampler: Sampler | None = None
+    clipping: Clipping | None = None
+    noise: Noise | None = None
+    step: Step | None = None
+    on_batchnorm: OnBatchNorm = "raise"
+    loss_reduction: Literal["mean", "sum"] = "mean"
+    seed: int | None = None
+    max_physical_batch_size: int | None = None
+    grad_sample_mode: GradMode = "auto"
+    check_sensitivity: bool = True
+    owner: str = dataclasses.field(default="DPStrategy", compare=False)
+    """The class named in error messages."""
+
+    @classmethod
+    def parameters(cls) -> tuple[str, ...]:
+        """The privacy arguments a strategy's ``__init__`` takes (every field but ``owner``)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "owner")
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any], owner: str) -> PrivacyConfig:
+        """The config from a strategy's ``__init__`` arguments (its ``locals()``); the rest are Lightning's."""
+        return cls(**{name: arguments[name] for name in cls.parameters()}, owner=owner)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+        no_noise_given = self.noise_multiplier is None and (self.noise is None or not self.noise.is_set)
+        if self.target_epsilon is None and no_noise_given:
+            object.__setattr__(self, "target_epsilon", DEFAULT_TARGET_EPSILON)
+        if self.noise_multiplier == 0:
+            warnings.warn("noise_multiplier=0 adds no noise: this run has no privacy (ε = ∞).", stacklevel=5)
+
+    def build_engine(self) -> PrivateStepEngine:
+        """The engine with this config's slots (defaults filled in), budget and clipping bound."""
+        return PrivateStepEngine(
+            sampler=self.sampler if self.sampler is not None else Poisson(seed=self.seed),
+            clipping=self.clipping if self.clipping is not None else FlatClipping(),
+            noise=self.noise if self.noise is not None else ConstantNoise(self.noise_multiplier),
+            step=self.step if self.step is not None else Step(),
+            max_grad_norm=self.max_grad_norm,
+            delta=self.delta,
+            target_epsilon=self.target_epsilon,
+            accountant=self.accountant,
+            loss_reduction=self.loss_reduction,
+            seed=self.seed,
+            grad_sample_mode=self.grad_sample_mode,
+            max_physical_batch_size=self.max_physical_batch_size,
+        )
+
+
+def _validate(config: PrivacyConfig) -> None:
+    """Type and range of every argument, named in the message (lightning_dp/validation.py)."""
+    owner = config.owner
+    validation.flag(config.check_sensitivity, "check_sensitivity", owner=owner)
+    number(config.target_epsilon, "target_epsilon", owner=owner, low=0, low_open=True, optional=True)
+    number(
+        config.delta, "delta", owner=owner, low=0, high=1, low_open=True, high_open=True,
+        hint=" Typical values are 1e-5 or below 1/N.",
+    )  # fmt: skip
+    number(
+        config.max_grad_norm, "max_grad_norm", owner=owner, low=0, low_open=True, allow_inf=True,
+        hint=" It is the clipping bound C.",
+    )  # fmt: skip
+    number(config.noise_multiplier, "noise_multiplier", owner=owner, low=0, optional=True)
+    number(
+        config.max_physical_batch_size, "max_physical_batch_size", owner=owner, low=1, integer=True,
+        optional=True,
+    )  # fmt: skip
+    validation.seed(config.seed, owner=owner)
+    if math.isinf(config.max_grad_norm) and (
+        config.noise_multiplier is None or config.noise_multiplier > 0 or config.target_epsilon is not None
+    ):
+        raise DPConfigurationError(
+            f"{owner}: max_grad_norm=inf with noise: the noise's standard deviation is σ·C, so an unbounded C "
+            "turns every weight into NaN and bounds no example's contribution. Give a finite clipping bound "
+            "(e.g. max_grad_norm=1.0); C=inf is accepted only with noise_multiplier=0 (no privacy)."
+        )
+    if config.accountant not in ("rdp", "prv", "pld", "pure"):
+        raise DPConfigurationError(
+            f"accountant must be 'rdp', 'prv', 'pld' or 'pure', got {config.accountant!r}."
+        )
+    if config.loss_reduction not in ("mean", "sum"):
+        raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {config.loss_reduction!r}.")
+    if config.noise is not None and config.noise_multiplier is not None:
+        raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")

@@ -1,0 +1,170 @@
+"""The Trainer, loader and optimizer settings a private run refuses, each message naming the fix.
+
+Every check runs before the first noisy release; a refusal raises ``DPConfigurationError``, a setting that
+is allowed but not covered by the guarantee (a hook that sees the non-private gradient) warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.errors import DPConfigurationError
+from lightning_dp.prepare import check_train_sampler
+
+NO_PASS = object()
+"""``refuse_several_train_loaders``'s marker before the first train loader of a fit."""
+
+
+def refuse_unsafe_trainer(trainer: Trainer, precision_plugin: Precision) -> None:
+    """Gradient accumulation, gradient clipping and a GradScaler each break per-example clipping."""
+    if trainer.accumulate_grad_batches != 1:
+        raise DPConfigurationError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) breaks DP-SGD: an example "
+            "can land in several micro-batches and be clipped once in each, and Lightning rescales the "
+            "loss before clipping. Use a larger batch_size for a larger logical batch."
+        )
+    if trainer.gradient_clip_val:
+        raise DPConfigurationError(
+            f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips the aggregated gradient, which "
+            "is not per-example clipping and gives no privacy. Remove it and set "
+            "DPStrategy(max_grad_norm=...) instead."
+        )
+    if isinstance(precision_plugin, MixedPrecision) and precision_plugin.scaler is not None:
+        raise DPConfigurationError(
+            "precision='16-mixed' uses a GradScaler, which scales per-example gradients before clipping "
+            "and skips steps based on the non-private gradient. Use precision='bf16-mixed' or '32-true'."
+        )
+    if "true" in str(trainer.precision) and "32" not in str(trainer.precision):
+        warnings.warn(
+            f"precision={trainer.precision!r} keeps no fp32 master weights; clipping norms and noise are "
+            "still computed in fp32, but the update itself is rounded to low precision.",
+            stacklevel=3,
+        )
+
+
+def warn_on_non_private_gradient_hooks(trainer: Trainer, engine: PrivateStepEngine) -> None:
+    """``on_after_backward`` runs before the private step: whatever it logs about gradients leaks.
+
+    It sees the non-private gradient as Lightning documents it: the fast path's weight-gradient skipping
+    is turned off for such runs (the cost is paid only when a module or callback overrides the hook).
+    """
+    users = []
+    module = trainer.lightning_module
+    if type(module).on_after_backward is not LightningModule.on_after_backward:
+        users.append(type(module).__name__)
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if type(callback).on_after_backward is not Callback.on_after_backward:
+            users.append(type(callback).__name__)
+    if engine.grads is not None:
+        engine.grads.keep_param_grads = bool(users)
+    if users:
+        warnings.warn(
+            f"on_after_backward in {users} sees the NON-private gradient (it runs before clipping and noise): "
+            "logging or acting on it is not covered by the privacy guarantee. Use on_before_optimizer_step, "
+            "which sees the private gradient. Autograd's weight gradients are computed every step for this "
+            "hook (the fast path otherwise skips them).",
+            stacklevel=3,
+        )
+
+
+def refuse_laplace_shares(accountant: str, world_size: int) -> None:
+    """Several processes add one noise share each; only Gaussian shares sum to the noise the ledger prices."""
+    if accountant == "pure" and world_size > 1:
+        raise DPConfigurationError(
+            f"accountant='pure' (Laplace noise) on {world_size} processes: each rank adds its own share of the "
+            "noise, and a sum of Laplace shares is not Laplace noise, so the pure ε the ledger records would "
+            f"not hold (the worst case grows to about √{world_size}·ε). Train pure-ε mechanisms on one "
+            "process (strategy='dp'), or use Gaussian noise with accountant='rdp'."
+        )
+
+
+def refuse_uncovered_parameters(optimizers: Sequence[Optimizer], engine: PrivateStepEngine) -> None:
+    """Every trainable parameter an optimizer holds must get per-example gradients from a hooked layer."""
+    hooked = {id(p) for p in engine.params}
+    for optimizer in optimizers:
+        missing = [
+            p for g in optimizer.param_groups for p in g["params"] if id(p) not in hooked and p.requires_grad
+        ]
+        if missing:
+            raise DPConfigurationError(
+                f"The optimizer holds {len(missing)} trainable parameters that are not part of the "
+                "LightningModule's layers, so they would get no per-example gradients."
+            )
+
+
+def refuse_several_train_loaders(trainer: Trainer, previous: object) -> object:
+    """Lightning hands the strategy each train loader of a CombinedLoader in turn, before it stores the
+    combination: a second loader in the same pass (same stored combination) is refused."""
+    # A Lightning without this attribute gets a fresh marker per loader: the check is then off (a test pins it).
+    current = getattr(trainer.fit_loop, "_combined_loader", object())
+    if previous is not NO_PASS and previous is current:
+        raise DPConfigurationError(
+            "train_dataloader returned several loaders (a dict or list, combined by Lightning's CombinedLoader). "
+            "The ledger prices one sample rate q, but each loader's examples would be drawn at their own "
+            "q = batch_size / len(dataset), so ε would be wrong for all but one of them. Return one DataLoader "
+            "over one dataset (torch.utils.data.ConcatDataset joins several)."
+        )
+    return current
+
+
+def refuse_unsupported_loader(loader: object) -> DataLoader:
+    """The train loader must be a DataLoader over a map-style dataset, with a ``batch_size`` and no
+    sampler of the user's that the privacy analysis would not cover."""
+    if not isinstance(loader, DataLoader):
+        raise DPConfigurationError(
+            f"The train dataloader must be a torch DataLoader over a map-style Dataset, got {type(loader).__name__}."
+        )
+    if isinstance(loader.dataset, IterableDataset):
+        raise DPConfigurationError(
+            "The train dataset is an IterableDataset: Poisson sampling needs random access to every "
+            "example (len() and indexing). Use a map-style Dataset."
+        )
+    check_train_sampler(loader)
+    if loader.batch_size is None:
+        raise DPConfigurationError(
+            "The train DataLoader has no batch_size (it uses a custom batch_sampler). DP training replaces "
+            "the sampler and reads batch_size as the expected batch size: pass batch_size=... instead."
+        )
+    return loader
+
+
+def warn_on_large_delta(delta: float, num_samples: int) -> None:
+    if delta >= 1.0 / num_samples:
+        warnings.warn(
+            f"delta={delta:g} is not below 1/N = {1.0 / num_samples:.3g}: a mechanism that "
+            "publishes one random example outright would meet this δ. Use delta well below 1/N.",
+            stacklevel=4,
+        )
+
+
+def refuse_unaffordable_first_step(engine: PrivateStepEngine) -> None:
+    """A fresh run whose budget cannot pay for one step is refused before any data is touched."""
+    affordable = engine.affordable_steps()
+    if affordable is not None and affordable < 1:
+        sampler = engine.sampler
+        raise DPConfigurationError(
+            f"Not even one step fits in target_epsilon={engine.target_epsilon} at noise multiplier "
+            f"{engine.noise_multiplier():.4g} and sample rate q={sampler.sample_rate:.6g} (expected "
+            f"batch {sampler.expected_batch_size:g} of N={sampler.num_samples} examples). Raise the noise "
+            "multiplier or the budget, or lower q (a smaller batch_size; q grows when the data set shrinks)."
+        )
+
+
+def budget_message(engine: PrivateStepEngine, trainer: Trainer | None) -> str:
+    """Why a step the Trainer asks for releases nothing: the budget is spent, and what forced the step."""
+    forced = ""
+    if trainer is not None:
+        forced = f" (min_steps={trainer.fit_loop.min_steps}, min_epochs={trainer.fit_loop.min_epochs})"
+    return (
+        f"Privacy budget exhausted: ε={engine.ledger.epsilon():.4g} spent of target_epsilon="
+        f"{engine.target_epsilon:g}, and the Trainer asks for another private step. PrivacyCallback "
+        f"stops training before such a step unless min_steps or min_epochs force more{forced}: lower them, "
+        "or raise target_epsilon (or the noise multiplier) so the planned steps fit."
+    )

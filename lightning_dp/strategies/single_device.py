@@ -1,0 +1,102 @@
+"""DPStrategy: trains any LightningModule with differential privacy on one device."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from typing_extensions import override
+
+from lightning_dp.errors import DPConfigurationError
+from lightning_dp.per_example import GradMode
+from lightning_dp.prepare import OnBatchNorm
+from lightning_dp.slots import Clipping, Noise, Sampler, Step
+from lightning_dp.strategies.base import DPStrategyBase
+from lightning_dp.strategies.config import PrivacyConfig
+
+
+class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
+    """Differentially private training (DP-SGD by default) for an unmodified LightningModule.
+
+    Args:
+        target_epsilon: privacy budget ε. σ is calibrated so the planned steps spend at most this, and
+            training stops before a step that would exceed it. Defaults to 3 when neither it nor
+            ``noise_multiplier`` is given.
+        delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
+        max_grad_norm: per-example clipping bound C.
+        noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
+        accountant: ``"rdp"``, ``"prv"`` or ``"pld"`` (needs ``pip install dp-accounting``); ``"pure"`` sums
+            pure ε (basic composition) for Laplace steps.
+        sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
+            user's optimizer).
+        on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
+        loss_reduction: whether ``training_step`` returns the batch ``"mean"`` (default) or ``"sum"``.
+        seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``.
+        max_physical_batch_size: split each logical batch into chunks of at most this many examples
+            (virtual batching): memory no longer limits the logical batch, q or ε. Noise is added once.
+        grad_sample_mode: ``"auto"`` (fast clipping without per-example gradients when every layer
+            supports it), ``"fast"`` (fast where supported, materialised elsewhere) or ``"materialize"``.
+        check_sensitivity: at fit start, refuse a loss or forward that mixes examples (leave-one-out
+            check on a few train examples; nothing is released). Turn off only for a verified model.
+        device: force a device; by default it comes from the Trainer's accelerator and devices.
+
+    The privacy arguments are those of :class:`~lightning_dp.strategies.PrivacyConfig` (validated there);
+    the last four are Lightning's.
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        target_epsilon: float | None = None,
+        delta: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float | None = None,
+        accountant: Literal["rdp", "prv", "pld", "pure"] = "rdp",
+        sampler: Sampler | None = None,
+        clipping: Clipping | None = None,
+        noise: Noise | None = None,
+        step: Step | None = None,
+        on_batchnorm: OnBatchNorm = "raise",
+        loss_reduction: Literal["mean", "sum"] = "mean",
+        seed: int | None = None,
+        max_physical_batch_size: int | None = None,
+        grad_sample_mode: GradMode = "auto",
+        check_sensitivity: bool = True,
+        device: str | torch.device | None = None,
+        accelerator: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        config = PrivacyConfig.pick(locals(), owner=type(self).__name__)
+        SingleDeviceStrategy.__init__(
+            self,
+            device=device if device is not None else "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._device_given = device is not None
+        self.parallel_devices: list[torch.device] | None = None  # filled in by the Trainer's connector
+        self._init_dp(config)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self._device_given and self.parallel_devices:
+            if len(self.parallel_devices) > 1:
+                raise DPConfigurationError(
+                    f"DPStrategy trains on one device, but the Trainer asked for {len(self.parallel_devices)}. "
+                    "Use devices=1, or the distributed strategy (strategy='dp_ddp')."
+                )
+            return self.parallel_devices[0]
+        return self._root_device
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DP-SGD on one device (lightning-dp)", override=True
+        )
