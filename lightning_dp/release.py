@@ -11,15 +11,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger, charge
-from lightning_dp.slots import Clipping, Noise, StepContext
+from lightning_dp.context import StepContext
 
 AllReduce = Callable[[list[Tensor]], list[Tensor]]
 """Sums a list of tensors over all ranks (same shapes and devices back)."""
+
+
+class NoiseDraw(Protocol):
+    """The part of the noise slot a release uses (``slots.Noise.add_noise``)."""
+
+    def add_noise(self, sums: list[Tensor], std: float, generator: torch.Generator) -> list[Tensor]: ...
+
+
+class SumBound(Protocol):
+    """The part of the clipping slot a release uses (``slots.Clipping``): the sum's sensitivity, finalize."""
+
+    def sensitivity(self, ctx: StepContext) -> float: ...
+
+    def finalize(self, noisy_sums: list[Tensor], ctx: StepContext) -> list[Tensor]: ...
 
 
 class ReleaseHook:
@@ -49,8 +64,8 @@ class Releases:
         ledger: PrivacyLedger,
         *,
         target_epsilon: float | None,
-        noise: Noise,
-        clipping: Clipping,
+        noise: NoiseDraw,
+        clipping: SumBound,
         gradient_name: str,
     ) -> None:
         self.ledger = ledger

@@ -53,7 +53,7 @@ def override_args(overrides: Mapping[str, Any]) -> list[str]:
 
 def instantiate_cli(args: Sequence[str]) -> Any:
     """A DPLightningCLI built without running (no config file written)."""
-    from lightning_dp.cli import DPLightningCLI
+    from lightning_dp.lightning_cli import DPLightningCLI
     from lightning_dp.strategies import register
 
     register()
