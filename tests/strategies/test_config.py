@@ -110,3 +110,24 @@ def test_laplace_noise_on_several_processes_is_refused_before_any_release():
     trainer = type("Trainer", (), {"state": type("State", (), {"fn": TrainerFn.FITTING})()})()
     with pytest.raises(DPConfigurationError, match=r"sum of Laplace shares is not Laplace noise"):
         strategy.setup(trainer)  # type: ignore[arg-type]
+
+
+def test_jsonargparse_builds_the_config_with_a_slot_from_yaml():
+    """The config is a typed dataclass: LightningCLI's parser builds it, slots by ``class_path``."""
+    from jsonargparse import ArgumentParser
+
+    from lightning_dp import AdaCliP
+
+    parser = ArgumentParser()
+    parser.add_argument("--privacy", type=PrivacyConfig)
+    parsed = parser.parse_args(
+        [
+            "--privacy",
+            '{"target_epsilon": 2, "max_grad_norm": 0.5, "clipping": {"class_path": "lightning_dp.AdaCliP"}}',
+        ]
+    )
+    build = getattr(parser, "instantiate", None) or parser.instantiate_classes
+    config = build(parsed).privacy
+    assert isinstance(config, PrivacyConfig)
+    assert isinstance(config.clipping, AdaCliP)
+    assert (config.target_epsilon, config.max_grad_norm, config.delta) == (2.0, 0.5, 1e-5)
