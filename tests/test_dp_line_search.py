@@ -21,7 +21,7 @@ from lightning_dp.accounting.amplification import (
 )
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, laplace_rdp, pure_dp_rdp
-from lightning_dp.steps.line_search import PAPER_ETA0, LineSearch, eta0_from_learning_rate
+from lightning_dp.steps.line_search import PAPER_ETA0, LineSearch, eta0_for_clip
 from lightning_dp.steps.line_search.cheb import angle_ema, cheb_decision, reset_eta0, shrink_clips
 from lightning_dp.steps.line_search.svt import candidate_steps, noisy_backtracking, svt_calibration
 
@@ -475,26 +475,23 @@ def test_nn_mode_trains_and_prices_every_search():
     assert step.metrics()["ls/eta"] > 0  # NN mode never returns 0
 
 
-def test_nn_mode_starts_its_search_at_twice_the_users_learning_rate():
-    """A tuned DP-SGD config swapped to LineSearch keeps its step inside the grid (η0 = 2·lr: 2× down to
-    0.27× the tuned step), instead of the paper's η0 = 1 (half the tuned lr on the MNIST CNN: 11 points
-    below DP-SGD; bench/mechanisms.py)."""
+def test_nn_mode_starts_its_search_at_one_over_the_clip_bound():
+    """η0 = 1/C: the largest candidate moves about one unit along the clipped gradient whatever C is. The
+    paper's η0 = 1 was ten times too small for the MNIST CNN's C = 0.1 (11 points below DP-SGD)."""
     step = LineSearch(mode="nn", seed=1, reset_every=0)
-    assert step.eta0 is None  # until the first step reads the optimizer
-    module = LossModule(n=256, batch_size=32, lr=0.35)
-    strategy = DPStrategy(target_epsilon=2.0, step=step, seed=0)
-    make_trainer(strategy, max_epochs=1).fit(module)
-    assert step.eta0 == pytest.approx(0.7)
-    assert max(step.accepted) <= 0.7 + 1e-12
-    params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
-    optimizer = torch.optim.SGD([{"params": params[:1], "lr": 0.05}, {"params": params[1:], "lr": 0.2}])
-    assert eta0_from_learning_rate(optimizer) == pytest.approx(0.4)  # the largest group's lr
-    with pytest.warns(
-        UserWarning, match=r"learning rate of Adam does not carry over.*LineSearch\(eta0=\.\.\.\)"
-    ):
-        assert eta0_from_learning_rate(torch.optim.Adam(params, lr=1e-3)) == PAPER_ETA0
+    assert step.eta0 is None  # until the plan knows C
+    strategy = DPStrategy(target_epsilon=2.0, max_grad_norm=0.25, step=step, seed=0)
+    assert step.eta0 == pytest.approx(4.0)
+    make_trainer(strategy, max_epochs=1).fit(LossModule(n=256, batch_size=32))
+    assert step.accepted
+    assert max(step.accepted) <= 4.0 + 1e-12
+    assert eta0_for_clip(3.0) == pytest.approx(1 / 3)
+    assert eta0_for_clip(math.inf) == PAPER_ETA0
     assert LineSearch(mode="adaptive").eta0 == PAPER_ETA0  # the paper's, for its convex experiments
     assert LineSearch(eta0=0.3).eta0 == 0.3
+    given = LineSearch(eta0=0.3)
+    DPStrategy(target_epsilon=2.0, max_grad_norm=0.25, step=given)
+    assert given.eta0 == 0.3
 
 
 def test_nn_mode_same_batch_is_priced_jointly():
