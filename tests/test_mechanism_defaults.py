@@ -10,6 +10,7 @@ from conftest import TinyModule, make_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import AdaCliP, AdaptiveGD, DPStrategy, HeavyBall, Nesterov
+from lightning_dp.clipping.adaclip import SATURATED_FRACTION
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.slots import StepContext
 from recipes.linear import LinearClassifier
@@ -49,15 +50,15 @@ def test_momentum_steps_keep_the_optimizers_lr_as_the_effective_step(make):
 
 
 def test_adaclip_default_h2_makes_step_zero_a_dp_sgd_with_clip_c():
-    """h2 = C²/d and s_0 = sqrt(h2): b = C uniformly, so the first step clips each gradient at norm C."""
+    """h2 = C²/(p·d) and s_0 = C/sqrt(d): b = C uniformly, so the first step clips each gradient at norm C."""
     clip = AdaCliP()
     params = [torch.zeros(3, 4), torch.zeros(4)]
     clip.setup(params)
     c = 2.0
     g = [torch.full((2, 3, 4), 5.0), torch.full((2, 4), 5.0)]  # two examples, norm 5·√16 = 20 each
     sums = clip.clip_and_sum(PerExampleGradients.from_tensors(g), _ctx(0, max_grad_norm=c))
-    assert clip.h2 == pytest.approx(c * c / 16)
-    assert clip.init_std == pytest.approx(math.sqrt(clip.h2))
+    assert clip.h2 == pytest.approx(c * c / (SATURATED_FRACTION * 16))
+    assert clip.init_std == pytest.approx(c / 4)
     for b in clip._b:
         torch.testing.assert_close(b, torch.full_like(b, c))
     # Transformed space: each example clipped to norm 1; mapped back by b = C: norm C each, sum 2C.
@@ -65,12 +66,34 @@ def test_adaclip_default_h2_makes_step_zero_a_dp_sgd_with_clip_c():
     assert 2 * c * (1 - 1e-4) <= total <= 2 * c  # clip_factors keeps a 1e-5 margin below the bound
 
 
+def test_adaclip_default_stays_a_dp_sgd_with_clip_c_where_the_noise_dominates():
+    """On the MNIST CNN (C = 0.1, d = 26,010, B = 512) AdaCliP() lost to DP-SGD with no message: with
+    h2 = C²/d the noise-dominated variance samples hit the clamp h2 about a third of the time, so b
+    settled at ≈ 0.55·C, a 0.55× step for a learning rate tuned at C. Here d·σ²/B ≈ 31, as there."""
+    d, batch, z, c = 2000, 64, 1.0, 0.1
+    clip = AdaCliP()
+    clip.setup([torch.zeros(d)])
+    g = torch.Generator().manual_seed(0)
+    scales = []
+    for step in range(200):
+        ctx = StepContext(
+            step=step, batch_size=batch, expected_batch_size=float(batch), max_grad_norm=c,
+            noise_multiplier=z, generator=g,
+        )  # fmt: skip
+        grads = torch.randn(batch, d, generator=g) * (10 * c / math.sqrt(d))  # all clipped, mean 0
+        sums = clip.clip_and_sum(PerExampleGradients.from_tensors([grads]), ctx)
+        clip.finalize([s + z * torch.randn(s.shape, generator=g) for s in sums], ctx)
+        scales.append(float(clip._b[0].mean()) / c)
+    settled = sum(scales[100:]) / 100
+    assert 0.85 <= settled <= 1.15, settled
+
+
 def test_adaclip_h2_far_from_the_clip_warns_with_the_fix():
     clip = AdaCliP(h2=1e-2)
     clip.setup([torch.zeros(4800)])
-    with pytest.warns(UserWarning, match=r"Use h2 ≈ C²/d = 0\.000208"):
+    with pytest.warns(UserWarning, match=r"Use h2 ≈ C²/\(p·d\) = 0\.000657"):
         clip.clip_and_sum(PerExampleGradients.from_tensors([torch.ones(2, 4800)]), _ctx(0))
-    quiet = AdaCliP(h2=1.0 / 4800)
+    quiet = AdaCliP(h2=1.0 / (SATURATED_FRACTION * 4800))
     quiet.setup([torch.zeros(4800)])
     import warnings
 

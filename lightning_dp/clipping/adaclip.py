@@ -27,6 +27,11 @@ from lightning_dp.validation import number
 
 VarianceMode = Literal["per_example", "literal"]
 
+SATURATED_FRACTION = math.erfc(1 / math.sqrt(2))
+"""p = P(Z² > 1) ≈ 0.3173, Z standard normal: where the noise dominates the variance samples
+b²(R² − σ²)/B (R ≈ σZ per coordinate), the share of them that the upper clamp h2 catches, the rest
+falling to h1; so s² settles near p·h2 (spec §5.10)."""
+
 
 def adaclip_scale(s: Sequence[Tensor], gamma: float = 1.0) -> list[Tensor]:
     """Theorem 1's optimal per-coordinate scale b = sqrt(s · S / γ), S = Σ over all coordinates of s."""
@@ -123,16 +128,21 @@ class AdaCliP(Clipping):
     """Coordinate-wise adaptive clipping: sensitivity 1 in the transformed space, ε exactly DP-SGD's.
 
     Args:
-        h2: upper clamp of each coordinate's variance sample (caps b ≤ sqrt(d·h2)). Default: C²/d
-            (C = ``max_grad_norm``, d = the number of trainable parameters), where AdaCliP's saturated
-            regime is a centred DP-SGD with clip C, so a learning rate tuned for DP-SGD at C carries
-            over; then s starts at sqrt(h2) (step 0 is that DP-SGD). Tune it on a log grid around C²/d.
+        h2: upper clamp of each coordinate's variance sample (caps b ≤ sqrt(d·h2)). Default:
+            C²/(p·d), p = P(Z² > 1) ≈ 0.317 (C = ``max_grad_norm``, d = the number of trainable
+            parameters). Where the noise dominates the variance samples (d·σ²/B well above 2, which is
+            where these defaults sit), each sample lands above h2 with probability about p and near h1
+            otherwise, so s² settles at p·h2 and b at sqrt(p·d·h2) = C: AdaCliP is then a centred DP-SGD
+            with clip C, and a learning rate tuned for DP-SGD at C carries over. (h2 = C²/d, the old
+            default, settled at b ≈ 0.55·C, a 0.55× step.) s starts at that level, C/sqrt(d), so step 0
+            is that DP-SGD. Tune h2 on a log grid around the default, with the learning rate.
         beta1, beta2: EMA factors of the mean and of the variance.
         h1: lower clamp of the variance sample (> 0).
         gamma: target E‖w‖² of the transformed gradient (scale knob of b).
         variance_mode: ``"per_example"`` estimates each example's variance (what Theorem 1 needs);
             ``"literal"`` is the paper's eq. 5, the variance of the batch mean.
-        init_std: initial s (default sqrt(h1·h2), the paper's, when h2 is given; sqrt(h2) when derived).
+        init_std: initial s (default sqrt(h1·h2), the paper's, when h2 is given; sqrt(p·h2) = C/sqrt(d)
+            when derived).
     """
 
     def __init__(
@@ -159,9 +169,9 @@ class AdaCliP(Clipping):
         self.h2_arg, self.init_std_arg = h2, init_std
         self.variance_mode: VarianceMode = variance_mode
         self.h2 = h2 if h2 is not None else math.nan
-        """The variance clamp in use: the argument, or C²/d once the first step knows C and d."""
+        """The variance clamp in use: the argument, or C²/(p·d) once the first step knows C and d."""
         self.init_std = init_std if init_std is not None else math.sqrt(h1 * self.h2)
-        """The initial s (NaN until the first step when it derives from h2 = C²/d)."""
+        """The initial s (NaN until the first step when it derives from h2 = C²/(p·d))."""
         self.m: list[Tensor] = []
         self.s: list[Tensor] = []
         self._b: list[Tensor] = []
@@ -178,23 +188,28 @@ class AdaCliP(Clipping):
         self._started = False
 
     def _start(self, max_grad_norm: float) -> None:
-        """First step: fix h2 (C²/d unless given), say what it means for the step size, and set s_0."""
+        """First step: fix h2 (C²/(p·d) unless given), say what it means for the step size, set s_0."""
         self._started = True
         d = sum(m.numel() for m in self.m)
-        natural = max_grad_norm**2 / max(d, 1)
+        natural = max_grad_norm**2 / (SATURATED_FRACTION * max(d, 1))
         if self.h2_arg is None:
             self.h2 = max(natural, self.h1)
-            self.init_std = self.init_std_arg if self.init_std_arg is not None else math.sqrt(self.h2)
+            self.init_std = (
+                self.init_std_arg
+                if self.init_std_arg is not None
+                else math.sqrt(SATURATED_FRACTION * self.h2)
+            )
         else:
             ratio = math.sqrt(self.h2 / natural) if natural > 0 else math.inf
             if not 1 / 3 <= ratio <= 3:  # a 3× different step size is no longer the tuned one
                 warnings.warn(
-                    f"AdaCliP(h2={self.h2:g}) caps the per-coordinate scale at sqrt(d·h2) = "
-                    f"{math.sqrt(d * self.h2):.3g} for d = {d} parameters, {ratio:.3g}× the clip "
-                    f"max_grad_norm = {max_grad_norm:g}: where the noise dominates, AdaCliP behaves like a "
-                    f"centred DP-SGD with that clip, so a learning rate tuned for DP-SGD at C moves {ratio:.3g}× "
-                    f"as far. Use h2 ≈ C²/d = {natural:.3g} (the default when h2 is left out), or retune the "
-                    "learning rate with h2 (docs/mechanisms.md, AdaCliP).",
+                    f"AdaCliP(h2={self.h2:g}): where the noise dominates, the per-coordinate scale settles "
+                    f"near sqrt(p·d·h2) = {math.sqrt(SATURATED_FRACTION * d * self.h2):.3g} (p = P(Z² > 1) "
+                    f"≈ {SATURATED_FRACTION:.3f}, d = {d} parameters), {ratio:.3g}× the clip max_grad_norm = "
+                    f"{max_grad_norm:g}: AdaCliP then behaves like a centred DP-SGD with that clip, so a "
+                    f"learning rate tuned for DP-SGD at C moves {ratio:.3g}× as far. Use h2 ≈ C²/(p·d) = "
+                    f"{natural:.3g} (the default when h2 is left out), or retune the learning rate with h2 "
+                    "(docs/mechanisms.md, AdaCliP).",
                     stacklevel=3,
                 )
         if not self.s:
