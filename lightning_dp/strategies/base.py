@@ -39,8 +39,6 @@ from lightning_dp.strategies.config import PrivacyConfig
 from lightning_dp.strategies.norm_pass import sampler_runtime
 from lightning_dp.strategies.optim import DPOptimizer
 
-CHECKPOINT_KEY = checkpoints.CHECKPOINT_KEY
-
 
 class DPStrategyBase(Strategy):
     """The DP wiring shared by :class:`DPStrategy` and the distributed ``DPDDPStrategy``."""
@@ -134,7 +132,7 @@ class DPStrategyBase(Strategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpoint[CHECKPOINT_KEY] = checkpoints.gather_dp_state(self.engine, self.world_size)
+        checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(self.engine, self.world_size)
         plain_file = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None
         if not (plain_file and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -78,22 +78,22 @@ def private_loader(loader: DataLoader, batches: RealisedSizes, carries_batch_inf
     )
 
 
-def steps_per_epoch(trainer: Trainer, num_batches: int) -> int:
-    """Optimizer steps in one epoch of ``num_batches`` batches under ``limit_train_batches``."""
+def _limited_batches(trainer: Trainer, num_batches: int) -> int:
+    """The batches of an epoch that ``limit_train_batches`` lets run (an int caps, a float scales)."""
     limit = trainer.limit_train_batches
     if isinstance(limit, int):
-        return max(1, min(num_batches, limit))
-    return max(1, int(num_batches * float(limit))) if limit is not None else num_batches
+        return min(num_batches, limit)
+    return int(num_batches * float(limit)) if limit is not None else num_batches
+
+
+def steps_per_epoch(trainer: Trainer, num_batches: int) -> int:
+    """Optimizer steps in one epoch of ``num_batches`` batches under ``limit_train_batches`` (at least 1)."""
+    return max(1, _limited_batches(trainer, num_batches))
 
 
 def planned_steps(trainer: Trainer, num_batches: int) -> int:
     """Optimizer steps the Trainer will run, from max_epochs, max_steps and limit_train_batches."""
-    limit = trainer.limit_train_batches
-    per_epoch = num_batches
-    if isinstance(limit, int):
-        per_epoch = min(num_batches, limit)
-    elif limit is not None:
-        per_epoch = int(num_batches * float(limit))
+    per_epoch = _limited_batches(trainer, num_batches)
     max_epochs = trainer.fit_loop.max_epochs
     max_steps = trainer.max_steps
     by_epochs = per_epoch * max_epochs if max_epochs is not None and max_epochs >= 0 else None
