@@ -187,7 +187,6 @@ class LineSearch(Step):
         self.loss_clip = float(loss_clip if loss_clip is not None else (3.0 if mode == "nn" else 1.0))
         self.armijo = float(armijo if armijo is not None else (0.001 if mode == "nn" else 0.5))
         self.beta, self.max_it = float(beta), int(max_it)
-        self.initial_eta0 = float(eta0) if eta0 is not None else (None if mode == "nn" else PAPER_ETA0)
         self.reset_every, self.reset_factor, self.eta0_growth = (
             int(reset_every),
             float(reset_factor),
@@ -209,7 +208,7 @@ class LineSearch(Step):
         self.search_budget: float | None = None  # ε_BT (Laplace) or ρ_BT (Gaussian)
         self.c_obj = self.loss_clip
         self.c_grad: float | None = None
-        self.eta0: float | None = self.initial_eta0
+        self.eta0: float | None = float(eta0) if eta0 is not None else (None if mode == "nn" else PAPER_ETA0)
         """The first candidate; None until ``plan`` knows C (NN mode's default, 1/C)."""
         self.accepted: list[float] = []
         self.iteration = 0
