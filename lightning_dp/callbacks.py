@@ -97,15 +97,11 @@ class PrivacyCallback(Callback):
 
     def metrics(self, trainer: Trainer) -> dict[str, float]:
         engine = dp_strategy_of(trainer).engine
-        sigma = (
-            engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else float("nan")
-        )
-        if engine.sampler.schedules_noise:  # e.g. DPIS: the sampler's own σ of its current step
-            sigma = engine.noise_multiplier() or float("nan")
+        sigma = engine.last_noise_multiplier()
         out = {
             "dp/epsilon": float(engine.ledger.epsilon()),
             "dp/delta": float(engine.delta),
-            "dp/noise_multiplier": float(sigma),
+            "dp/noise_multiplier": float("nan") if sigma is None else float(sigma),
             "dp/sample_rate": float(engine.sampler.sample_rate),
             "dp/steps": float(engine.steps),
         }

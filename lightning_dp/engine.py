@@ -201,6 +201,13 @@ class PrivateStepEngine:
             return self.sampler.step_noise_multiplier()
         return self.noise.noise_multiplier(self.steps)
 
+    def last_noise_multiplier(self) -> float | None:
+        """σ of the latest step (of the first before any step), as the report and the logged metrics show
+        it: the sampler's own when it schedules noise (DPIS), else the noise slot's; None while unset."""
+        if self.sampler.schedules_noise:
+            return self.noise_multiplier()
+        return self.noise.noise_multiplier(max(self.steps - 1, 0)) if self.noise.is_set else None
+
     def next_event(self) -> Any:
         """The ledger event the next step would release (None while a noise-scheduling sampler has no σ yet)."""
         sigma = self.noise_multiplier()

@@ -20,9 +20,7 @@ def privacy_report(
     """Everything a reader needs to check the claim, as plain JSON-able values."""
     engine = strategy.engine
     epsilon, order = engine.ledger.epsilon_and_order()
-    sigma = engine.noise.noise_multiplier(max(engine.steps - 1, 0)) if engine.noise.is_set else None
-    if engine.sampler.schedules_noise:  # e.g. DPIS: the sampler's own σ of its current step
-        sigma = engine.noise_multiplier()
+    sigma = engine.last_noise_multiplier()
     data: dict[str, Any] = {
         "epsilon": float(epsilon),
         "delta": engine.delta,
