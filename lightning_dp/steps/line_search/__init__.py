@@ -33,6 +33,7 @@ from lightning_dp.batches import EmptyBatch
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
+from lightning_dp.steps.line_search.advice import warn_if_capped_by_eta0
 from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
 from lightning_dp.steps.line_search.cheb import (
     angle_degrees,
@@ -217,6 +218,7 @@ class LineSearch(Step):
         self.stats = {
             "searches": 0,
             "failures": 0,
+            "at_eta0": 0,
             "cheb": 0,
             "rho_raises": 0,
             "search_raises": 0,
@@ -466,6 +468,7 @@ class LineSearch(Step):
         if result.index == 0:
             self.stats["failures"] += 1
         else:
+            self.stats["at_eta0"] += int(result.index == 1)
             self.accepted.append(result.eta)
         self.last = {"eta": result.eta, "index": result.index}
         self._move(direction, result.eta)
@@ -576,6 +579,12 @@ class LineSearch(Step):
                 shrunk = True
         return False
 
+    def finalize(self, optimizer: torch.optim.Optimizer) -> None:
+        """At the end of training: advise a larger η0 when most searches accepted it (NN mode)."""
+        del optimizer
+        if self.mode == "nn" and self.eta0 is not None:
+            warn_if_capped_by_eta0(self.stats, self.eta0)
+
     # -- released values and state ----------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         """Only released (or post-processed) quantities: safe to log."""
@@ -613,7 +622,7 @@ class LineSearch(Step):
         self.eta0 = None if state["eta0"] is None else float(state["eta0"])
         self.accepted = list(state["accepted"])
         self.iteration, self.theta_bar = int(state["iteration"]), float(state["theta_bar"])
-        self.stats, self.last = dict(state["stats"]), dict(state["last"])
+        self.stats, self.last = {**self.stats, **state["stats"]}, dict(state["last"])
         saved = state["d_prev"]
         if saved is None or self._host is None or not self._host.attached:
             self.d_prev = saved
