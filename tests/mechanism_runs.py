@@ -34,29 +34,39 @@ from lightning_dp import AdaCliP, AdaptiveGD, DPStrategy, HeavyBall, LineSearch,
 FULL_BATCH = -1
 """Marker: the batch is the whole train split (q = 1)."""
 
-#: name -> (the DPStrategy arguments swapped in, batch size and epochs when they differ from the user's).
-#: A row after a mechanism's default row applies the fix its run-time message names.
-MECHANISMS: dict[str, tuple[Callable[[], dict[str, Any]], int | None, int | None]] = {
-    "DP-SGD": (dict, None, None),
-    "LineSearch()": (lambda: {"step": LineSearch()}, None, None),
-    # the fix LineSearch's end-of-run message names on the MNIST CNN (4·η0, η0 = 1/C at C = 0.1)
-    "LineSearch(eta0=40)": (lambda: {"step": LineSearch(eta0=40.0)}, None, None),
-    "AdaCliP()": (lambda: {"clipping": AdaCliP()}, None, None),
-    "AdaCliP(h2=1e-2)": (lambda: {"clipping": AdaCliP(h2=1e-2)}, None, None),
-    "HeavyBall(beta=0.9)": (lambda: {"step": HeavyBall(beta=0.9)}, None, None),
-    "Nesterov(momentum=0.9)": (lambda: {"step": Nesterov(momentum=0.9)}, None, None),
+
+@dataclass(frozen=True)
+class Setting:
+    """What a mechanism's arguments may depend on: the user's clip bound and learning rate."""
+
+    max_grad_norm: float
+    lr: float
+
+
+#: name -> (the DPStrategy arguments swapped in, given the user's setting; batch size and epochs when
+#: they differ from the user's). A row after a mechanism's default row applies the fix its run-time
+#: message names.
+MECHANISMS: dict[str, tuple[Callable[[Setting], dict[str, Any]], int | None, int | None]] = {
+    "DP-SGD": (lambda s: {}, None, None),
+    "LineSearch()": (lambda s: {"step": LineSearch()}, None, None),
+    # the fix LineSearch's end-of-run message names on the MNIST CNN: start at the tuned DP-SGD lr
+    "LineSearch(eta0=lr)": (lambda s: {"step": LineSearch(eta0=s.lr)}, None, None),
+    "AdaCliP()": (lambda s: {"clipping": AdaCliP()}, None, None),
+    "AdaCliP(h2=1e-2)": (lambda s: {"clipping": AdaCliP(h2=1e-2)}, None, None),
+    "HeavyBall(beta=0.9)": (lambda s: {"step": HeavyBall(beta=0.9)}, None, None),
+    "Nesterov(momentum=0.9)": (lambda s: {"step": Nesterov(momentum=0.9)}, None, None),
     "Nesterov(0.9) + NoiseDividing()": (
-        lambda: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
+        lambda s: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
         None,
         None,
     ),
     "Nesterov(0.9) + NoiseDividing(uniform=True)": (
-        lambda: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing(uniform=True)},
+        lambda s: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing(uniform=True)},
         None,
         None,
     ),
-    "AdaptiveGD()": (lambda: {"step": AdaptiveGD()}, None, None),
-    "AdaptiveGD(), full batch, max_epochs=-1": (lambda: {"step": AdaptiveGD()}, FULL_BATCH, -1),
+    "AdaptiveGD()": (lambda s: {"step": AdaptiveGD()}, None, None),
+    "AdaptiveGD(), full batch, max_epochs=-1": (lambda s: {"step": AdaptiveGD()}, FULL_BATCH, -1),
 }
 
 
@@ -139,13 +149,18 @@ def run(
     user = MODELS[model_name]
     seed_everything(seed, verbose=False)
     arguments, batch_size, row_epochs = MECHANISMS[mechanism]
-    model, data = user.build(user.lr(epsilon) if lr is None else lr)
+    lr = user.lr(epsilon) if lr is None else lr
+    model, data = user.build(lr)
     if batch_size == FULL_BATCH:  # the whole train split in every batch: q = 1
         data.setup("fit")
         data.batch_size = len(data.train_set)  # type: ignore[attr-defined]
     epochs = row_epochs if row_epochs is not None else (epochs or user.epochs)
     strategy = DPStrategy(
-        target_epsilon=epsilon, delta=1e-5, max_grad_norm=user.max_grad_norm, seed=seed, **arguments()
+        target_epsilon=epsilon,
+        delta=1e-5,
+        max_grad_norm=user.max_grad_norm,
+        seed=seed,
+        **arguments(Setting(user.max_grad_norm, lr)),
     )
     with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

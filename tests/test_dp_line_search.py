@@ -23,6 +23,7 @@ from lightning_dp.accounting.amplification import (
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, laplace_rdp, pure_dp_rdp
 from lightning_dp.steps.line_search import PAPER_ETA0, LineSearch, eta0_for_clip
+from lightning_dp.steps.line_search.advice import warn_if_capped_by_eta0
 from lightning_dp.steps.line_search.cheb import angle_ema, cheb_decision, reset_eta0, shrink_clips
 from lightning_dp.steps.line_search.svt import candidate_steps, noisy_backtracking, svt_calibration
 
@@ -496,11 +497,11 @@ def test_nn_mode_starts_its_search_at_one_over_the_clip_bound():
 
 
 def test_nn_mode_says_when_its_largest_candidate_capped_the_steps():
-    """On the MNIST CNN η0 = 1/C was accepted in most searches and LineSearch ended 2.2 points below a
-    tuned DP-SGD with no message: the run now says that η0 capped the steps and names a larger one."""
+    """On the MNIST CNN η0 = 1/C = 10 was accepted in most searches while the optimizer's lr, tuned for
+    DP-SGD, was 32, and LineSearch ended 2.2 points below DP-SGD with no message: the run now names it."""
     capped = LineSearch(mode="nn", seed=1, eta0=1e-3)  # every candidate lowers the loss: the first wins
-    with pytest.warns(UserWarning, match=r"capped by η0.*LineSearch\(eta0=0\.004\)"):
-        _fit(capped, epsilon=50.0, epochs=3)
+    with pytest.warns(UserWarning, match=r"capped by η0.*lr = 0\.1 .*LineSearch\(eta0=0\.1\)"):
+        _fit(capped, epsilon=50.0, epochs=3)  # TinyModule's SGD lr is 0.1
     assert capped.stats["at_eta0"] >= 0.5 * capped.stats["searches"] >= 10
     backtracking = LineSearch(mode="nn", seed=1, eta0=1e4)  # every candidate overshoots
     with warnings.catch_warnings(record=True) as caught:
@@ -508,6 +509,19 @@ def test_nn_mode_says_when_its_largest_candidate_capped_the_steps():
         _fit(backtracking, epsilon=50.0, epochs=3)
     assert backtracking.stats["at_eta0"] < 0.5 * backtracking.stats["searches"]
     assert not [w for w in caught if "capped by η0" in str(w.message)]
+
+
+def test_capped_advice_needs_an_optimizer_lr_that_steps_further():
+    """On the digits MLP η0 = 1 was accepted as often as on the CNN, but DP-SGD's tuned lr there is 0.5,
+    and 2·η0 or 4·η0 cost 5-30 points: no advice. Nor from too few searches."""
+    stats = {"searches": 200, "at_eta0": 120}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_capped_by_eta0(stats, eta0=1.0, lr=0.5)
+        warn_if_capped_by_eta0({"searches": 10, "at_eta0": 10}, eta0=1.0, lr=32.0)
+        warn_if_capped_by_eta0({"searches": 200, "at_eta0": 90}, eta0=1.0, lr=32.0)
+    with pytest.warns(UserWarning, match=r"in 120 of its 200 searches \(60 %\).*32× further.*eta0=32\)"):
+        warn_if_capped_by_eta0(stats, eta0=1.0, lr=32.0)
 
 
 def test_nn_mode_same_batch_is_priced_jointly():

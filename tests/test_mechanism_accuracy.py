@@ -2,10 +2,11 @@
 points of DP-SGD's test accuracy or tells the user at run time what to change (issue #21).
 
 A small configuration of the README's table (tests/mechanism_runs.py, bench/mechanisms.py): 12 epochs
-instead of 20, mean over 3 seeds, every mechanism on the same seeds as DP-SGD. Measured (2026-11-24,
-seeds 0-3, 12 epochs): DP-SGD 0.928-0.942; AdaCliP, HeavyBall and Nesterov within 0.2-0.8 points of it on
-average (AdaCliP measured with its old default h2 = C²/d; the new one passes too, 2026-11-24); LineSearch 1.3-1.7 points below; Nesterov + NoiseDividing 1.2-2 points below and warning about
-its σ spread; AdaptiveGD at 7-27 % and warning that the Trainer stopped it with budget left.
+instead of 20, mean over 3 seeds, every mechanism on the same seeds as DP-SGD, at DP-SGD's tuned lr for
+ε = 3 (0.5). At 20 epochs (2026-11-27) AdaCliP, HeavyBall and Nesterov are within 0.2 points of DP-SGD
+there; LineSearch is 3 points below and warns that its gradients get 1.32× DP-SGD's σ; Nesterov +
+NoiseDividing is 3.7 points below and warns about its σ spread; AdaptiveGD reaches 19 % and warns that
+the Trainer stopped it with budget left.
 """
 
 from __future__ import annotations

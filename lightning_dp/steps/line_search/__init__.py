@@ -580,10 +580,11 @@ class LineSearch(Step):
         return False
 
     def finalize(self, optimizer: torch.optim.Optimizer) -> None:
-        """At the end of training: advise a larger η0 when most searches accepted it (NN mode)."""
-        del optimizer
+        """At the end of training: advise a larger η0 when most searches accepted it and the optimizer's
+        (unused) learning rate, tuned for DP-SGD, steps further (NN mode)."""
         if self.mode == "nn" and self.eta0 is not None:
-            warn_if_capped_by_eta0(self.stats, self.eta0)
+            lr = max(float(group.get("lr", 0.0)) for group in optimizer.param_groups)
+            warn_if_capped_by_eta0(self.stats, self.eta0, lr)
 
     # -- released values and state ----------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
@@ -622,7 +623,7 @@ class LineSearch(Step):
         self.eta0 = None if state["eta0"] is None else float(state["eta0"])
         self.accepted = list(state["accepted"])
         self.iteration, self.theta_bar = int(state["iteration"]), float(state["theta_bar"])
-        self.stats, self.last = {**self.stats, **state["stats"]}, dict(state["last"])
+        self.stats, self.last = {**self.stats, **state["stats"]}, {**self.last, **state["last"]}
         saved = state["d_prev"]
         if saved is None or self._host is None or not self._host.attached:
             self.d_prev = saved
