@@ -34,39 +34,30 @@ from lightning_dp import AdaCliP, AdaptiveGD, DPStrategy, HeavyBall, LineSearch,
 FULL_BATCH = -1
 """Marker: the batch is the whole train split (q = 1)."""
 
-
-@dataclass(frozen=True)
-class Setting:
-    """What a mechanism's arguments may depend on: the user's clip bound and learning rate."""
-
-    max_grad_norm: float
-    lr: float
-
-
-#: name -> (the DPStrategy arguments swapped in, given the user's setting; batch size and epochs when
-#: they differ from the user's). A row after a mechanism's default row applies the fix its run-time
+#: name -> (the DPStrategy arguments swapped in, given the user's learning rate; batch size and epochs
+#: when they differ from the user's). A row after a mechanism's default row applies the fix its run-time
 #: message names.
-MECHANISMS: dict[str, tuple[Callable[[Setting], dict[str, Any]], int | None, int | None]] = {
-    "DP-SGD": (lambda s: {}, None, None),
-    "LineSearch()": (lambda s: {"step": LineSearch()}, None, None),
+MECHANISMS: dict[str, tuple[Callable[[float], dict[str, Any]], int | None, int | None]] = {
+    "DP-SGD": (lambda lr: {}, None, None),
+    "LineSearch()": (lambda lr: {"step": LineSearch()}, None, None),
     # the fix LineSearch's end-of-run message names on the MNIST CNN: start at the tuned DP-SGD lr
-    "LineSearch(eta0=lr)": (lambda s: {"step": LineSearch(eta0=s.lr)}, None, None),
-    "AdaCliP()": (lambda s: {"clipping": AdaCliP()}, None, None),
-    "AdaCliP(h2=1e-2)": (lambda s: {"clipping": AdaCliP(h2=1e-2)}, None, None),
-    "HeavyBall(beta=0.9)": (lambda s: {"step": HeavyBall(beta=0.9)}, None, None),
-    "Nesterov(momentum=0.9)": (lambda s: {"step": Nesterov(momentum=0.9)}, None, None),
+    "LineSearch(eta0=lr)": (lambda lr: {"step": LineSearch(eta0=lr)}, None, None),
+    "AdaCliP()": (lambda lr: {"clipping": AdaCliP()}, None, None),
+    "AdaCliP(h2=1e-2)": (lambda lr: {"clipping": AdaCliP(h2=1e-2)}, None, None),
+    "HeavyBall(beta=0.9)": (lambda lr: {"step": HeavyBall(beta=0.9)}, None, None),
+    "Nesterov(momentum=0.9)": (lambda lr: {"step": Nesterov(momentum=0.9)}, None, None),
     "Nesterov(0.9) + NoiseDividing()": (
-        lambda s: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
+        lambda lr: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
         None,
         None,
     ),
     "Nesterov(0.9) + NoiseDividing(uniform=True)": (
-        lambda s: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing(uniform=True)},
+        lambda lr: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing(uniform=True)},
         None,
         None,
     ),
-    "AdaptiveGD()": (lambda s: {"step": AdaptiveGD()}, None, None),
-    "AdaptiveGD(), full batch, max_epochs=-1": (lambda s: {"step": AdaptiveGD()}, FULL_BATCH, -1),
+    "AdaptiveGD()": (lambda lr: {"step": AdaptiveGD()}, None, None),
+    "AdaptiveGD(), full batch, max_epochs=-1": (lambda lr: {"step": AdaptiveGD()}, FULL_BATCH, -1),
 }
 
 
@@ -160,7 +151,7 @@ def run(
         delta=1e-5,
         max_grad_norm=user.max_grad_norm,
         seed=seed,
-        **arguments(Setting(user.max_grad_norm, lr)),
+        **arguments(lr),
     )
     with tempfile.TemporaryDirectory() as root, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

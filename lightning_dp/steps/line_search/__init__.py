@@ -623,7 +623,7 @@ class LineSearch(Step):
         self.eta0 = None if state["eta0"] is None else float(state["eta0"])
         self.accepted = list(state["accepted"])
         self.iteration, self.theta_bar = int(state["iteration"]), float(state["theta_bar"])
-        self.stats, self.last = {**self.stats, **state["stats"]}, {**self.last, **state["last"]}
+        self.stats, self.last = {**self.stats, **state["stats"]}, dict(state["last"])
         saved = state["d_prev"]
         if saved is None or self._host is None or not self._host.attached:
             self.d_prev = saved
