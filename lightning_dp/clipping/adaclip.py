@@ -104,7 +104,11 @@ def _linear_transformed_sq_norms(
         f64 = torch.float64
 
         def exact(i: Tensor) -> Tensor:
-            return _expanded_sq_norms(x2[i].to(f64), d2[i].to(f64), shift[j].to(f64), inv_scale[j].to(f64))[0]
+            # The direct form in fp64, one example at a time: the expanded form cancels in fp64 too
+            # (terms ~1e8, value ~1e-6 measured), so it cannot be the exact reference.
+            a, inv_b = shift[j].to(f64), inv_scale[j].to(f64)
+            rows = [((d2[k].to(f64)[:, None] * x2[k].to(f64)[None, :] - a) * inv_b).square().sum() for k in i]
+            return torch.stack(rows) if rows else torch.zeros(0, dtype=f64, device=x2.device)
 
         out[weight] = certified_sq_norms(norms, bound, exact).clamp(min=0)
     if isinstance(bias, nn.Parameter) and bias in index:
