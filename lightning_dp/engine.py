@@ -166,6 +166,31 @@ class PrivateStepEngine:
             self.clipping.setup(self.grads.params)
             self.releases.anchor = self.grads.params[0]
 
+    def refresh_parameters(self) -> None:
+        """Before each step: cover exactly the parameters that are trainable now (``BackboneFinetuning``
+        unfreezes a backbone at a later epoch; every one of them is clipped and noised from that step on).
+
+        Slots that keep state per parameter (``Slot.tracks_parameters``) cannot follow a change after the
+        first step: the run is refused before the release, naming the parameters."""
+        if self.grads is None:
+            return
+        before = list(self.grads.params)
+        if not self.grads.refresh():
+            return
+        tracking = [slot.name for _, slot in self._slots() if slot.tracks_parameters]
+        if tracking and self.steps > 0:
+            names = {p: n for n, p in self.module.named_parameters()} if self.module is not None else {}
+            added = [names.get(p, "?") for p in self.grads.params if p not in set(before)]
+            removed = [names.get(p, "?") for p in before if p not in set(self.grads.params)]
+            raise DPConfigurationError(
+                f"The trainable parameters changed after {self.steps} steps (now trainable: {added[:8]}; now "
+                f"frozen: {removed[:8]}), but {', '.join(tracking)} keeps state per parameter and cannot follow "
+                "the change. Unfreeze (or freeze) before fit starts, or train with slots that keep no such "
+                "state (the default clipping and the user's optimizer step)."
+            )
+        self.clipping.setup(self.grads.params)
+        self.releases.anchor = self.grads.params[0]
+
     def clear_gradients(self) -> None:
         """Drop the per-example gradients captured so far (a step about to backpropagate another batch)."""
         assert self.grads is not None, "attach() first"
@@ -270,6 +295,7 @@ class PrivateStepEngine:
     def begin_batch(self, realised: int | None) -> None:
         """A new sampled batch of ``realised`` examples: one release may be made from it, and every
         layer must see ``realised`` on its batch dimension (None: the size is not known, unchecked)."""
+        self.refresh_parameters()
         self.realised_batch = self.chunk_batch = realised
         self.releases_this_batch = 0
         self.halted = False

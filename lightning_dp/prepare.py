@@ -12,8 +12,7 @@ import math
 from os import PathLike
 from typing import IO, Any, Literal, TypeVar
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
@@ -72,14 +71,9 @@ def check_no_direct_parameters(module: nn.Module) -> None:
 
 
 def check_stateful_layers(module: nn.Module) -> None:
-    """Refuse trainable layers whose buffers are updated from the batch: running statistics mix examples
-    (and store unprotected data in the model), and no per-example formula exists for them.
-
-    Known running-statistics layers are refused here; a custom layer with buffers is watched instead
-    (:class:`BufferWatch`): constant buffers are fine, buffers its first training forward changes are not.
-    """
-    from opacus.grad_sample import GradSampleHooks
-
+    """Refuse trainable layers known to keep running statistics of the batch (saved with the model
+    unprotected). Any other buffer written during training is caught by the run-time checks
+    (``lightning_dp.checks.state``): refused between steps, verified against the batch in the forward."""
     from lightning_dp.per_example.capture import trainable_layers
 
     for name, layer in trainable_layers(module):
@@ -88,72 +82,6 @@ def check_stateful_layers(module: nn.Module) -> None:
                 f"Layer {name} ({type(layer).__name__}) has track_running_stats=True: its running statistics are "
                 "computed from the private batch and saved with the model. Use track_running_stats=False."
             )
-        if type(layer) not in GradSampleHooks.GRAD_SAMPLERS and any(True for _ in layer.buffers()):
-            BufferWatch(name, layer, module)
-
-
-class BufferWatch:
-    """Checks a custom layer's buffers across its first forward in training mode with autograd on (the
-    first private step's, or a sensitivity pass before it: always before any noisy release).
-
-    A buffer that forward changed was computed from the batch (a running statistic): it mixes examples
-    and is saved with the model unprotected, so the run is refused. Constant buffers (masks, tables,
-    fixed scales) pass, and the hooks remove themselves after that one check.
-    """
-
-    def __init__(self, name: str, layer: nn.Module, root: nn.Module) -> None:
-        self.name, self.root = name, root
-        self.before: dict[str, Tensor] | None = None
-        self._handles = [
-            layer.register_forward_pre_hook(self._snapshot),
-            layer.register_forward_hook(self._compare),
-        ]
-
-    def _watching(self, layer: nn.Module) -> bool:
-        trainer = getattr(self.root, "_trainer", None)
-        if trainer is not None and not trains_privately(trainer.strategy):
-            self.remove()  # the module went on to a non-private fit: nothing to protect
-            return False
-        return layer.training and torch.is_grad_enabled()
-
-    def _snapshot(self, layer: nn.Module, inputs: Any) -> None:
-        if self._watching(layer):
-            self.before = {n: b.detach().clone() for n, b in layer.named_buffers()}
-
-    def _compare(self, layer: nn.Module, inputs: Any, output: Any) -> None:
-        if self.before is None:
-            return
-        before, after = self.before, dict(layer.named_buffers())
-        self.remove()
-        changed = sorted(
-            n
-            for n in before.keys() | after.keys()
-            if n not in before or n not in after or not _same(before[n], after[n])
-        )
-        if changed:
-            raise DPConfigurationError(
-                f"Layer {self.name} ({type(layer).__name__}) has buffers that its training forward changed "
-                f"({', '.join(changed)}) and no per-example gradient formula: buffers updated from the batch mix "
-                "examples and are saved with the model unprotected. Remove the buffers, keep them constant, or "
-                "compute the layer from parameters only."
-            )
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self.before = [], None
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    """Equal shape, dtype and values (NaN equal to NaN: a constant NaN entry is not a change)."""
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and bool(
-            torch.equal(a, b)
-            or (torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan()))
-        )
-    )
 
 
 M = TypeVar("M", bound=nn.Module)

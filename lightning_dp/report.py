@@ -8,6 +8,7 @@ from typing import IO, Any
 
 from lightning_dp.accounting import PrivacyFilter
 from lightning_dp.checkpointing import atomic_write
+from lightning_dp.checks import RunChecks
 from lightning_dp.version import __version__
 
 REPORT_NAME = "privacy_report.json"
@@ -40,6 +41,9 @@ def privacy_report(
         "stopped_on_budget": stopped_on_budget,
         "lightning_dp_version": __version__,
     }
+    checks = getattr(strategy, "checks", None)  # the audit reports a strategy-less run too
+    if isinstance(checks, RunChecks):
+        data["checks"] = checks.summary()
     if isinstance(engine.ledger, PrivacyFilter):
         # Adaptively chosen releases: the guarantee is the budget fixed in advance (the filter's target);
         # the composition of what happened to be released is an odometer reading beside it.

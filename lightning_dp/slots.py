@@ -31,6 +31,10 @@ class Slot:
     seed: int | None = None
     """The slot's own seed, if it draws random numbers (None: ``os.urandom``; a resumed run then does
     not restore the slot's generator states)."""
+    tracks_parameters: bool = False
+    """Whether the slot keeps state per trainable parameter, by position (AdaCliP's running mean, a
+    momentum): such a run refuses a change of the trainable parameters once it has taken a step
+    (``BackboneFinetuning`` unfreezing a backbone); stateless slots cover the new set from that step on."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}

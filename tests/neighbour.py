@@ -84,17 +84,21 @@ def neighbour_move(
     dataset: Dataset[Any],
     make_strategy: Callable[[], DPStrategy],
     batch_size: int | None = None,
+    removed: int = -1,
     **trainer_kwargs: Any,
 ) -> NeighbourMove:
-    """One step on ``dataset`` and one on ``dataset`` minus its last example; how far the sum moved.
+    """One step on ``dataset`` and one on ``dataset`` minus one example; how far the sum moved.
 
     ``batch_size`` defaults to the data set size (q = 1: Poisson takes every example); the smaller data
-    set keeps the same q. The removed example is last, so the others keep their rows (and dropout masks).
+    set keeps the same q. By default the removed example is last, so the others keep their rows (and
+    dropout masks); ``removed=0`` takes the first (mixing that flows from earlier rows to later ones).
     """
     n = len(dataset)  # type: ignore[arg-type]
     full = released_sum(template, dataset, make_strategy, batch_size, **trainer_kwargs)
     smaller = None if batch_size is None else batch_size * (n - 1) // n
-    kept = released_sum(template, Subset(dataset, range(n - 1)), make_strategy, smaller, **trainer_kwargs)
+    out = removed % n
+    rest = Subset(dataset, [i for i in range(n) if i != out])
+    kept = released_sum(template, rest, make_strategy, smaller, **trainer_kwargs)
     assert full.sums is not None
     assert kept.sums is not None
     diffs = [a - b for a, b in zip(full.sums, kept.sums, strict=True)]

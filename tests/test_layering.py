@@ -44,7 +44,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "strategies/",
             "checkpointing.py",
             "callbacks.py",
-            "sensitivity.py",
+            "checks/",
             "run_length.py",
             "report.py",
             "lightning_cli.py",

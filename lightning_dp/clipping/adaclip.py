@@ -149,6 +149,8 @@ class AdaCliP(Clipping):
             when derived).
     """
 
+    tracks_parameters = True  # per-coordinate running mean and scale
+
     def __init__(
         self,
         h2: float | None = None,

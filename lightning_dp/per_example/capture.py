@@ -10,7 +10,9 @@ computes the layer's per-example norms (``per_example.kernels``) and keeps only 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -26,29 +28,44 @@ from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.materialized import add_samples, direct_params, grad_sampler, layer_method
+from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
 
 
-def trainable_layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def trainable_layers(root: nn.Module, trainable: bool = True) -> Iterator[tuple[str, nn.Module]]:
     """Every module that holds trainable parameters directly (or the parts of a swapped recurrent or
-    attention layer, see ``recurrent``); each covers only its own parameters."""
+    attention layer, see ``recurrent``); each covers only its own parameters. ``trainable=False``: every
+    module holding parameters, frozen ones too (any of them may be unfrozen during training)."""
 
     def visit(prefix: str, module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         parts = recurrent.parts_of(module)
         if parts is not None:
             for name, part in parts:
                 yield f"{prefix}.{name}" if prefix else name, part
-        elif direct_params(module):
+        elif direct_params(module, trainable):
             yield prefix, module
         for name, child in module.named_children():
+            if name == "parametrizations" and is_parametrized(module):
+                continue  # the parametrized layer owns its originals (``direct_params``)
             yield from visit(f"{prefix}.{name}" if prefix else name, child)
 
     yield from visit("", root)
 
 
-def expands_params(module: nn.Module) -> bool:
+def _unique(layers: Iterator[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Each layer once, under the first name it is reached by."""
+    seen: set[int] = set()
+    out = []
+    for name, module in layers:
+        if id(module) not in seen:
+            seen.add(id(module))
+            out.append((name, module))
+    return out
+
+
+def expands_params(module: nn.Module, trainable: bool = True) -> bool:
     """A container whose own parameters all have a leading dimension of 1 (ViT's ``cls_token`` and
     ``pos_embed``): they are batch-expanded during its forward so their gradient is per example."""
-    own = direct_params(module)
+    own = direct_params(module, trainable)
     return bool(own) and all(p.dim() > 0 and p.shape[0] == 1 for _, p in own)
 
 
@@ -116,17 +133,26 @@ class GradientCapture:
         """This capture's choice of convolution norm method per shape (timed once, kept for the run)."""
         ecosystem.register_loaded()
         self._swapped = recurrent.swap(root)
-        self.layers = list(trainable_layers(root))
+        self.root = root
+        self.layers = _unique(trainable_layers(root, trainable=False))
+        """Every layer holding parameters, frozen ones too: a parameter unfrozen during training
+        (``BackboneFinetuning``) is covered from that step on (:meth:`refresh`). A layer registered under
+        two names (``self.inp`` and ``self.net[0]``) is listed, and hooked, once, under its first name."""
         if mode == "auto":
-            layers = [m for _, m in self.layers if layer_method(m) != "direct"]
+            layers = [m for _, m in self.layers if layer_method(m) != "direct" and direct_params(m)]
             mode = "fast" if all(kernels.is_supported(m) for m in layers) else "materialize"
         self.mode = mode
-        self._own: dict[nn.Module, list[nn.Parameter]] = {
-            m: [p for _, p in direct_params(m)] for _, m in self.layers
+        self._all: dict[nn.Module, list[nn.Parameter]] = {
+            m: [p for _, p in direct_params(m, trainable=False)] for _, m in self.layers
         }
-        self.params = list(dict.fromkeys(p for _, m in self.layers for p in self._own[m]))
+        for module, _ in self._swapped:  # their parts are called inside their forward
+            self._all[module] = [p for _, p in direct_params(module, trainable=False)]
+        self._own: dict[nn.Module, list[nn.Parameter]] = {}
+        self.params: list[nn.Parameter] = []
         """Each trainable parameter once, tied ones included (their uses are summed per example)."""
-        _check_covered(root, set(self.params))
+        self._trainable: tuple[bool, ...] = ()
+        self._frozen: dict[nn.Module, list[nn.Parameter]] = {}
+        """Book-keeping: the parameters :meth:`_freeze` froze for the length of each layer's forward."""
         self.skip_param_grads = False
         """Book-keeping: when True, autograd computes no weight gradients (the engine builds the
         private gradient from inputs and output gradients alone), which saves a third of the backward."""
@@ -135,28 +161,63 @@ class GradientCapture:
         """How many captured layer calls use each parameter since the last ``collect`` (shared if > 1)."""
         self._batch_hint: int | None = None
         """The batch of the current forward: dimension 0 of the first captured layer's input."""
+        self.shared: set[nn.Module] = set()
+        """Layers whose calls take an input shared by the whole batch (``classify``)."""
+        self.batched: set[nn.Module] = set()
+        """Layers whose inputs scale with the batch (``classify``)."""
+        self.classified = False
+        """Whether ``classify`` ran (else the size rule: a one-dimensional lookup input whose length is not
+        the batch is shared)."""
+        self.probed = False
+        """Whether the strategy tried to classify (once per capture)."""
         self._expanded: dict[nn.Module, dict[str, nn.Parameter]] = {}
         self._handles: list[RemovableHandle] = []
         self._names = {p: name for name, p in root.named_parameters()}
         self._reached: set[nn.Parameter] = set()
         """Parameters autograd accumulated a gradient into since the last ``collect`` (first batch only)."""
-        self._reach_handles = [p.register_post_accumulate_grad_hook(self._reached.add) for p in self.params]
+        self._reach_handles: list[RemovableHandle] = []
+        self._unchecked: set[nn.Parameter] = set()
+        """Trainable parameters whose per-example path no batch has confirmed yet (``_check_reached``)."""
+        self.refresh()
         parts = {id(part) for module, _ in self._swapped for _, part in recurrent.parts_of(module) or []}
-        for module, _ in self._swapped:  # their parts are called inside their forward
-            self._own[module] = [p for _, p in direct_params(module)]
+        for module, _ in self._swapped:
             self._hook_freeze(module)
         for _, module in self.layers:
             path = self.path_of(module)
-            if path == "direct" and expands_params(module):
+            if path == "direct" and expands_params(module, trainable=False):
                 self._handles.append(module.register_forward_pre_hook(self._expand, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._restore, always_call=True))
                 continue
-            if id(module) not in parts and path != "direct":
+            if id(module) not in parts and path not in ("direct", "functorch"):
                 self._hook_freeze(module)
             if path in ("functorch", "direct"):
                 self._handles.append(module.register_forward_hook(self._capture_call, with_kwargs=True))
             else:
-                self._handles.append(module.register_forward_hook(self._capture))
+                self._handles.append(module.register_forward_hook(self._capture_kwargs, with_kwargs=True))
+
+    def refresh(self) -> bool:
+        """Read which parameters are trainable now (before each step); True when that changed.
+
+        A parameter unfrozen since the last step (``BackboneFinetuning``, ``requires_grad_(True)`` by hand)
+        is covered from now on, one frozen is left out; a trainable parameter no hooked layer holds is
+        refused (it would be stepped with noise only, or with its raw gradient)."""
+        flags = tuple(p.requires_grad for ps in self._all.values() for p in ps)
+        if flags == self._trainable:
+            return False
+        self._trainable = flags
+        self._own = {m: [p for p in ps if p.requires_grad] for m, ps in self._all.items()}
+        params = list(dict.fromkeys(p for _, m in self.layers for p in self._own[m]))
+        _check_covered(self.root, set(params))
+        if not params:
+            raise DPConfigurationError(
+                "No parameter is trainable: every layer is frozen (requires_grad=False), so a private step "
+                "would release nothing but noise. Unfreeze at least one layer."
+            )
+        new = [p for p in params if p not in set(self.params)]
+        self._unchecked |= set(new)
+        self._reach_handles += [p.register_post_accumulate_grad_hook(self._reached.add) for p in new]
+        self.params = params
+        return True
 
     def _hook_freeze(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(self._freeze))
@@ -169,7 +230,7 @@ class GradientCapture:
         return layer_method(module)
 
     def _active(self, module: nn.Module) -> bool:
-        return self.enabled and module.training and torch.is_grad_enabled()
+        return self.enabled and module.training and torch.is_grad_enabled() and bool(self._own.get(module))
 
     keep_param_grads = False
     """Set by the strategy when user code reads ``p.grad`` after backward (an ``on_after_backward``
@@ -179,15 +240,15 @@ class GradientCapture:
     def _freeze(self, module: nn.Module, inputs: tuple[Any, ...]) -> None:
         """Book-keeping: the layer's own parameters stop requiring grad for the length of its forward."""
         if self.skip_param_grads and not self.keep_param_grads and self._active(module):
-            for p in self._own[module]:
+            frozen = [p for p in self._own[module] if p.requires_grad]
+            for p in frozen:
                 p.requires_grad_(False)
+            self._frozen.setdefault(module, []).extend(frozen)
 
     def _thaw(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Undo :meth:`_freeze` (also when the forward raised)."""
         del inputs, output
-        if not self.enabled:  # a per-example recomputation (``_recomputed``): nothing was frozen
-            return
-        for p in self._own[module]:
+        for p in self._frozen.pop(module, []):  # exactly what _freeze froze: a user's frozen layer stays so
             p.requires_grad_(True)
 
     def expect_batch(self, size: int | None) -> None:
@@ -210,6 +271,9 @@ class GradientCapture:
         batch = self._batch_hint
         if batch is None or first is None or output.dim() == 0:
             return inputs, output
+        if module in self.batched:  # its inputs scale with the batch: never a broadcast, whatever the size
+            return inputs, output
+        shared = module in self.shared
         if batch > 1 and first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1:
             expanded = tuple(
                 x.expand(batch, *x.shape[1:])
@@ -218,9 +282,49 @@ class GradientCapture:
                 for x in inputs
             )
             return expanded, output.expand(batch, *output.shape[1:])
-        if isinstance(module, nn.Embedding) and first.dim() == 1 and first.shape[0] != batch:
+        lookup = isinstance(module, nn.Embedding) and first.dim() == 1
+        if lookup and (shared or (first.shape[0] != batch and not self.classified)):
             return (first.expand(batch, -1), *inputs[1:]), output.expand(batch, *output.shape)
         return inputs, output
+
+    # -- which layer calls are shared by the batch: decided by structure, not by a size -----------------
+    @contextlib.contextmanager
+    def recording_input_sizes(self) -> Iterator[dict[nn.Module, list[int]]]:
+        """For the block: dimension 0 of each hooked layer call's first tensor input, per layer, in call
+        order (the forward may run without autograd; nothing is captured)."""
+        sizes: dict[nn.Module, list[int]] = {}
+
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
+            if first is not None:
+                sizes.setdefault(module, []).append(first.shape[0] if first.dim() else -1)
+
+        handles = [m.register_forward_pre_hook(record, with_kwargs=True) for _, m in self.layers]
+        try:
+            yield sizes
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def classify(self, smaller: dict[nn.Module, list[int]], larger: dict[nn.Module, list[int]]) -> None:
+        """Layers whose input sizes are the same in two forwards of different batch sizes are shared by
+        the batch (a position lookup on ``arange(T)``): their calls are broadcast to every example even
+        when T happens to equal the batch. Layers whose sizes moved are per example."""
+        for module in smaller.keys() & larger.keys():
+            a, b = smaller[module], larger[module]
+            if len(a) != len(b):
+                continue
+            if a == b:
+                self.shared.add(module)
+            else:
+                self.batched.add(module)
+        self.classified = True
+
+    def _capture_kwargs(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """A layer called with keyword inputs (``fc(input=x)``) is captured like a positional call."""
+        return self._capture(module, positional(module, args, kwargs) if kwargs else args, output)
 
     def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
         if not (self._active(module) and isinstance(output, Tensor)):
@@ -302,12 +406,19 @@ class GradientCapture:
         batch = grads[0].shape[0]
         scale = self._scale(batch)
         self.enabled = False  # the recomputation must not reach the hooks of the layer or its children
+        # A weight computed from other parameters is recomputed in eval mode: its function (a spectral
+        # norm's power iteration) must not step again; it gives the weight the forward used.
+        modes = [(m, m.training) for m in module.modules()] if reparametrized(module) else []
+        for m, _ in modes:
+            m.training = False
         try:
             samples = vmap.per_example_grads(
                 module, dict(direct_params(module)), saved, positions, [g * scale for g in grads]
             )
         finally:
             self.enabled = True
+            for m, mode in modes:
+                m.training = mode
         add_samples(self.grad_samples, samples)
         self.batch_size = batch
 
@@ -374,6 +485,7 @@ class GradientCapture:
         for handle in self._reach_handles:  # checked on the first batch; later steps pay nothing
             handle.remove()
         self._reach_handles = []
+        self._unchecked.clear()
 
     def _scale(self, batch: int) -> float:
         """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
@@ -410,6 +522,20 @@ class GradientCapture:
         recurrent.unswap(self._swapped)
         self._swapped = []
         self.clear()
+
+
+@functools.cache
+def _signature(cls: type[nn.Module]) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def positional(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A call's inputs in the order of the layer's ``forward`` parameters (keywords placed by name)."""
+    try:
+        bound = _signature(type(module)).bind(module, *args, **kwargs)  # type: ignore[arg-type]
+    except TypeError:
+        return (*args, *kwargs.values())
+    return tuple(bound.arguments.values())[1:]
 
 
 class BatchDimensionError(DPConfigurationError):

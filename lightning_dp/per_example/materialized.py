@@ -13,27 +13,42 @@ from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
 from lightning_dp.per_example import vmap
+from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
 
 GradSampler = Callable[[nn.Module, list[Tensor], Tensor], dict[nn.Parameter, Tensor]]
 
 
-def direct_params(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Trainable parameters registered on ``module`` itself and on none of its descendants (aliases such
-    as Opacus's DPLSTM renaming its cells' weights belong to the cells)."""
-    below = {id(p) for child in module.children() for p in child.parameters()}
-    return [
-        (n, p) for n, p in module.named_parameters(recurse=False) if p.requires_grad and id(p) not in below
+def direct_params(module: nn.Module, trainable: bool = True) -> list[tuple[str, nn.Parameter]]:
+    """Parameters registered on ``module`` itself and on none of its descendants (aliases such as Opacus's
+    DPLSTM renaming its cells' weights belong to the cells); only trainable ones unless ``trainable=False``.
+
+    A layer with parametrized tensors (``torch.nn.utils.parametrize``: weight_norm, spectral_norm) owns the
+    parametrizations' original tensors too, under the names ``functional_call`` takes
+    (``parametrizations.weight.original``): its forward computes the weight from them."""
+    children = [
+        c for n, c in module.named_children() if not (n == "parametrizations" and is_parametrized(module))
     ]
+    below = {id(p) for child in children for p in child.parameters()}
+    own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) not in below]
+    if is_parametrized(module):
+        parametrizations = cast(nn.Module, module.parametrizations)
+        own += [(f"parametrizations.{n}", p) for n, p in parametrizations.named_parameters()]
+    return [(n, p) for n, p in own if p.requires_grad or not trainable]
 
 
 def _has_trainable_children(module: nn.Module) -> bool:
-    return any(p.requires_grad for child in module.children() for p in child.parameters())
+    children = [
+        c for n, c in module.named_children() if not (n == "parametrizations" and is_parametrized(module))
+    ]
+    return any(p.requires_grad for child in children for p in child.parameters())
 
 
 def layer_method(module: nn.Module) -> str:
     """How a layer's per-example gradients are computed when materialised: 'formula' (Opacus's per-layer
     formula), 'direct' (a container's own parameters, see ``direct_path``) or 'functorch' (recomputed
     per example, ``vmap``)."""
+    if reparametrized(module):  # the weight is a function of other parameters: recomputed per example
+        return "functorch"
     if type(module) in GradSampleHooks.GRAD_SAMPLERS:
         return "formula"
     return "direct" if _has_trainable_children(module) else "functorch"

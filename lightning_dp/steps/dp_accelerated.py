@@ -65,6 +65,8 @@ class _MomentumStep(Step):
     1/(1 − β) times as far (10× at β = 0.9). An ``lr`` given to the step itself is always the paper's α.
     """
 
+    tracks_parameters = True  # one momentum tensor per parameter
+
     def __init__(self, lr: float | None, step_size: StepSize = "effective") -> None:
         number(lr, "lr", owner=type(self).__name__, low=0, low_open=True, optional=True)
         if step_size not in ("effective", "paper"):

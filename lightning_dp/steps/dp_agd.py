@@ -128,6 +128,8 @@ class AdaptiveGD(Step):
             ``"bun_steinke"`` (the paper's Lemma 3.8: 17-100 % less ρ for the same ε; reproduces its tables).
     """
 
+    tracks_parameters = True  # its direction follows the parameters by position
+
     needs_sums = True
 
     spends_until_budget = True

@@ -30,10 +30,10 @@ from lightning_dp.accounting import BudgetExceededError, PrivacyLedger
 from lightning_dp.batches import BatchWithInfo, EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.checkpointing import atomic_save, is_local_path, unreadable_checkpoint
+from lightning_dp.checks import RunChecks
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.prepare import OnBatchNorm, prepare_module
-from lightning_dp.sensitivity import check_sensitivity
 from lightning_dp.strategies import checkpoints, loaders, refusals, routing
 from lightning_dp.strategies.config import PrivacyConfig
 from lightning_dp.strategies.norm_pass import sampler_runtime
@@ -56,11 +56,17 @@ class DPStrategyBase(Strategy):
         self.config = config
         self.engine: PrivateStepEngine = config.build_engine()
         self.check_sensitivity = config.check_sensitivity
-        self.max_physical_batch_size = config.max_physical_batch_size
+        self.max_physical_batch_size = 1 if config.isolate_examples else config.max_physical_batch_size
+        self.checks = RunChecks.build(
+            config.check_sensitivity,
+            config.check_overhead,
+            config.seed,
+            config.isolate_examples,
+            tuple(config.public_buffers),
+        )
         self.on_batchnorm: OnBatchNorm = config.on_batchnorm
         self.setup_notes: list[str] = []
         self.clipping_paths = ""
-        self._sensitivity_checked = False
         self._resumed = False
         self._train_loader_pass: object = refusals.NO_PASS
         self._realised_sizes: loaders.RealisedSizes | None = None
@@ -98,6 +104,7 @@ class DPStrategyBase(Strategy):
             for note in self.setup_notes:
                 rank_zero_info(f"lightning-dp: {note}")
             self.engine.attach(self.lightning_module)
+            self.checks.setup(self.lightning_module, self.precision_plugin.convert_input)
             self._describe_clipping_paths()
             refusals.warn_on_non_private_gradient_hooks(trainer, self.engine)
             _ensure_privacy_callback(trainer)
@@ -167,7 +174,9 @@ class DPStrategyBase(Strategy):
         self._plan_noise(trainer, loader, num_batches)
         sampler = self.engine.sampler
         self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches))
-        return loaders.private_loader(loader, self._realised_sizes, sampler.carries_batch_info)
+        return loaders.private_loader(
+            loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity
+        )
 
     def _bind_sampler(self, loader: DataLoader) -> int:
         """Fix N and the logical batch in the sampler slot (q = batch / N); the batches of an epoch."""
@@ -221,17 +230,21 @@ class DPStrategyBase(Strategy):
             return BatchWithInfo(self.batch_to_device(batch.batch, device, dataloader_idx), batch.info)
         if isinstance(batch, EmptyBatch):
             return batch
-        return super().batch_to_device(batch, device, dataloader_idx)
+        moved = super().batch_to_device(batch, device, dataloader_idx)
+        trainer = self._trainer()
+        if trainer is not None and trainer.state.stage == RunningStage.TRAINING:
+            self.checks.integrity.after_transfer(moved)
+        return moved
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_sensitivity_once()
         batch, args, kwargs = routing.unwrap_batch_info(self.engine, args, kwargs)
         self.engine.batch = batch
         module = self.lightning_module
         assert module is not None
         if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
             return None  # the budget cannot pay for this batch: nothing is released, training stops
+        self._before_user_code(batch, args, kwargs)
         if isinstance(batch, EmptyBatch):
             return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
         if self.max_physical_batch_size is None:
@@ -239,11 +252,17 @@ class DPStrategyBase(Strategy):
         user_step, chunk = super().training_step, self.max_physical_batch_size
         return routing.virtual_batch_step(user_step, self.engine, module, batch, chunk, *args[1:], **kwargs)
 
-    def _check_sensitivity_once(self) -> None:
-        """Once per fit, before the first release: refuse a loss or forward that mixes examples."""
-        if not self._sensitivity_checked:
-            self._sensitivity_checked = True
-            check_sensitivity(self)
+    def _before_user_code(self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The checks of a sampled batch (lightning_dp/checks): the batch as sampled, no state written
+        between steps, and on checked steps the mixing check on what one forward will see."""
+        module = self.lightning_module
+        assert module is not None
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        check_batch = routing.first_chunk(batch, self.max_physical_batch_size)
+        self.checks.before_user_code(
+            self.engine, module, self._trainer(), batch, batch_idx, check_batch,
+            self.precision_plugin, self.root_device,
+        )  # fmt: skip
 
     # -- 6. the private step ----------------------------------------------------------------------------------------------------
     @override
@@ -251,10 +270,17 @@ class DPStrategyBase(Strategy):
         super().post_backward(closure_loss)
         if self.engine.grads is None:
             return
+        self.checks.before_release()
         try:
             self.engine.privatize()
         except BudgetExceededError as err:
             raise DPConfigurationError(refusals.budget_message(self.engine, self._trainer())) from err
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.checks.after_step()  # later writes to the model are measured from here
+        return output
 
     @override
     def on_train_end(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,7 +51,10 @@ class PrivacyConfig:
     seed: int | None = None
     max_physical_batch_size: int | None = None
     grad_sample_mode: GradMode = "auto"
-    check_sensitivity: bool = True
+    check_sensitivity: bool | Literal["every_step"] = True
+    check_overhead: float = 0.05
+    isolate_examples: bool = False
+    public_buffers: Sequence[str] = ()
     owner: str = dataclasses.field(default="DPStrategy", compare=False)
     """The class named in error messages."""
 
@@ -66,6 +69,7 @@ class PrivacyConfig:
         return cls(**{name: arguments[name] for name in cls.parameters()}, owner=owner)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "public_buffers", tuple(self.public_buffers or ()))
         _validate(self)
         no_noise_given = self.noise_multiplier is None and (self.noise is None or not self.noise.is_set)
         if self.target_epsilon is None and no_noise_given:
@@ -94,7 +98,17 @@ class PrivacyConfig:
 def _validate(config: PrivacyConfig) -> None:
     """Type and range of every argument, named in the message (lightning_dp/validation.py)."""
     owner = config.owner
-    validation.flag(config.check_sensitivity, "check_sensitivity", owner=owner)
+    if config.check_sensitivity != "every_step":
+        validation.flag(config.check_sensitivity, "check_sensitivity", owner=owner)
+    number(config.check_overhead, "check_overhead", owner=owner, low=0, high=1, low_open=True)
+    validation.flag(config.isolate_examples, "isolate_examples", owner=owner)
+    if not all(isinstance(name, str) for name in config.public_buffers):
+        raise DPConfigurationError(f"{owner}: public_buffers must be buffer names or patterns (strings).")
+    if config.isolate_examples and config.max_physical_batch_size not in (None, 1):
+        raise DPConfigurationError(
+            f"{owner}: isolate_examples=True runs each example through training_step alone; "
+            f"max_physical_batch_size={config.max_physical_batch_size} would group them again. Leave it unset."
+        )
     number(config.target_epsilon, "target_epsilon", owner=owner, low=0, low_open=True, optional=True)
     number(
         config.delta, "delta", owner=owner, low=0, high=1, low_open=True, high_open=True,

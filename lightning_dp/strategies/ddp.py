@@ -8,6 +8,7 @@ gradient (the model is not wrapped), so there is exactly one collective per step
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -117,7 +118,10 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         per_device_batch_size: bool = False,
         max_physical_batch_size: int | None = None,
         grad_sample_mode: GradMode = "auto",
-        check_sensitivity: bool = True,
+        check_sensitivity: bool | Literal["every_step"] = True,
+        check_overhead: float = 0.05,
+        isolate_examples: bool = False,
+        public_buffers: Sequence[str] = (),
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",

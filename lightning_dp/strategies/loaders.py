@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_dp.batches import BatchWithInfo, EmptyBatch, InfoDataset
+from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 
@@ -62,9 +63,34 @@ class RealisedSizes(torch.utils.data.Sampler[list[int]]):
         return self.sizes.popleft() if self.sizes else None
 
 
-def private_loader(loader: DataLoader, batches: RealisedSizes, carries_batch_info: bool) -> DataLoader:
+class PrivateLoader(DataLoader):
+    """A DataLoader that records every batch it yields (``BatchIntegrity.sampled``), in delivery order, so
+    the strategy can tell that what reaches ``training_step`` is that batch, unchanged by hooks."""
+
+    integrity: BatchIntegrity | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        integrity = self.integrity
+        if integrity is None:
+            return super().__iter__()
+        integrity.new_pass()
+        return self._recorded(super().__iter__(), integrity)
+
+    @staticmethod
+    def _recorded(batches: Iterator[Any], integrity: BatchIntegrity) -> Iterator[Any]:
+        for batch in batches:
+            integrity.sampled(batch)
+            yield batch
+
+
+def private_loader(
+    loader: DataLoader,
+    batches: RealisedSizes,
+    carries_batch_info: bool,
+    integrity: BatchIntegrity | None = None,
+) -> DataLoader:
     """The user's loader with the sampler slot's ``batches``; its workers and memory settings kept."""
-    return DataLoader(
+    private = PrivateLoader(
         InfoDataset(loader.dataset) if carries_batch_info else loader.dataset,
         batch_sampler=batches,
         collate_fn=CollateWithEmpty(loader.collate_fn),
@@ -76,6 +102,8 @@ def private_loader(loader: DataLoader, batches: RealisedSizes, carries_batch_inf
         persistent_workers=loader.persistent_workers,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
     )
+    private.integrity = integrity
+    return private
 
 
 def _limited_batches(trainer: Trainer, num_batches: int) -> int:

@@ -60,6 +60,13 @@ def begin_sampled_batch(
     return False
 
 
+def first_chunk(batch: Any, chunk_size: int | None) -> Any:
+    """What the first forward of a sampled batch sees: the batch, or its first physical chunk."""
+    if chunk_size is None or isinstance(batch, EmptyBatch):
+        return batch
+    return split_batch(batch, chunk_size)[0]
+
+
 def noise_only_step(
     engine: PrivateStepEngine, module: LightningModule, optimizers: Sequence[Optimizer], device: torch.device
 ) -> Tensor | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -38,8 +39,15 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             (virtual batching): memory no longer limits the logical batch, q or ε. Noise is added once.
         grad_sample_mode: ``"auto"`` (fast clipping without per-example gradients when every layer
             supports it), ``"fast"`` (fast where supported, materialised elsewhere) or ``"materialize"``.
-        check_sensitivity: at fit start, refuse a loss or forward that mixes examples (leave-one-out
-            check on a few train examples; nothing is released). Turn off only for a verified model.
+        check_sensitivity: refuse a loss, forward or hook that mixes examples, before the release it would
+            break: the user's step is run again on the real batch with one example removed or replaced, on
+            the first batch and on random later ones within ``check_overhead`` of the training time;
+            ``"every_step"`` checks every batch (audits). Turn off only for a verified model.
+        check_overhead: the share of training time the sampled checks may take (default 0.05).
+        isolate_examples: run each example through ``training_step`` alone (one forward and backward per
+            example), so no loss or forward can mix examples by construction; slower.
+        public_buffers: names (or fnmatch patterns) of buffers written between steps or in forward from the
+            weights, the step count or public constants only (an EMA of the weights); others are refused.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
 
     The privacy arguments are those of :class:`~lightning_dp.strategies.PrivacyConfig` (validated there);
@@ -64,7 +72,10 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         seed: int | None = None,
         max_physical_batch_size: int | None = None,
         grad_sample_mode: GradMode = "auto",
-        check_sensitivity: bool = True,
+        check_sensitivity: bool | Literal["every_step"] = True,
+        check_overhead: float = 0.05,
+        isolate_examples: bool = False,
+        public_buffers: Sequence[str] = (),
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,

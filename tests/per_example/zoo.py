@@ -458,6 +458,7 @@ TABLE_START, TABLE_END = "<!-- zoo-table:start -->", "<!-- zoo-table:end -->"
 def path_summary(entry: ZooModel) -> dict[str, Counter[str]]:
     """Which path each trainable layer of the model takes: path → Counter of layer type names."""
     from lightning_dp.per_example import GradientCapture
+    from lightning_dp.per_example.materialized import direct_params
     from lightning_dp.prepare import replace_batchnorm
 
     torch.manual_seed(0)
@@ -468,6 +469,8 @@ def path_summary(entry: ZooModel) -> dict[str, Counter[str]]:
     try:
         summary: dict[str, Counter[str]] = {}
         for _, layer in grads.layers:
+            if not direct_params(layer):  # frozen (LoRA's base layers): hooked, but nothing to clip
+                continue
             summary.setdefault(grads.path_of(layer), Counter())[type(layer).__name__] += 1
         summary.setdefault(f"{grads.mode} mode", Counter())
         return summary

@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from lightning_dp.per_example.reparametrized import reparametrized
+
 Cache = dict[nn.Parameter, Tensor]
 """Per-example gradients [B, *param.shape] a kernel materialised for the norms anyway; ``weighted_grad``
 reuses them (a B-term weighted sum) instead of a second reduction over the layer's inputs."""
@@ -67,7 +69,7 @@ class KernelPair:
 
 def is_supported(layer: nn.Module) -> bool:
     """Whether ``layer`` has fast kernels (exact type registered and no option that breaks them)."""
-    if type(layer) not in FAST_CLIPPERS:
+    if type(layer) not in FAST_CLIPPERS or reparametrized(layer):
         return False
     if isinstance(layer, nn.Embedding):
         # scale_grad_by_freq rescales by counts over the whole batch: not a per-example gradient.

@@ -110,6 +110,8 @@ class LineSearch(Step):
         chunk_size: evaluate the candidates on at most this many examples per forward.
     """
 
+    tracks_parameters = True  # its search state follows the parameters by position
+
     def __init__(
         self,
         mode: Mode = "nn",
