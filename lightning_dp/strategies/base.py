@@ -64,6 +64,7 @@ class DPStrategyBase(Strategy):
         self._resumed = False
         self._train_loader_pass: object = refusals.NO_PASS
         self._realised_sizes: loaders.RealisedSizes | None = None
+        self.step_counts = checkpoints.StepCounts()
 
     # -- conveniences for users and callbacks ---------------------------------------------------------
     @property
@@ -93,6 +94,7 @@ class DPStrategyBase(Strategy):
         if trainer.state.fn == TrainerFn.FITTING:
             refusals.refuse_unsafe_trainer(trainer, self.precision_plugin)
             self._train_loader_pass = refusals.NO_PASS
+            self.step_counts.start_fit(self.engine, trainer)
             assert self.lightning_module is not None
             self.setup_notes = prepare_module(self.lightning_module, self.on_batchnorm)
             for note in self.setup_notes:
@@ -132,7 +134,9 @@ class DPStrategyBase(Strategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(self.engine, self.world_size)
+        checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(
+            self.engine, self.world_size, self.step_counts
+        )
         plain_file = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None
         if not (plain_file and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -150,7 +154,7 @@ class DPStrategyBase(Strategy):
             raise DPConfigurationError(problem) from err
         if self._fitting():
             checkpoints.restore_dp_state(
-                self.engine, checkpoint, checkpoint_path, self.world_size, self.global_rank
+                self.engine, checkpoint, checkpoint_path, self.world_size, self.global_rank, self.step_counts
             )
             self._resumed = True
         return checkpoint
@@ -173,8 +177,10 @@ class DPStrategyBase(Strategy):
         """Fix N and the logical batch in the sampler slot (q = batch / N); the batches of an epoch."""
         assert loader.batch_size is not None
         num_samples = len(loader.dataset)  # type: ignore[arg-type]
-        self.engine.train_data = (loader.dataset, loaders.CollateWithEmpty(loader.collate_fn))
         logical_batch = loader.batch_size * (self.world_size if self.per_device_batch_size else 1)
+        public = self.config.data_changes == "public"
+        loaders.check_reloaded_data(self.engine, loader.dataset, num_samples, logical_batch, public)
+        self.engine.train_data = (loader.dataset, loaders.CollateWithEmpty(loader.collate_fn))
         self._check_ranks_agree({"N (training examples)": num_samples, "logical batch": logical_batch})
         try:
             self.engine.sampler.bind(
@@ -182,8 +188,7 @@ class DPStrategyBase(Strategy):
             )
         except ValueError as err:
             raise DPConfigurationError(str(err)) from err
-        if self._resumed:
-            checkpoints.check_resumed_data(self.engine.sampler)
+        checkpoints.check_resumed_data(self.engine, self.step_counts, public)
         refusals.warn_on_large_delta(self.engine.delta, num_samples)
         return max(1, math.ceil(num_samples / logical_batch))
 
@@ -231,8 +236,10 @@ class DPStrategyBase(Strategy):
         module = self.lightning_module
         assert module is not None
         if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
+            self.step_counts.released_nothing(module)
             return None  # the budget cannot pay for this batch: nothing is released, training stops
         if isinstance(batch, EmptyBatch):
+            self.step_counts.noise_only(module)
             return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
         if self.max_physical_batch_size is None:
             return super().training_step(*args, **kwargs)

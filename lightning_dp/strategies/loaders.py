@@ -7,10 +7,12 @@ noise-only step), and the number of steps the Trainer will run sets σ when a ta
 
 from __future__ import annotations
 
+import types
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
@@ -76,6 +78,66 @@ def private_loader(loader: DataLoader, batches: RealisedSizes, carries_batch_inf
         persistent_workers=loader.persistent_workers,
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
     )
+
+
+def check_reloaded_data(
+    engine: PrivateStepEngine, dataset: Any, num_samples: int, logical_batch: int, public: bool
+) -> None:
+    """A train loader set up again in a run (``reload_dataloaders_every_n_epochs``, a second fit) must hold the
+    same data as the one the sampler was bound to: the same N, the same q and the same examples.
+
+    A change read from private data (a self-paced curriculum that keeps the examples with a low loss) makes
+    N, q and the choice of examples a release without noise. ``public``: the user declared that no private
+    data decides the change, so each epoch's N and q are priced as they come. Checked before the next release.
+    """
+    if engine.train_data is None or public:
+        return
+    sampler = engine.sampler
+    before_n, before_q = sampler.num_samples, sampler.sample_rate
+    q = logical_batch / num_samples
+    if num_samples != before_n:
+        change = f"the training set went from N={before_n} to N={num_samples} examples (q from {before_q:.6g} to {q:.6g})"
+    elif q != before_q:
+        change = f"batch_size changed q from {before_q:.6g} to {q:.6g}"
+    elif not same_data(engine.train_data[0], dataset):
+        change = f"it returns a different data set of the same size (N={num_samples})"
+    else:
+        return
+    raise DPConfigurationError(
+        f"The train loader changed during the run: {change}. Which examples train, and how many, would then "
+        "be read from the training data without noise (a curriculum that picks examples by their loss), and "
+        "the ledger does not price that choice. Return the same data set every epoch (the same object, or one "
+        "with the same contents), or, if no private data decides the change (a fixed, public schedule), pass "
+        "DPStrategy(data_changes='public'): each epoch's N and q are then priced as they are."
+    )
+
+
+_MAX_DEPTH = 8
+
+
+def same_data(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether two data sets hold the same examples, by a cheap structural comparison: the same object, or
+    the same type with equal tensors, arrays, index lists and settings (a ``Subset`` of the same data with
+    the same indices, a ``TensorDataset`` over equal tensors). False whenever it cannot tell."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or depth > _MAX_DEPTH:
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+    if isinstance(a, (bool, int, float, complex, str, bytes, type(None), range)):
+        return bool(a == b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_data(x, y, depth + 1) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(same_data(a[k], b[k], depth + 1) for k in a)
+    if isinstance(a, types.MethodType):
+        return a.__func__ is b.__func__ and same_data(a.__self__, b.__self__, depth + 1)
+    if isinstance(a, types.FunctionType | types.BuiltinFunctionType) or not hasattr(a, "__dict__"):
+        return False  # two different functions, or an object whose state cannot be read: cannot tell
+    return same_data(vars(a), vars(b), depth + 1)
 
 
 def _limited_batches(trainer: Trainer, num_batches: int) -> int:

@@ -14,7 +14,7 @@ from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 from lightning_dp.strategies.base import DPStrategyBase
-from lightning_dp.strategies.config import PrivacyConfig
+from lightning_dp.strategies.config import DataChanges, PrivacyConfig
 
 
 class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
@@ -40,6 +40,10 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             supports it), ``"fast"`` (fast where supported, materialised elsewhere) or ``"materialize"``.
         check_sensitivity: at fit start, refuse a loss or forward that mixes examples (leave-one-out
             check on a few train examples; nothing is released). Turn off only for a verified model.
+        data_changes: ``"refuse"`` (default) refuses a train loader whose data set, N or batch size
+            changes between epochs (``reload_dataloaders_every_n_epochs``, a curriculum), before the next
+            release: such a change read from private data is released without noise. ``"public"``
+            declares that no private data decides the change (a fixed schedule); each epoch's q is priced.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
 
     The privacy arguments are those of :class:`~lightning_dp.strategies.PrivacyConfig` (validated there);
@@ -65,6 +69,7 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         max_physical_batch_size: int | None = None,
         grad_sample_mode: GradMode = "auto",
         check_sensitivity: bool = True,
+        data_changes: DataChanges = "refuse",
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
