@@ -65,6 +65,7 @@ class DPStrategyBase(Strategy):
         self._train_loader_pass: object = refusals.NO_PASS
         self._realised_sizes: loaders.RealisedSizes | None = None
         self.step_counts = checkpoints.StepCounts()
+        self._bound_data: loaders.BoundData | None = None
 
     # -- conveniences for users and callbacks ---------------------------------------------------------
     @property
@@ -179,7 +180,8 @@ class DPStrategyBase(Strategy):
         num_samples = len(loader.dataset)  # type: ignore[arg-type]
         logical_batch = loader.batch_size * (self.world_size if self.per_device_batch_size else 1)
         public = self.config.data_changes == "public"
-        loaders.check_reloaded_data(self.engine, loader.dataset, num_samples, logical_batch, public)
+        bound = loaders.BoundData(loader.dataset, num_samples, logical_batch)
+        self._bound_data = loaders.check_reloaded_data(self._bound_data, bound, public)
         self.engine.train_data = (loader.dataset, loaders.CollateWithEmpty(loader.collate_fn))
         self._check_ranks_agree({"N (training examples)": num_samples, "logical batch": logical_batch})
         try:

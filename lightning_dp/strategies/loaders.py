@@ -10,6 +10,7 @@ from __future__ import annotations
 import types
 from collections import deque
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,29 +81,38 @@ def private_loader(loader: DataLoader, batches: RealisedSizes, carries_batch_inf
     )
 
 
-def check_reloaded_data(
-    engine: PrivateStepEngine, dataset: Any, num_samples: int, logical_batch: int, public: bool
-) -> None:
+@dataclass(frozen=True)
+class BoundData:
+    """The training set the sampler was bound to in this run: the data set, N and the logical batch."""
+
+    dataset: Any
+    num_samples: int
+    logical_batch: int
+
+
+def check_reloaded_data(bound: BoundData | None, now: BoundData, public: bool) -> BoundData:
     """A train loader set up again in a run (``reload_dataloaders_every_n_epochs``, a second fit) must hold the
-    same data as the one the sampler was bound to: the same N, the same q and the same examples.
+    same data as the one the sampler was first bound to: the same N, the same batch size (so the same q) and
+    the same examples. Returns what the run is bound to from now on.
 
     A change read from private data (a self-paced curriculum that keeps the examples with a low loss) makes
     N, q and the choice of examples a release without noise. ``public``: the user declared that no private
     data decides the change, so each epoch's N and q are priced as they come. Checked before the next release.
     """
-    if engine.train_data is None or public:
-        return
-    sampler = engine.sampler
-    before_n, before_q = sampler.num_samples, sampler.sample_rate
-    q = logical_batch / num_samples
-    if num_samples != before_n:
-        change = f"the training set went from N={before_n} to N={num_samples} examples (q from {before_q:.6g} to {q:.6g})"
-    elif q != before_q:
+    if bound is None or public:
+        return now
+    before_q, q = bound.logical_batch / bound.num_samples, now.logical_batch / now.num_samples
+    if now.num_samples != bound.num_samples:
+        change = (
+            f"the training set went from N={bound.num_samples} to N={now.num_samples} examples "
+            f"(q from {before_q:.6g} to {q:.6g})"
+        )
+    elif now.logical_batch != bound.logical_batch:
         change = f"batch_size changed q from {before_q:.6g} to {q:.6g}"
-    elif not same_data(engine.train_data[0], dataset):
-        change = f"it returns a different data set of the same size (N={num_samples})"
+    elif not same_data(bound.dataset, now.dataset):
+        change = f"it returns a different data set of the same size (N={now.num_samples})"
     else:
-        return
+        return bound
     raise DPConfigurationError(
         f"The train loader changed during the run: {change}. Which examples train, and how many, would then "
         "be read from the training data without noise (a curriculum that picks examples by their loss), and "
@@ -124,9 +134,20 @@ def same_data(a: Any, b: Any, depth: int = 0) -> bool:
     if type(a) is not type(b) or depth > _MAX_DEPTH:
         return False
     if isinstance(a, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b))
+        if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+            return False
+        return bool(
+            torch.equal(a, b)
+            or (
+                a.is_floating_point()
+                and torch.equal(a.isnan(), b.isnan())
+                and torch.equal(a.nan_to_num(), b.nan_to_num())
+            )
+        )
     if isinstance(a, np.ndarray):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b))
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            return False
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
     if isinstance(a, (bool, int, float, complex, str, bytes, type(None), range)):
         return bool(a == b)
     if isinstance(a, (list, tuple)):
