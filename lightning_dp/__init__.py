@@ -5,6 +5,7 @@ LightningModule with DP-SGD: Poisson sampling, per-example clipping, calibrated 
 privacy ledger that never lets ε pass its target.
 """
 
+import lightning_dp._logging  # noqa: F401  (first: Opacus's import must not add a root logging handler)
 from lightning_dp.audit import AuditResult, audit
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback

@@ -60,14 +60,18 @@ def training_metric_names(trainer: Trainer) -> set[str]:
 
 
 def private_monitors(trainer: Trainer) -> list[str]:
-    """``EarlyStopping``/``ModelCheckpoint`` callbacks that watch a metric logged during training."""
-    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-
+    """Callbacks (``EarlyStopping``, ``ModelCheckpoint``, any with a ``monitor``) and learning-rate schedulers
+    (``ReduceLROnPlateau`` through ``configure_optimizers``) that watch a metric logged during training."""
     logged = training_metric_names(trainer)
-    return [
-        f"{type(callback).__name__}(monitor={callback.monitor!r})"
+    watchers = [
+        (type(callback).__name__, getattr(callback, "monitor", None))
         for callback in trainer.callbacks  # type: ignore[attr-defined]
-        if isinstance(callback, EarlyStopping | ModelCheckpoint) and callback.monitor in logged
+    ]
+    watchers += [(type(config.scheduler).__name__, config.monitor) for config in trainer.lr_scheduler_configs]
+    return [
+        f"{name}(monitor={monitor!r})"
+        for name, monitor in watchers
+        if isinstance(monitor, str) and monitor in logged
     ]
 
 
@@ -133,17 +137,19 @@ class PrivacyCallback(Callback):
         self.stopped_on_budget = True
 
     def _warn_on_private_monitors(self, trainer: Trainer) -> None:
-        """Once, after the first step's logs: stopping or keeping weights on a training metric is not private."""
+        """Once, after the first step's logs: stopping, keeping weights or scheduling the learning rate on a
+        training metric is not private."""
         if self._monitors_checked:
             return
         self._monitors_checked = True
         watchers = private_monitors(trainer)
         if watchers:
             warnings.warn(
-                f"{', '.join(watchers)} watches a metric logged during training: when training stops (or which "
-                "checkpoint is kept) then depends on the private training data with no noise, and ε does not "
-                "cover that choice. Monitor a metric computed on held-out validation data (logged in "
-                "validation_step) instead, or stop on a fixed number of steps.",
+                f"{', '.join(watchers)} watches a metric logged during training: when training stops, which "
+                "checkpoint is kept or how the learning rate changes then depends on the private training data "
+                "with no noise, and ε does not cover that choice. Monitor a metric computed on held-out "
+                "validation data (logged in validation_step) instead, or stop and schedule on a fixed number "
+                "of steps.",
                 stacklevel=2,
             )
 

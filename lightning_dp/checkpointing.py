@@ -170,13 +170,40 @@ def check_privacy_state(state: Any, path: Any) -> None:
         )
 
 
-def check_resumed_counts(engine: Any, state: dict[str, Any], global_step: Any, path: Any) -> None:
+def loop_global_step(checkpoint: dict[str, Any]) -> int | None:
+    """The optimizer steps Lightning's fit loop will resume from (its progress counters, which set
+    ``trainer.global_step`` on resume; the top-level ``global_step`` is only a copy). None when absent."""
+    fit_loop = (
+        checkpoint.get("loops", {}).get("fit_loop") if isinstance(checkpoint.get("loops"), dict) else None
+    )
+    if not isinstance(fit_loop, dict):
+        return None
+    paths = (
+        ("epoch_loop.automatic_optimization.optim_progress", "optimizer", "step", "total", "completed"),
+        ("epoch_loop.manual_optimization.optim_step_progress", "total", "completed"),
+    )
+    total, found = 0, False
+    for path in paths:
+        value: Any = fit_loop
+        for key in path:
+            value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, int):
+            total, found = total + value, True
+    return total if found else None
+
+
+def check_resumed_counts(
+    engine: Any, state: dict[str, Any], checkpoint: dict[str, Any], path: Any, silent: int, outside: int
+) -> None:
     """The restored ledger must agree with the loop's step count, the engine's and the slots' own.
 
     Every private step records at least one event (steps that also release a search or a statistic
-    record more), so ``ledger events ≥ private steps == global_step``; the ledger's size at save time
-    is stored beside it, and no slot can have taken more steps than the engine. A lowered count or an
-    emptied history would resume at a smaller ε than was spent.
+    record more), so ``ledger events ≥ private steps``; the ledger's size at save time is stored beside
+    it, and no slot can have taken more steps than the engine. Lightning's loop counts
+    ``private steps − outside + silent`` optimizer steps (``silent``: steps that released nothing;
+    ``outside``: releases no optimizer step of the loop counted), in its progress counters and in the
+    top-level ``global_step``. A lowered count or an emptied history would resume at a smaller ε than
+    was spent.
     """
     steps, events = engine.steps, engine.ledger.steps
     problems = []
@@ -185,8 +212,17 @@ def check_resumed_counts(engine: Any, state: dict[str, Any], global_step: Any, p
         problems.append(f"its ledger holds {events} events but was saved holding {int(saved_events)}")
     if events < steps:
         problems.append(f"its ledger holds {events} events for {steps} private steps (at least one each)")
-    if isinstance(global_step, int) and global_step != steps:
-        problems.append(f"it records {steps} private steps at global_step {global_step}")
+    if silent < 0 or outside < 0 or outside > steps:
+        problems.append(f"its step counts are impossible ({silent} silent, {outside} outside the loop)")
+    global_step, loop_steps = checkpoint.get("global_step"), loop_global_step(checkpoint)
+    if isinstance(global_step, int) and loop_steps is not None and global_step != loop_steps:
+        problems.append(f"its global_step {global_step} is not the fit loop's {loop_steps} optimizer steps")
+    looped = steps - outside + silent
+    for counted in dict.fromkeys(n for n in (global_step, loop_steps) if isinstance(n, int)):
+        if counted != looped:
+            extra = f" (+ {silent} that released nothing)" if silent else ""
+            extra += f" (− {outside} outside the loop)" if outside else ""
+            problems.append(f"it records {steps} private steps{extra} at global_step {counted}")
     for name, slot in state["slots"].items():
         slot_state = slot.get("state") if isinstance(slot, dict) else None
         for key in SLOT_STEP_COUNTERS:
@@ -194,8 +230,13 @@ def check_resumed_counts(engine: Any, state: dict[str, Any], global_step: Any, p
             if isinstance(value, int) and value > steps:
                 problems.append(f"its {name} ({slot.get('name')}) has taken {value} steps, more than {steps}")
     if problems:
-        raise DPConfigurationError(
-            f"The checkpoint {path} does not add up: {'; '.join(problems)}. It was edited or written by "
-            "something else, and resuming from it would report less ε than was spent. Resume from a checkpoint "
-            "DPStrategy wrote, unchanged (latest_valid_checkpoint(folder)), or start a new run."
-        )
+        raise DPConfigurationError(does_not_add_up(path, problems))
+
+
+def does_not_add_up(path: Any, problems: list[str]) -> str:
+    """The refusal of a checkpoint whose privacy state disagrees with itself, listing each disagreement."""
+    return (
+        f"The checkpoint {path} does not add up: {'; '.join(problems)}. It was edited or written by "
+        "something else, and resuming from it would report less ε than was spent. Resume from a checkpoint "
+        "DPStrategy wrote, unchanged (latest_valid_checkpoint(folder)), or start a new run."
+    )

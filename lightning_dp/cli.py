@@ -13,7 +13,7 @@ import os
 import sys
 
 import lightning_dp
-from lightning_dp.lightning_cli import DPLightningCLI
+from lightning_dp.lightning_cli import DPLightningCLI, command_line_args
 
 
 def audit_main(args: list[str]) -> int:
@@ -97,22 +97,23 @@ def tune_main(args: list[str]) -> int:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of the ``lightning-dp`` console script."""
+    """Entry point of the ``lightning-dp`` console script (``args``: the command line without the program)."""
     lightning_dp.register()
     argv = args if args is not None else sys.argv[1:]
-    if argv[:1] == ["audit"]:
-        status = audit_main(argv[1:])
-        if status:
-            sys.exit(status)
-        return
-    if argv[:1] == ["tune"]:
-        tune_main(argv[1:])
-        return
-    DPLightningCLI(
-        args=argv,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-    )
+    with command_line_args():
+        if argv[:1] == ["audit"]:
+            status = audit_main(argv[1:])
+            if status:
+                sys.exit(status)
+            return
+        if argv[:1] == ["tune"]:
+            tune_main(argv[1:])
+            return
+        DPLightningCLI(
+            args=argv,
+            save_config_kwargs={"overwrite": True},
+            auto_configure_optimizers=False,
+        )
 
 
 if __name__ == "__main__":

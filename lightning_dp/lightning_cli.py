@@ -6,8 +6,11 @@ imports nothing above the callback, so the tuning package and the command need n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -39,6 +42,20 @@ class DPLightningCLI(LightningCLI):
             line += f", test accuracy = {report['test_accuracy']:.4f}"
         print(line)
         print(f"lightning-dp: report {os.path.abspath(callback.report_path)}")
+
+
+@contextlib.contextmanager
+def command_line_args() -> Iterator[None]:
+    """While the ``lightning-dp`` command builds its LightningCLI from the command line it was given.
+
+    The command hands LightningCLI its own (parsed or stripped) ``sys.argv`` as ``args``, so LightningCLI's
+    warning that both ``args`` and ``sys.argv`` were given says nothing true; only that warning is hidden.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="LightningCLI's args parameter is intended", category=UserWarning
+        )
+        yield
 
 
 def _overrides(obj: Any, method: str) -> bool:

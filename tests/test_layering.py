@@ -26,6 +26,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "batches.py",
             "losses.py",
             "version.py",
+            "_logging.py",
         ),
     ),
     ("accounting", ("accounting/",)),

@@ -339,18 +339,20 @@ def test_resuming_a_spent_budget_stops_cleanly_before_any_step(tmp_path):
     assert module.seen_batch_sizes == []
 
 
-def test_resuming_with_a_new_noise_multiplier_warns_and_prices_it(tmp_path):
+def test_resuming_with_a_new_noise_multiplier_keeps_the_checkpoints_sigma(tmp_path):
+    """docs/checkpoints.md: the saved σ replaces the one given on resume (a σ picked after part of the run
+    was seen would be chosen adaptively), with a warning; the ledger prices every step at that σ."""
     trainer = make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), tmp_path, max_epochs=1)
     trainer.fit(TinyModule(n=256, batch_size=32))
     ckpt = tmp_path / "a.ckpt"
     trainer.save_checkpoint(ckpt)
     resumed = make_trainer(DPStrategy(noise_multiplier=3.0, seed=0), tmp_path, max_epochs=2)
-    with pytest.warns(UserWarning, match="checkpoint used 1.0"):
+    with pytest.warns(UserWarning, match="checkpoint used 1.0: the checkpoint's σ is kept"):
         resumed.fit(TinyModule(n=256, batch_size=32), ckpt_path=ckpt)
-    expected = compute_epsilon(noise_multiplier=1.0, sample_rate=1 / 8, steps=8, delta=1e-5)
-    assert resumed.strategy.epsilon > expected  # eight more steps at σ=3 were added, not re-priced at σ=1
-    history = resumed.strategy.ledger.history
-    assert [(e.noise_multiplier, n) for e, n in history] == [(1.0, 8), (3.0, 8)]
+    assert resumed.strategy.engine.noise.noise_multiplier(8) == 1.0
+    assert [(e.noise_multiplier, n) for e, n in resumed.strategy.ledger.history] == [(1.0, 16)]
+    expected = compute_epsilon(noise_multiplier=1.0, sample_rate=1 / 8, steps=16, delta=1e-5)
+    assert resumed.strategy.epsilon == pytest.approx(expected, rel=1e-9)
 
 
 def test_on_after_backward_hooks_are_flagged():

@@ -433,11 +433,40 @@ class PrivacyLedger:
             "history": [{"event": event.to_dict(), "count": count} for event, count in self._history],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the history with a saved one; refuses a state saved with another accountant or δ.
+    def continues(self, history: Sequence[tuple[PrivacyEvent, int]]) -> bool:
+        """Whether ``history`` (run-length ``[(event, count), ...]``) starts with this ledger's whole history."""
+        theirs = iter([(event, count) for event, count in history if count > 0])
+        have: tuple[PrivacyEvent, int] | None = None
+        for event, count in self._history:
+            while count > 0:
+                if have is None or have[1] == 0:
+                    have = next(theirs, None)
+                    if have is None or have[0] != event:
+                        return False
+                taken = min(count, have[1])
+                count -= taken
+                have = (have[0], have[1] - taken)
+        return True
 
-        The history is the ground truth: ε is recomputed with this ledger's orders.
-        """
+    def check_continued_by(self, state: dict[str, Any]) -> None:
+        """Refuse (``ValueError``) a saved state that would lower this ledger: within a process a ledger only
+        grows, so a state it can load must hold every event it holds now, in the same order, and maybe more."""
+        self._refuse_lowering(self._parse_state(state))
+
+    def _refuse_lowering(self, entries: list[tuple[PrivacyEvent, int]]) -> None:
+        if self.continues(entries):
+            return
+        then = PrivacyLedger(self._delta, self._accountant, self._orders)
+        for event, count in entries:
+            then.record(event, count)
+        raise ValueError(
+            f"the saved ledger (ε={then.epsilon():.4g}, {then.steps} events) does not continue this one "
+            f"(ε={self.epsilon():.4g}, {self._steps} events): loading it would erase releases already recorded, "
+            "and a ledger only grows. Load it into a new PrivacyLedger"
+        )
+
+    def _parse_state(self, state: dict[str, Any]) -> list[tuple[PrivacyEvent, int]]:
+        """The history of a ``state_dict``, checked against this ledger's accountant and δ (``ValueError``)."""
         if not isinstance(state, dict):
             raise ValueError(
                 f"state must be a dict from PrivacyLedger.state_dict(), got {type(state).__name__}"
@@ -469,6 +498,16 @@ class PrivacyLedger:
         for event, _ in entries:  # validate everything before touching the current history
             self._check_priceable(event)
             self._event_rdp(event)
+        return entries
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the history with a saved one that continues it; refuses a state saved with another
+        accountant or δ, and one that would lower the ledger (it must hold every event recorded so far).
+
+        The history is the ground truth: ε is recomputed with this ledger's orders.
+        """
+        entries = self._parse_state(state)
+        self._refuse_lowering(entries)
         self._reset()
         for event, count in entries:
             self.record(event, count)

@@ -43,12 +43,18 @@ class ConstantNoise(Noise):
         return {"sigma": self.sigma}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A resumed run keeps the checkpoint's σ: its noise is the one planned before any data was seen.
+
+        A σ chosen on resume, after part of the run's output was seen, would be a privacy parameter chosen
+        adaptively, which plain composition in the ledger does not cover (a privacy filter would)."""
         saved = state.get("sigma")
-        if self.sigma is None:
-            self.sigma = saved
-        elif saved is not None and saved != self.sigma:
+        if saved is not None and self.sigma is not None and saved != self.sigma:
             warnings.warn(
-                f"Resuming with noise_multiplier={self.sigma} while the checkpoint used {saved}: the new value "
-                "is used from now on, and the ledger prices every step with the σ it actually had.",
+                f"Resuming with noise_multiplier={self.sigma} while the checkpoint used {saved}: the checkpoint's "
+                "σ is kept, so the whole run has the noise it was planned with (a σ picked after part of the run "
+                "was seen is not covered by the ledger's composition). To train with another σ, start a new run "
+                "without ckpt_path; its ε adds to this one's.",
                 stacklevel=2,
             )
+        if saved is not None:
+            self.sigma = saved

@@ -70,6 +70,8 @@ class DPStrategyBase(Strategy):
         self._resumed = False
         self._train_loader_pass: object = refusals.NO_PASS
         self._realised_sizes: loaders.RealisedSizes | None = None
+        self.step_counts = checkpoints.StepCounts()
+        self._bound_data: loaders.BoundData | None = None
 
     # -- conveniences for users and callbacks ---------------------------------------------------------
     @property
@@ -99,6 +101,7 @@ class DPStrategyBase(Strategy):
         if trainer.state.fn == TrainerFn.FITTING:
             refusals.refuse_unsafe_trainer(trainer, self.precision_plugin)
             self._train_loader_pass = refusals.NO_PASS
+            self.step_counts.start_fit(self.engine, trainer)
             assert self.lightning_module is not None
             self.setup_notes = prepare_module(self.lightning_module, self.on_batchnorm)
             for note in self.setup_notes:
@@ -139,7 +142,9 @@ class DPStrategyBase(Strategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(self.engine, self.world_size)
+        checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(
+            self.engine, self.world_size, self.step_counts
+        )
         plain_file = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None
         if not (plain_file and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -157,7 +162,7 @@ class DPStrategyBase(Strategy):
             raise DPConfigurationError(problem) from err
         if self._fitting():
             checkpoints.restore_dp_state(
-                self.engine, checkpoint, checkpoint_path, self.world_size, self.global_rank
+                self.engine, checkpoint, checkpoint_path, self.world_size, self.global_rank, self.step_counts
             )
             self._resumed = True
         return checkpoint
@@ -182,8 +187,11 @@ class DPStrategyBase(Strategy):
         """Fix N and the logical batch in the sampler slot (q = batch / N); the batches of an epoch."""
         assert loader.batch_size is not None
         num_samples = len(loader.dataset)  # type: ignore[arg-type]
-        self.engine.train_data = (loader.dataset, loaders.CollateWithEmpty(loader.collate_fn))
         logical_batch = loader.batch_size * (self.world_size if self.per_device_batch_size else 1)
+        public = self.config.data_changes == "public"
+        bound = loaders.BoundData(loader.dataset, num_samples, logical_batch)
+        self._bound_data = loaders.check_reloaded_data(self._bound_data, bound, public)
+        self.engine.train_data = (loader.dataset, loaders.CollateWithEmpty(loader.collate_fn))
         self._check_ranks_agree({"N (training examples)": num_samples, "logical batch": logical_batch})
         try:
             self.engine.sampler.bind(
@@ -191,8 +199,7 @@ class DPStrategyBase(Strategy):
             )
         except ValueError as err:
             raise DPConfigurationError(str(err)) from err
-        if self._resumed:
-            checkpoints.check_resumed_data(self.engine.sampler)
+        checkpoints.check_resumed_data(self.engine, self.step_counts, public)
         refusals.warn_on_large_delta(self.engine.delta, num_samples)
         return max(1, math.ceil(num_samples / logical_batch))
 
@@ -239,18 +246,23 @@ class DPStrategyBase(Strategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, args, kwargs = routing.unwrap_batch_info(self.engine, args, kwargs)
-        self.engine.batch = batch
-        module = self.lightning_module
-        assert module is not None
+        self.engine.batch, module = batch, self._module()
         if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
+            self.step_counts.released_nothing(module)
             return None  # the budget cannot pay for this batch: nothing is released, training stops
         self._before_user_code(batch, args, kwargs)
         if isinstance(batch, EmptyBatch):
+            self.step_counts.noise_only(module)
             return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
         if self.max_physical_batch_size is None:
             return super().training_step(*args, **kwargs)
         user_step, chunk = super().training_step, self.max_physical_batch_size
         return routing.virtual_batch_step(user_step, self.engine, module, batch, chunk, *args[1:], **kwargs)
+
+    def _module(self) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        return module
 
     def _before_user_code(self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The checks of a sampled batch (lightning_dp/checks): the batch as sampled, no state written

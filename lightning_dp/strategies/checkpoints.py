@@ -8,21 +8,62 @@ ledger restarted or continued on other data would report less ε than was spent.
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
 
-from lightning_dp.checkpointing import check_privacy_state, check_resumed_counts
+from lightning_dp.accounting import PrivacyEvent
+from lightning_dp.checkpointing import check_privacy_state, check_resumed_counts, does_not_add_up
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.slots import Sampler
+from lightning_dp.slots import Sampler, Step
 
 CHECKPOINT_KEY = "lightning_dp"
 
 
-def gather_dp_state(engine: PrivateStepEngine, world_size: int) -> dict[str, Any]:
+@dataclass
+class StepCounts:
+    """How the engine's private steps and Lightning's optimizer steps (``global_step``) differ, counted as
+    it happens, so that a run's own checkpoints always pass the resume check
+    ``private steps − steps_outside_loop + silent_steps == global_step``."""
+
+    silent_steps: int = 0
+    """Optimizer steps Lightning counted that released nothing: batches the budget could not pay for
+    under automatic optimization (forced by ``min_steps``/``min_epochs``, or a spent run resumed)."""
+    steps_outside_loop: int = 0
+    """Private steps Lightning's loop did not count: an empty batch's noise-only release under manual
+    optimization (the user's optimizer steps are not called), and steps of earlier fits on another Trainer."""
+    resumed_from: Any = None
+    """The checkpoint this fit resumed from (None: a fresh fit)."""
+
+    def start_fit(self, engine: PrivateStepEngine, trainer: Trainer) -> None:
+        """A fit starts: steps this engine took before it (an earlier fit, another Trainer) are outside its loop."""
+        self.resumed_from = None
+        self.steps_outside_loop = engine.steps + self.silent_steps - trainer.global_step
+
+    def released_nothing(self, module: LightningModule) -> None:
+        """A sampled batch that releases nothing: Lightning still steps the optimizer under automatic optimization."""
+        self.silent_steps += int(module.automatic_optimization)
+
+    def noise_only(self, module: LightningModule) -> None:
+        """An empty batch's noise-only release: under manual optimization no user optimizer step counts it."""
+        self.steps_outside_loop += int(not module.automatic_optimization)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"silent_steps": self.silent_steps, "steps_outside_loop": self.steps_outside_loop}
+
+    def load_state_dict(self, state: dict[str, Any], path: Any) -> None:
+        self.silent_steps = int(state.get("silent_steps", 0))
+        self.steps_outside_loop = int(state.get("steps_outside_loop", 0))
+        self.resumed_from = path
+
+
+def gather_dp_state(engine: PrivateStepEngine, world_size: int, counts: StepCounts) -> dict[str, Any]:
     """Rank 0's privacy state plus every rank's own (its sampling and noise streams differ)."""
-    state = engine.state_dict()
+    state = dict(engine.state_dict(), **counts.state_dict())
     states: list[Any] = [state]
     if world_size > 1 and dist.is_available() and dist.is_initialized():
         states = [None] * world_size
@@ -43,9 +84,15 @@ def _rank_dp_state(state: dict[str, Any], world_size: int, rank: int) -> dict[st
 
 
 def restore_dp_state(
-    engine: PrivateStepEngine, checkpoint: dict[str, Any], path: Any, world_size: int, rank: int
+    engine: PrivateStepEngine,
+    checkpoint: dict[str, Any],
+    path: Any,
+    world_size: int,
+    rank: int,
+    counts: StepCounts,
 ) -> None:
-    """Load this rank's privacy state into ``engine``, refusing a checkpoint that would under-report ε."""
+    """Load this rank's privacy state into ``engine``, refusing a checkpoint that would under-report ε
+    or lower the ledger this process already holds."""
     state = checkpoint.get(CHECKPOINT_KEY)
     if state is None:
         raise DPConfigurationError(
@@ -57,14 +104,74 @@ def restore_dp_state(
     rank_state = _rank_dp_state(state, world_size, rank)
     check_privacy_state(rank_state, path)
     try:
+        engine.ledger.check_continued_by(rank_state["ledger"])
+    except ValueError as err:
+        raise DPConfigurationError(_lowering_message(path, err)) from err
+    try:
         engine.load_state_dict(rank_state)
     except ValueError as err:
         raise DPConfigurationError(str(err)) from err
-    check_resumed_counts(engine, rank_state, checkpoint.get("global_step"), path)
+    counts.load_state_dict(rank_state, path)
+    check_resumed_counts(engine, rank_state, checkpoint, path, counts.silent_steps, counts.steps_outside_loop)
 
 
-def check_resumed_data(sampler: Sampler) -> None:
-    """A resumed run must sample from the same N with the same q as the run it continues."""
+def _lowering_message(path: Any, err: ValueError) -> str:
+    return (
+        f"Restoring the checkpoint {path} would lower this strategy's privacy ledger: {err}. Releases this "
+        "process already made stay spent (a tuner or callback that trains, then restores the initial weights, "
+        "does this). Resume with a new DPStrategy; the ε of the two runs then adds up."
+    )
+
+
+def check_resumed_data(engine: PrivateStepEngine, counts: StepCounts, public_changes: bool) -> None:
+    """Once the sampler is bound: a resumed run must sample from the same N with the same q as the run it
+    continues (unless the user declared data changes public), and its ledger must hold the events the
+    restored slots make."""
+    path, counts.resumed_from = counts.resumed_from, None  # checked at the first bind after the resume
+    if path is None:
+        return
+    if not public_changes:
+        _check_same_shape(engine.sampler)
+    problems = gradient_event_problems(engine, exact_rate=not public_changes)
+    if problems:
+        raise DPConfigurationError(does_not_add_up(path, problems))
+
+
+def gradient_event_problems(engine: PrivateStepEngine, exact_rate: bool = True) -> list[str]:
+    """Where the ledger's gradient events disagree with the restored sampler's q, noise slot's σ and the steps.
+
+    Checked where one event per step follows from the slots alone: a constant σ, a sampler that does not
+    schedule its own σ and a step slot that prices a gradient as the sampler's event (DP-SGD and the
+    momentum steps, with any clipping). Other mechanisms' events depend on their own adaptive state, and
+    only the counts are checked. ``exact_rate=False`` (data changes declared public) lets q vary.
+    """
+    sampler, noise, step = engine.sampler, engine.noise, engine.step_slot
+    if sampler.schedules_noise or not noise.is_constant or not noise.is_set:
+        return []
+    if type(step).gradient_event is not Step.gradient_event:
+        return []
+    expected = step.gradient_event(sampler, noise.noise_multiplier(engine.steps))
+
+    def key(event: PrivacyEvent) -> object:  # what must match: the whole event, or σ alone when q may vary
+        return event if exact_rate else (event.kind, event.to_dict().get("noise_multiplier"))
+
+    history = [(event, count) for event, count in engine.ledger.history if event.kind == expected.kind]
+    same = sum(count for event, count in history if key(event) == key(expected))
+    others: Counter[PrivacyEvent] = Counter()
+    for event, count in history:
+        if key(event) != key(expected):
+            others[event] += count
+    problems = [
+        f"its ledger holds {count} × {event!r}, but the restored {sampler.name} and {noise.name} make "
+        f"{expected!r} at every step"
+        for event, count in others.items()
+    ]
+    if same != engine.steps:
+        problems.append(f"its ledger holds {same} × {expected!r} for {engine.steps} private steps")
+    return problems
+
+
+def _check_same_shape(sampler: Sampler) -> None:
     saved_n, saved_q = sampler.restored_shape
     if saved_n is None or saved_q is None or (saved_n, saved_q) == (sampler.num_samples, sampler.sample_rate):
         return

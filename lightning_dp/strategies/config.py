@@ -27,6 +27,9 @@ from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
 Accountant = Literal["rdp", "prv", "pld", "pure"]
+DataChanges = Literal["refuse", "public"]
+"""What a change of the training set between epochs does: ``"refuse"`` it (the default), or price each
+epoch's N and q as they come, the user declaring that no private data chose them (``"public"``)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class PrivacyConfig:
     check_overhead: float = 0.05
     isolate_examples: bool = False
     public_buffers: Sequence[str] = ()
+    data_changes: DataChanges = "refuse"
     owner: str = dataclasses.field(default="DPStrategy", compare=False)
     """The class named in error messages."""
 
@@ -135,6 +139,10 @@ def _validate(config: PrivacyConfig) -> None:
     if config.accountant not in ("rdp", "prv", "pld", "pure"):
         raise DPConfigurationError(
             f"accountant must be 'rdp', 'prv', 'pld' or 'pure', got {config.accountant!r}."
+        )
+    if config.data_changes not in ("refuse", "public"):
+        raise DPConfigurationError(
+            f"{owner}: data_changes must be 'refuse' or 'public', got {config.data_changes!r}."
         )
     if config.loss_reduction not in ("mean", "sum"):
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {config.loss_reduction!r}.")

@@ -26,7 +26,7 @@ from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.slots import Clipping, Noise, Sampler, Slot, Step, iter_slots
 from lightning_dp.strategies.base import DPStrategyBase
-from lightning_dp.strategies.config import PrivacyConfig
+from lightning_dp.strategies.config import DataChanges, PrivacyConfig
 from lightning_dp.strategies.refusals import refuse_laplace_shares
 
 
@@ -122,6 +122,7 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         check_overhead: float = 0.05,
         isolate_examples: bool = False,
         public_buffers: Sequence[str] = (),
+        data_changes: DataChanges = "refuse",
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -162,14 +163,11 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return
         engine = self.engine
-        common = {
-            "target_epsilon": engine.target_epsilon,
-            "delta": engine.delta,
-            "max_grad_norm": engine.max_grad_norm,
-            "accountant": engine.accountant,
-            "loss_reduction": engine.loss_reduction,
-            "per_device_batch_size": self.per_device_batch_size,
+        common: dict[str, Any] = {
+            key: getattr(engine, key)
+            for key in ("target_epsilon", "delta", "max_grad_norm", "accountant", "loss_reduction")
         }
+        common.update(per_device_batch_size=self.per_device_batch_size, data_changes=self.config.data_changes)
         slots = iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot)
         for name, slot in slots:
             common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})

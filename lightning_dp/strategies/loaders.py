@@ -7,10 +7,13 @@ noise-only step), and the number of steps the Trainer will run sets σ when a ta
 
 from __future__ import annotations
 
+import types
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
@@ -104,6 +107,86 @@ def private_loader(
     )
     private.integrity = integrity
     return private
+
+
+@dataclass(frozen=True)
+class BoundData:
+    """The training set the sampler was bound to in this run: the data set, N and the logical batch."""
+
+    dataset: Any
+    num_samples: int
+    logical_batch: int
+
+
+def check_reloaded_data(bound: BoundData | None, now: BoundData, public: bool) -> BoundData:
+    """A train loader set up again in a run (``reload_dataloaders_every_n_epochs``, a second fit) must hold the
+    same data as the one the sampler was first bound to: the same N, the same batch size (so the same q) and
+    the same examples. Returns what the run is bound to from now on.
+
+    A change read from private data (a self-paced curriculum that keeps the examples with a low loss) makes
+    N, q and the choice of examples a release without noise. ``public``: the user declared that no private
+    data decides the change, so each epoch's N and q are priced as they come. Checked before the next release.
+    """
+    if bound is None or public:
+        return now
+    before_q, q = bound.logical_batch / bound.num_samples, now.logical_batch / now.num_samples
+    if now.num_samples != bound.num_samples:
+        change = (
+            f"the training set went from N={bound.num_samples} to N={now.num_samples} examples "
+            f"(q from {before_q:.6g} to {q:.6g})"
+        )
+    elif now.logical_batch != bound.logical_batch:
+        change = f"batch_size changed q from {before_q:.6g} to {q:.6g}"
+    elif not same_data(bound.dataset, now.dataset):
+        change = f"it returns a different data set of the same size (N={now.num_samples})"
+    else:
+        return bound
+    raise DPConfigurationError(
+        f"The train loader changed during the run: {change}. Which examples train, and how many, would then "
+        "be read from the training data without noise (a curriculum that picks examples by their loss), and "
+        "the ledger does not price that choice. Return the same data set every epoch (the same object, or one "
+        "with the same contents), or, if no private data decides the change (a fixed, public schedule), pass "
+        "DPStrategy(data_changes='public'): each epoch's N and q are then priced as they are."
+    )
+
+
+_MAX_DEPTH = 8
+
+
+def same_data(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether two data sets hold the same examples, by a cheap structural comparison: the same object, or
+    the same type with equal tensors, arrays, index lists and settings (a ``Subset`` of the same data with
+    the same indices, a ``TensorDataset`` over equal tensors). False whenever it cannot tell."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or depth > _MAX_DEPTH:
+        return False
+    if isinstance(a, torch.Tensor):
+        if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device):
+            return False
+        return bool(
+            torch.equal(a, b)
+            or (
+                a.is_floating_point()
+                and torch.equal(a.isnan(), b.isnan())
+                and torch.equal(a.nan_to_num(), b.nan_to_num())
+            )
+        )
+    if isinstance(a, np.ndarray):
+        if (a.shape, a.dtype) != (b.shape, b.dtype):
+            return False
+        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if isinstance(a, (bool, int, float, complex, str, bytes, type(None), range)):
+        return bool(a == b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_data(x, y, depth + 1) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(same_data(a[k], b[k], depth + 1) for k in a)
+    if isinstance(a, types.MethodType):
+        return a.__func__ is b.__func__ and same_data(a.__self__, b.__self__, depth + 1)
+    if isinstance(a, types.FunctionType | types.BuiltinFunctionType) or not hasattr(a, "__dict__"):
+        return False  # two different functions, or an object whose state cannot be read: cannot tell
+    return same_data(vars(a), vars(b), depth + 1)
 
 
 def _limited_batches(trainer: Trainer, num_batches: int) -> int:

@@ -23,7 +23,9 @@ NO_PASS = object()
 
 
 def refuse_unsafe_trainer(trainer: Trainer, precision_plugin: Precision) -> None:
-    """Gradient accumulation, gradient clipping and a GradScaler each break per-example clipping."""
+    """Gradient accumulation, gradient clipping and a GradScaler each break per-example clipping; Lightning's
+    tuners train on the private data and then roll the run back."""
+    refuse_tuners(trainer)
     if trainer.accumulate_grad_batches != 1:
         raise DPConfigurationError(
             f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) breaks DP-SGD: an example "
@@ -47,6 +49,29 @@ def refuse_unsafe_trainer(trainer: Trainer, precision_plugin: Precision) -> None
             "still computed in fp32, but the update itself is rounded to low precision.",
             stacklevel=3,
         )
+
+
+def refuse_tuners(trainer: Trainer) -> None:
+    """``LearningRateFinder``/``BatchSizeFinder`` (also as ``Tuner(trainer).lr_find``/``scale_batch_size``) run
+    trial steps on the private data, pick a setting from their noise-free losses or memory, then restore the
+    initial checkpoint, which would erase those releases from the ledger: refused before their first step."""
+    from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
+
+    tuners = {
+        LearningRateFinder: "Tuner(trainer).lr_find / LearningRateFinder trains on the private data at growing "
+        "learning rates and picks one from the noise-free training losses",
+        BatchSizeFinder: "Tuner(trainer).scale_batch_size / BatchSizeFinder trains on the private data at "
+        "growing batch sizes (each changes q) and picks one from how they ran",
+    }
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        for kind, what in tuners.items():
+            if isinstance(callback, kind):
+                raise DPConfigurationError(
+                    f"{what}, then restores the initial weights: its trial steps are releases the ledger would "
+                    "have to keep, and the choice it makes is not private. Tune privately instead: "
+                    "`lightning-dp tune` (docs/tuning.md) prices the whole search; or fix the setting without "
+                    "the private data (for the batch size's memory, DPStrategy(max_physical_batch_size=...))."
+                )
 
 
 def warn_on_non_private_gradient_hooks(trainer: Trainer, engine: PrivateStepEngine) -> None:
@@ -145,7 +170,10 @@ def warn_on_large_delta(delta: float, num_samples: int) -> None:
 
 
 def refuse_unaffordable_first_step(engine: PrivateStepEngine) -> None:
-    """A fresh run whose budget cannot pay for one step is refused before any data is touched."""
+    """A fresh run whose budget cannot pay for one step is refused before any data is touched (a loader set
+    up again later in the run, once the budget is spent, stops cleanly at its first batch instead)."""
+    if engine.ledger.steps:
+        return
     affordable = engine.affordable_steps()
     if affordable is not None and affordable < 1:
         sampler = engine.sampler

@@ -15,7 +15,7 @@ from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 from lightning_dp.strategies.base import DPStrategyBase
-from lightning_dp.strategies.config import PrivacyConfig
+from lightning_dp.strategies.config import DataChanges, PrivacyConfig
 
 
 class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
@@ -48,6 +48,10 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             example), so no loss or forward can mix examples by construction; slower.
         public_buffers: names (or fnmatch patterns) of buffers written between steps or in forward from the
             weights, the step count or public constants only (an EMA of the weights); others are refused.
+        data_changes: ``"refuse"`` (default) refuses a train loader whose data set, N or batch size
+            changes between epochs (``reload_dataloaders_every_n_epochs``, a curriculum), before the next
+            release: such a change read from private data is released without noise. ``"public"``
+            declares that no private data decides the change (a fixed schedule); each epoch's q is priced.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
 
     The privacy arguments are those of :class:`~lightning_dp.strategies.PrivacyConfig` (validated there);
@@ -76,6 +80,7 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         check_overhead: float = 0.05,
         isolate_examples: bool = False,
         public_buffers: Sequence[str] = (),
+        data_changes: DataChanges = "refuse",
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
