@@ -9,6 +9,7 @@ import lightning_dp._logging  # noqa: F401  (first: Opacus's import must not add
 from lightning_dp.audit import AuditResult, audit
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
+from lightning_dp.checks import checking
 from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
@@ -52,6 +53,7 @@ __all__ = [
     "StepContext",
     "__version__",
     "audit",
+    "checking",
     "load_from_checkpoint",
     "per_example_token_loss",
     "register",

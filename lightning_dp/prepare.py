@@ -12,9 +12,11 @@ import math
 from os import PathLike
 from typing import IO, Any, Literal, TypeVar
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.nn.parameter import UninitializedParameter
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_dp.errors import DPConfigurationError
@@ -136,10 +138,36 @@ def check_train_sampler(loader: DataLoader) -> None:
     )
 
 
+def materialize_lazy_layers(module: nn.Module) -> list[str]:
+    """Lazy layers (``nn.LazyLinear``, ``nn.LazyConv2d``) have no weights until their first forward, and
+    per-example hooks need the layers' final shapes: run the module once on its ``example_input_array``
+    (forward only, no gradient), as Lightning's model summary does, or refuse with the fix."""
+    lazy = [name for name, p in module.named_parameters() if isinstance(p, UninitializedParameter)]
+    if not lazy:
+        return []
+    example = getattr(module, "example_input_array", None)
+    if example is None:
+        raise DPConfigurationError(
+            f"The parameters {lazy[:8]} are not initialised yet (a lazy layer such as nn.LazyLinear gets its "
+            "shape at its first forward), so no per-example gradient path can be set up for them. Set "
+            "self.example_input_array to an example batch in the LightningModule's __init__ (lightning-dp "
+            "then runs the module once on it before training), call the module once yourself before fit, "
+            "or give the layer its input size (nn.Linear)."
+        )
+    with torch.no_grad():
+        if isinstance(example, tuple):
+            module(*example)
+        elif isinstance(example, dict):
+            module(**example)
+        else:
+            module(example)
+    return [f"initialised the lazy layers' parameters {lazy[:8]} from example_input_array"]
+
+
 def prepare_module(module: nn.Module, on_batchnorm: OnBatchNorm = "raise") -> list[str]:
     """Run every check and fix; returns a list of human-readable notes about what was changed."""
     check_no_direct_parameters(module)
-    notes = []
+    notes = materialize_lazy_layers(module)
     bns = batchnorm_layers(module)
     if bns:
         if on_batchnorm != "replace":

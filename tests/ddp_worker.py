@@ -185,4 +185,23 @@ except DPConfigurationError as err:
     refusal = str(err)
 dump("unequal", t.strategy, refusal=refusal)
 
+
+# 10. Mixing on one rank only: the check refuses there, and every rank stops before the release (none may
+# wait in the all-reduce of a step the other rank refused).
+class MixesOnRankOne(TinyModule):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.trainer.global_rank == 1:
+            x = x - x.mean(0)  # a batch statistic
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+t = trainer(DPDDPStrategy(noise_multiplier=1.0, seed=0), max_epochs=1)
+try:
+    t.fit(MixesOnRankOne(n=64, batch_size=32))
+    refusal = ""
+except DPConfigurationError as err:
+    refusal = str(err)
+dump("mixing_one_rank", t.strategy, refusal=refusal)
+
 _worker.finish_distributed()

@@ -304,7 +304,7 @@ ROWS = [
     Row(
         "layer with buffers and no formula",
         lambda _: fit(DPStrategy(noise_multiplier=1.0), WithBufferedLayer()),
-        "Layer net.0 (BufferedLayer) has buffers",
+        "buffers ['net.0.running'] were written from the batch in the forward",
     ),
     Row(
         "parameters on the LightningModule",

@@ -185,3 +185,12 @@ def test_ranks_with_different_data_set_sizes_are_refused_on_every_rank(ddp_resul
         assert "rank 1 has 32, rank 0 has 64" in record["refusal"]
         assert "'N (training examples)'" in record["refusal"]
         assert record["steps"] == 0
+
+
+@pytest.mark.slow
+def test_a_check_refusing_on_one_rank_stops_every_rank_before_the_release(ddp_results):
+    _, load = ddp_results
+    r0, r1 = load("mixing_one_rank")
+    assert "Sensitivity check failed" in r1["refusal"]
+    assert r0["refusal"].startswith("Rank 1 refused this step before its release: Sensitivity check failed")
+    assert r0["steps"] == r1["steps"] == 0

@@ -32,11 +32,18 @@ from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.checks.mixing import DEFAULT_OVERHEAD, CheckSetting, MixingCheck, MixingResult
 from lightning_dp.checks.state import StateWatch
 from lightning_dp.checks.structure import probe_batch_structure
-from lightning_dp.checks.user_step import training_step_loss
+from lightning_dp.checks.user_step import checking, training_step_loss
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 
-__all__ = ["CheckSetting", "MixingResult", "RunChecks", "refuse_self_writing_layers", "training_step_loss"]
+__all__ = [
+    "CheckSetting",
+    "MixingResult",
+    "RunChecks",
+    "checking",
+    "refuse_self_writing_layers",
+    "training_step_loss",
+]
 
 
 def refuse_self_writing_layers(module: nn.Module) -> None:
@@ -97,7 +104,7 @@ class RunChecks:
         """``batch``: what training_step receives; ``check_batch``: what one forward sees (a physical chunk
         under virtual batching). Raises before user code runs when a check fails."""
         self._checked_this_step = False
-        if self.mixing.enabled and engine.grads is not None and engine.train_data is not None:
+        if engine.grads is not None and engine.train_data is not None:  # structure, not a check: always
             dataset, collate = engine.train_data
             probe_batch_structure(engine.grads, module, dataset, collate, device, precision)
         self.integrity.check(batch, module, trainer)

@@ -21,11 +21,30 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+_dry_passes = 0
+
+
+def checking() -> bool:
+    """True while lightning-dp runs your ``training_step`` itself, for a check or a probe (a dry pass:
+    nothing is logged, stepped or released). Test it to keep your own counters and lists to real steps:
+    ``if not lightning_dp.checking(): self.seen.append(len(x))``."""
+    return _dry_passes > 0
+
+
+@contextlib.contextmanager
+def _dry() -> Iterator[None]:
+    global _dry_passes
+    _dry_passes += 1
+    try:
+        yield
+    finally:
+        _dry_passes -= 1
+
 
 def training_step_loss(module: LightningModule, batch: Any, batch_idx: int = 0) -> Tensor | None:
     """The loss ``module.training_step(batch, batch_idx)`` returns, with logging detached (None when it
     returns no loss: None, or a dict without ``"loss"``, which the real step reports in Lightning's words)."""
-    with _detached_logging(module), warnings.catch_warnings():
+    with _detached_logging(module), warnings.catch_warnings(), _dry():
         warnings.simplefilter("ignore")
         out = module.training_step(batch, batch_idx)
     loss = out.get("loss") if isinstance(out, Mapping) else out

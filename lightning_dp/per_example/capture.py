@@ -411,14 +411,31 @@ class GradientCapture:
         modes = [(m, m.training) for m in module.modules()] if reparametrized(module) else []
         for m, _ in modes:
             m.training = False
+        buffers = [
+            (owner, name, b, b.detach().clone())
+            for owner in module.modules()
+            for name, b in owner._buffers.items()
+            if b is not None
+        ]
         try:
             samples = vmap.per_example_grads(
                 module, dict(direct_params(module)), saved, positions, [g * scale for g in grads]
             )
+        except RuntimeError as error:
+            written = _written_buffers(buffers)
+            if not written:
+                raise
+            raise DPConfigurationError(
+                f"{type(module).__name__} writes its buffers {written} in its forward, and its per-example "
+                "gradients are recomputed one example at a time, which cannot replay that write (a running "
+                "statistic of the batch also mixes examples and is saved with the model without noise). Keep "
+                "the buffers constant in the forward, or compute the layer from its parameters only."
+            ) from error
         finally:
             self.enabled = True
             for m, mode in modes:
                 m.training = mode
+            _put_back(buffers)
         add_samples(self.grad_samples, samples)
         self.batch_size = batch
 
@@ -522,6 +539,31 @@ class GradientCapture:
         recurrent.unswap(self._swapped)
         self._swapped = []
         self.clear()
+
+
+def _written_buffers(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> list[str]:
+    """The buffers replaced or changed since they were saved as (owner, name, object, values)."""
+    written = []
+    for owner, name, original, values in buffers:
+        current = owner._buffers.get(name)
+        if current is not original:
+            written.append(name)
+            continue
+        try:
+            if not torch.equal(current, values):
+                written.append(name)
+        except RuntimeError:  # a batched value left in place by the recomputation
+            written.append(name)
+    return written
+
+
+def _put_back(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> None:
+    """Undo what a per-example recomputation wrote into buffers (it must leave no trace)."""
+    with torch.no_grad():
+        for owner, name, original, values in buffers:
+            owner._buffers[name] = original
+            if not torch.equal(original, values):
+                original.copy_(values)
 
 
 @functools.cache

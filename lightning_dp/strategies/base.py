@@ -14,6 +14,7 @@ Each hook is a short checklist; the work is in the modules beside this one:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from lightning_dp.checkpointing import atomic_save, is_local_path, unreadable_ch
 from lightning_dp.checks import RunChecks
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
+from lightning_dp.per_example import BatchDimensionError
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.strategies import checkpoints, loaders, refusals, routing
 from lightning_dp.strategies.config import PrivacyConfig
@@ -271,10 +273,16 @@ class DPStrategyBase(Strategy):
         assert module is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         check_batch = routing.first_chunk(batch, self.max_physical_batch_size)
-        self.checks.before_user_code(
-            self.engine, module, self._trainer(), batch, batch_idx, check_batch,
-            self.precision_plugin, self.root_device,
+        self._refuse_together(
+            lambda: self.checks.before_user_code(
+                self.engine, module, self._trainer(), batch, batch_idx, check_batch,
+                self.precision_plugin, self.root_device,
+            )
         )  # fmt: skip
+
+    def _refuse_together(self, check: Callable[[], None]) -> None:
+        """Run a check that may refuse the step (distributed strategies: every rank refuses together)."""
+        check()
 
     # -- 6. the private step ----------------------------------------------------------------------------------------------------
     @override
@@ -282,11 +290,13 @@ class DPStrategyBase(Strategy):
         super().post_backward(closure_loss)
         if self.engine.grads is None:
             return
-        self.checks.before_release()
+        self._refuse_together(self.checks.before_release)
         try:
             self.engine.privatize()
         except BudgetExceededError as err:
             raise DPConfigurationError(refusals.budget_message(self.engine, self._trainer())) from err
+        except BatchDimensionError as err:
+            raise refusals.explain_batch_dimension(err, self._module(), self.engine) from err
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

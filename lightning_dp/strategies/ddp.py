@@ -8,7 +8,7 @@ gradient (the model is not wrapped), so there is exactly one collective per step
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -88,6 +88,27 @@ def check_ranks_agree(fields: dict[str, Any], world_size: int) -> None:
     )
 
 
+def refuse_together(check: Callable[[], None], device: torch.device) -> None:
+    """Run ``check`` on every rank; if it refuses on any, every rank raises (a rank that went on would
+    wait forever in the next all-reduce). One small all-reduce when all pass; messages gathered only on a
+    refusal."""
+    error: DPConfigurationError | None = None
+    try:
+        check()
+    except DPConfigurationError as raised:
+        error = raised
+    flag = torch.tensor([0.0 if error is None else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if float(flag) == 0:
+        return
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else str(error))
+    if error is not None:
+        raise error
+    rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
+    raise DPConfigurationError(f"Rank {rank} refused this step before its release: {message}")
+
+
 class DPDDPStrategy(DPStrategyBase, DDPStrategy):
     """Differentially private DDP: ``Trainer(strategy="dp_ddp", devices=N, num_nodes=M)``.
 
@@ -158,6 +179,13 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         super().setup(trainer)
 
     @override
+    @override
+    def _refuse_together(self, check: Callable[[], None]) -> None:
+        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            check()
+            return
+        refuse_together(check, self.root_device)
+
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
         """Every rank must price the same run: the given fields, δ, the target, C and the slots."""
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
+from lightning_dp.per_example import BatchDimensionError
 from lightning_dp.prepare import check_train_sampler
 
 NO_PASS = object()
@@ -195,4 +196,23 @@ def budget_message(engine: PrivateStepEngine, trainer: Trainer | None) -> str:
         f"{engine.target_epsilon:g}, and the Trainer asks for another private step. PrivacyCallback "
         f"stops training before such a step unless min_steps or min_epochs force more{forced}: lower them, "
         "or raise target_epsilon (or the noise multiplier) so the planned steps fit."
+    )
+
+
+def explain_batch_dimension(
+    error: BatchDimensionError, module: LightningModule, engine: PrivateStepEngine
+) -> DPConfigurationError:
+    """Under manual optimization, fewer rows than the sampler drew is a backward over part of the batch
+    (manual gradient accumulation): say so, rather than blame the tensors' layout."""
+    realised = engine.realised_batch
+    calls = engine.grads.calls if engine.grads is not None else []
+    if module.automatic_optimization or realised is None or not any(size < realised for _, size in calls):
+        return error
+    return DPConfigurationError(
+        f"manual_backward ran on part of the sampled batch ({realised} examples), and the private step is "
+        "released at the first backward: manual gradient accumulation (one backward per part of a batch, "
+        "then one optimizer step) would clip and noise each part as a batch of its own, and the ledger "
+        "prices one release per sampled batch. Call manual_backward once on the whole batch's loss; if the "
+        "batch does not fit in memory, use DPStrategy(max_physical_batch_size=...) with automatic "
+        "optimization, which splits it and adds the noise once."
     )
