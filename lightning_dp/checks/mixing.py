@@ -456,8 +456,10 @@ def replace_rows(batch: Any, rows_changed: tuple[int, ...], sources: list[int]) 
     (tensors whose dim 0 is the batch, and lists of per-example values such as strings): same shapes."""
     rows = batch_length(batch)
     assert rows is not None
-    target = torch.tensor(rows_changed)
-    source = torch.tensor(sources)
+    if not rows_changed:
+        return batch
+    target = torch.tensor(rows_changed, dtype=torch.long)
+    source = torch.tensor(sources, dtype=torch.long)
 
     def tensor(t: Tensor) -> Tensor:
         out = t.clone()

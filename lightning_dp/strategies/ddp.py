@@ -179,13 +179,13 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         super().setup(trainer)
 
     @override
-    @override
     def _refuse_together(self, check: Callable[[], None]) -> None:
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             check()
             return
         refuse_together(check, self.root_device)
 
+    @override
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
         """Every rank must price the same run: the given fields, δ, the target, C and the slots."""
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
