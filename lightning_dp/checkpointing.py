@@ -174,17 +174,22 @@ def check_resumed_counts(engine: Any, state: dict[str, Any], global_step: Any, p
     """The restored ledger must agree with the loop's step count, the engine's and the slots' own.
 
     Every private step records at least one event (steps that also release a search or a statistic
-    record more), so ``ledger events ≥ private steps == global_step``; the ledger's size at save time
+    record more; correlated noise with cyclic sampling, one per round of b steps), so
+    ``ledger events ≥ ⌈private steps / b⌉`` and ``private steps == global_step``; the ledger's size at save time
     is stored beside it, and no slot can have taken more steps than the engine. A lowered count or an
     emptied history would resume at a smaller ε than was spent.
     """
     steps, events = engine.steps, engine.ledger.steps
+    paid = -(-steps // engine.noise.steps_per_event)  # BandMF: one event per round of b steps
     problems = []
     saved_events = state.get("ledger_events")
     if saved_events is not None and int(saved_events) != events:
         problems.append(f"its ledger holds {events} events but was saved holding {int(saved_events)}")
-    if events < steps:
-        problems.append(f"its ledger holds {events} events for {steps} private steps (at least one each)")
+    if events < paid:
+        problems.append(
+            f"its ledger holds {events} events for {steps} private steps (at least one each"
+            + (f" round of {engine.noise.steps_per_event} steps)" if paid != steps else ")")
+        )
     if isinstance(global_step, int) and global_step != steps:
         problems.append(f"it records {steps} private steps at global_step {global_step}")
     for name, slot in state["slots"].items():
