@@ -444,3 +444,53 @@ def test_mnist_bandmf_config_runs_a_few_private_steps(tmp_path, monkeypatch):
     assert report["steps"] == 20
     assert report["correlated_noise"]["bands"] == 16
     assert report["ledger_events"] == 2
+
+
+# -- DDP ---------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    from _worker import run_worker
+
+    out = tmp_path_factory.mktemp("ddp_correlated")
+    run_worker("ddp_correlated_worker.py", out)
+    return lambda name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.slow
+def test_ddp_bandmf_prices_like_one_process_and_keeps_the_groups(ddp_results):
+    ranks = ddp_results("bandmf")
+    single = bandmf(bands=4, seed=1, target_epsilon=2.0)
+    make_trainer(single, max_epochs=3).fit(TinyModule(n=256, batch_size=16))
+    assert ranks[0]["epsilon"] == ranks[1]["epsilon"] == single.epsilon
+    assert ranks[0]["history"] == [[e.to_dict(), c] for e, c in single.ledger.history]
+    assert ranks[0]["steps"] == 48
+    assert ranks[0]["groups"] == ranks[1]["groups"]  # one partition (the same seed on every rank)
+    groups, joined = ranks[0]["groups"], {}
+    for rank in ranks:
+        for step, indices in enumerate(rank["indices"][-48:]):
+            for i in indices:
+                assert i % 2 == rank["rank"]  # each rank samples its own share
+                assert groups[i] == step % 4  # only the step's group
+                joined.setdefault(i, []).append(step)
+    assert all(b - a >= 4 for steps in joined.values() for a, b in itertools.pairwise(steps))
+
+
+@pytest.mark.slow
+def test_ddp_correlated_shares_sum_to_the_single_process_covariance(ddp_results):
+    """Each rank runs its own recursion on σC/√2: the released sum has σ²C²·C⁻¹C⁻ᵀ/B² (spec §1.5)."""
+    import numpy as np
+
+    from lightning_dp.accounting import matrix_factorization as mf
+
+    ranks = ddp_results("noise")
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]  # every rank applies the same private gradient
+    cov = np.array(ranks[0]["covariance"])
+    coef = np.array([1.0, 0.5, 0.375, 0.3125]) / math.sqrt(1.48828125)
+    inverse = np.linalg.inv(
+        np.array([[coef[i - j] if 0 <= i - j < 4 else 0.0 for j in range(8)] for i in range(8)])
+    )
+    want = (2.0 * 3.0 / 40.0) ** 2 * inverse @ inverse.T
+    n = ranks[0]["numel"]
+    se = np.sqrt((np.outer(np.diag(want), np.diag(want)) + want**2) / n)
+    assert (np.abs(cov - want) <= 4 * se).all(), (cov - want) / se
+    assert mf.noise_std_factors(coef, 8)[-1] > 1.1  # correlated: larger per step than i.i.d. noise

@@ -5,7 +5,8 @@ partition, the one valid under add/remove adjacency). Step t samples only group 
 with probability q_b = B·b/N, so every example's steps are at least b apart and a b-banded strategy
 costs ⌈T/b⌉ Poisson-subsampled Gaussians of rate q_b (their Thm 4). The expected batch is still B.
 
-The group of step t follows the engine's step count, not the loader's position: each batch carries the
+Under DDP every rank uses rank 0's partition seed (broadcast at ``bind``) and samples its own share of
+the step's group. The group of step t follows the engine's step count, not the loader's position: each batch carries the
 step it was drawn for, a release checks it (``weigh``), and a new pass over the data (a new epoch, a
 resume) restarts from the steps released so far. The partition seed is checkpointed, so a resumed run
 keeps every example in its group.
@@ -23,6 +24,7 @@ from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
 from lightning_dp.batches import IndicesWithInfo
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import PerExampleGradients
+from lightning_dp.release import Releases
 from lightning_dp.rng import make_generator
 from lightning_dp.sampling.seeded import SeededSampler
 from lightning_dp.slots import SamplerRuntime, StepContext
@@ -77,6 +79,7 @@ class CyclicPoisson(SeededSampler):
         """Private steps released so far (the engine's step count): the next pass starts its groups there."""
         self._batch_step: int | None = None
         self._members: list[Tensor] | None = None
+        self._releases: Releases | None = None
 
     # -- set-up ---------------------------------------------------------------------------------------
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
@@ -88,12 +91,19 @@ class CyclicPoisson(SeededSampler):
         self.rank, self.world_size = rank, world_size
         self._start_stream(f"poisson/{rank}")  # bands=1 draws exactly Poisson()'s batches
         if self.partition_seed is None:
-            self.partition_seed = int(
-                torch.randint(0, 2**62, (1,), generator=make_generator(self.seed, "partition"))
-            )
+            seed = int(torch.randint(0, 2**52, (1,), generator=make_generator(self.seed, "partition")))
+            if world_size > 1 and self._releases is not None:  # one partition: rank 0's (exact in float64)
+                anchor = self._releases.anchor
+                device = anchor.device if anchor is not None else torch.device("cpu")
+                seed = int(self._releases.broadcast([float(seed)], device)[0])
+            self.partition_seed = seed
         self._members = None
         if self.bands != "auto":
             self._set_rate()
+
+    def use_releases(self, releases: Releases) -> None:
+        """Kept for one collective: rank 0's partition seed is broadcast to every rank at ``bind``."""
+        self._releases = releases
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
         """Keep the planned steps (the noise slot fits its strategy to them); "auto" needs a target ε."""
