@@ -494,3 +494,11 @@ def test_ddp_correlated_shares_sum_to_the_single_process_covariance(ddp_results)
     se = np.sqrt((np.outer(np.diag(want), np.diag(want)) + want**2) / n)
     assert (np.abs(cov - want) <= 4 * se).all(), (cov - want) / se
     assert mf.noise_std_factors(coef, 8)[-1] > 1.1  # correlated: larger per step than i.i.d. noise
+
+
+def test_poisson_with_bandmf_is_dp_sgd():
+    """Poisson() is cyclic Poisson with b = 1: BandMF() then is DP-SGD, also with σ given (no horizon)."""
+    strategy = DPStrategy(sampler=Poisson(seed=0), noise=BandMF(noise_multiplier=1.0), seed=0)
+    make_trainer(strategy, max_epochs=1).fit(TinyModule(n=256, batch_size=16))
+    assert strategy.ledger.history == [(PoissonGaussian(1.0, 1 / 16), 16)]
+    assert strategy.engine.noise.report()["coefficients"] == [1.0]

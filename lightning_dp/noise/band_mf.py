@@ -131,6 +131,8 @@ class BandMF(CorrelatedNoise):
             self.coefficients = mf.optimize_banded_toeplitz(steps, self._bands(), self.optimize_steps)
 
     def _coefficients(self) -> np.ndarray:
+        if self.coefficients is None and self._bands() == 1:
+            self.coefficients = np.ones(1)  # b = 1 is DP-SGD whatever the horizon (Poisson has none)
         if self.coefficients is None:
             self._fit(self._horizon())
         assert self.coefficients is not None
@@ -208,7 +210,7 @@ class BandMF(CorrelatedNoise):
     def report(self) -> dict[str, Any] | None:
         bands = self._bands()
         coef = self._coefficients()
-        steps = self.horizon or self._horizon()
+        steps = self.horizon or self._sampler().horizon or max(self.steps_taken, 1)
         return {
             "strategy": "banded_toeplitz",
             "bands": bands,
