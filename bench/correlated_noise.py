@@ -7,7 +7,8 @@ else. It prints test accuracy (mean ± std over seeds), the ε spent, the b that
 predicted prefix-sum RMSE ratio to DP-SGD, the measured one-run wall time as a ratio to DP-SGD's, and the
 run-time warnings.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/correlated_noise.py --models mnist_cnn --eps 1 3 --seeds 0 1 2
+    LIGHTNING_DP_DATA=../shared/data OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/correlated_noise.py \
+        --models mnist_cnn --eps 1 3 --seeds 0 1 2
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/correlated_noise.py --models digits --eps 1 3 --rows DP-SGD BandMF BLT
 """
 

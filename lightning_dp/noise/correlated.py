@@ -98,8 +98,7 @@ class CorrelatedNoise(Noise):
                 sample_rate=rate,
                 steps=steps,
                 accountant=accountant,
-                tol=1e-3,
-            )
+            )  # the σ a ConstantNoise run would get (same tolerance), so b = 1 predicts exactly 1.0
         except ValueError:
             return None
 
