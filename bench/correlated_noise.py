@@ -10,6 +10,7 @@ run-time warnings.
     LIGHTNING_DP_DATA=../shared/data OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/correlated_noise.py \
         --models mnist_cnn --eps 1 3 --seeds 0 1 2
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/correlated_noise.py --models digits --eps 1 3 --rows DP-SGD BandMF BLT
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/correlated_noise.py --noise-cost   # the draw alone, side by side
 """
 
 from __future__ import annotations
@@ -51,6 +52,45 @@ MECHANISMS[ROWS["BandMF"]] = (_slots(BandMF), None, None)
 MECHANISMS[ROWS["BLT"]] = (_slots(BLT), None, None)
 
 
+def noise_cost(sizes: list[int], bands: list[int], steps: int = 30) -> None:
+    """Seconds per step of drawing and adding the noise alone: BandMF(b) and BLT against DP-SGD's draw."""
+    import torch
+
+    from lightning_dp import ConstantNoise
+
+    torch.set_num_threads(1)
+    print(
+        "| parameters d | DP-SGD draw (ms) | " + " | ".join(f"BandMF b={b}" for b in bands) + " | BLT m=2 |"
+    )
+    print("|---|---|" + "---|" * (len(bands) + 1))
+    for d in sizes:
+
+        def timed(noise: Any, d: int = d) -> float:
+            sums = [torch.zeros(d)]
+            generator = torch.Generator().manual_seed(0)
+            noise.add_noise(sums, 1.0, generator)  # allocate the buffers
+            start = time.perf_counter()
+            for _ in range(steps):
+                noise.add_noise(sums, 1.0, generator)
+            return (time.perf_counter() - start) / steps
+
+        base = timed(ConstantNoise(1.0))
+        cells = []
+        for b in [*bands, 0]:
+            sampler = CyclicPoisson(b if b else 4, seed=0)
+            sampler.bind(10**6, 10)
+            sampler.horizon = 1000
+            noise = (
+                BandMF(1.0, coefficients=[1.0 / (j + 1) for j in range(b)])
+                if b
+                else BLT(1.0, [0.9, 0.5], [0.3, 0.1])
+            )
+            noise.link_sampler(sampler)
+            noise.setup([torch.zeros(d)])
+            cells.append(f"×{timed(noise) / base:.2f}")
+        print(f"| {d:,} | {base * 1e3:.2f} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["mnist_cnn"], choices=list(MODELS))
@@ -58,7 +98,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=None, help="override every model's epochs")
     parser.add_argument("--rows", nargs="+", default=["DP-SGD", "BandMF"], choices=list(ROWS))
+    parser.add_argument("--noise-cost", action="store_true", help="time the noise draw alone (no training)")
     args = parser.parse_args()
+    if args.noise_cost:
+        noise_cost([26_010, 1_000_000, 10_000_000], [2, 4, 16, 64])
+        return
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     for model in args.models:
         for epsilon in args.eps:

@@ -159,8 +159,9 @@ class BandMF(CorrelatedNoise):
         if buf.shape[0] == 0:
             return w / c0 if c0 != 1.0 else w
         window = buf[:, part]
-        z = w / c0 - self._weights.to(w.device) @ window
-        window[self.local_step % buf.shape[0]] = z
+        # z = w/c₀ − Σ_j (c_j/c₀) z_{t−j}: one fused matrix-vector product over the ring
+        z = torch.addmv(w, window.t(), self._weights.to(w.device), beta=1.0 / c0, alpha=-1.0)
+        window[self.local_step % buf.shape[0]].copy_(z)
         return z
 
     # -- state ----------------------------------------------------------------------------------------

@@ -155,7 +155,7 @@ class BLT(CorrelatedNoise):
         assert self._theta is not None
         assert self._omega is not None
         window = self.buffers[index][:, part]
-        z = w - self._omega.to(w.device) @ window
+        z = torch.addmv(w, window.t(), self._omega.to(w.device), alpha=-1.0)  # w − Σ ω_i S_i, fused
         window.mul_(self._theta.to(w.device)[:, None]).add_(z)
         return z
 
