@@ -505,3 +505,18 @@ def test_poisson_with_bandmf_is_dp_sgd():
     make_trainer(strategy, max_epochs=1).fit(TinyModule(n=256, batch_size=16))
     assert strategy.ledger.history == [(PoissonGaussian(1.0, 1 / 16), 16)]
     assert strategy.engine.noise.report()["coefficients"] == [1.0]
+
+
+def test_auto_bands_respect_the_memory_budget():
+    """TinyModule has 227 parameters (908 bytes a buffer): 2000 bytes allow b − 1 ≤ 2, so b ≤ 2 (not the free 4)."""
+    free = bandmf(bands="auto", target_epsilon=3.0)
+    make_trainer(free, max_epochs=3).fit(TinyModule(n=256, batch_size=16))
+    capped = DPStrategy(
+        target_epsilon=3.0, sampler=CyclicPoisson("auto", seed=0), noise=BandMF(max_buffer_bytes=2000), seed=0
+    )
+    make_trainer(capped, max_epochs=3).fit(TinyModule(n=256, batch_size=16))
+    assert free.engine.sampler.bands == 4
+    assert capped.engine.sampler.bands == 2
+    report = capped.engine.noise.report()
+    assert [c["bands"] for c in report["bands_search"]] == [1, 2]
+    assert report["buffer_bytes"] == 4 * 227 <= 2000
