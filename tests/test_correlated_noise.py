@@ -309,6 +309,18 @@ def test_optimized_blt_matches_jax_privacys_for_the_mnist_cnn():
     assert blt.pillutla_score < 1.0
 
 
+@pytest.mark.slow
+def test_optimized_blt_matches_jax_privacys_for_mnist_10_epochs():
+    """Spec Table D: T = 2340, min_sep = 234, k = 10: θ, ω, s(T) = 40.92386 and mean_err = 4.16415 (1 %)."""
+    blt = mf.optimize_blt(2340, 234)
+    close(blt.buf_decay, [0.992017175712516, 0.7398930666888744], rel=0.01)
+    close(blt.output_scale, [0.16882426323652866, 0.31376594946150305], rel=0.01)
+    sens = mf.minsep_sensitivity_squared(mf.blt_coefficients(blt, 2340), 234, 2340)
+    err = float(np.mean(np.cumsum(np.cumsum(mf.blt_inverse_coefficients(blt, 2340)) ** 2)))
+    assert sens == pytest.approx(40.92386, rel=0.01)
+    assert err == pytest.approx(4.16415, rel=0.01)
+
+
 def test_check_blt_refuses_coefficients_outside_the_exact_region():
     with pytest.raises(ValueError, match="in \\(0, 1\\)"):
         mf.check_blt([1.2], [0.1])
