@@ -32,6 +32,12 @@ def check_mechanisms(
         )
     if noise.correlated:
         check_correlated_noise(sampler, clipping, noise, step)
+    elif sampler.bands not in (None, 1):
+        raise DPConfigurationError(
+            f"{sampler.name}(bands={sampler.bands!r}) is for correlated noise (BandMF, BLT): with noise={noise.name} "
+            "every step would be priced as a subsampled Gaussian at q_b = B·b/N, b times DP-SGD's rate, which "
+            "overstates ε and gains nothing. Use noise=BandMF() with it, or Poisson() for DP-SGD."
+        )
 
 
 def check_correlated_noise(sampler: Sampler, clipping: Clipping, noise: Noise, step: Step | None) -> None:

@@ -314,6 +314,8 @@ def test_resume_mid_round_keeps_the_groups_and_the_rounds(tmp_path):
             lambda: DPStrategy(sampler=CyclicPoisson(4), noise=BandMF(), accountant="pure"),
             "different mechanisms",
         ),
+        (lambda: DPStrategy(sampler=CyclicPoisson(4)), "is for correlated noise"),
+        (lambda: DPStrategy(sampler=CyclicPoisson("auto"), noise_multiplier=1.0), "is for correlated noise"),
     ],
 )
 def test_refused_combinations(build, match):
