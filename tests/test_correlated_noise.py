@@ -332,15 +332,16 @@ def test_check_blt_refuses_coefficients_outside_the_exact_region():
 
 # -- Table B: predicted error and bands="auto" --------------------------------------------------------------------
 @pytest.mark.slow
-def test_table_b_predicted_ratios_rank_bands_as_jax_privacy():
-    """MNIST CNN bench (55000, 512, 324): best b = 4 at ε = 1, b = 16 at ε = 3 (PLD ratios 0.827, 0.610)."""
-    for eps, best, ratio in ((1.0, 4, 0.8273), (3.0, 16, 0.6095)):
-        choices = mf.suggest_bands(55000, 512, 324, eps, DELTA, "pld")
-        chosen = min(choices, key=lambda c: c.rmse)
-        assert chosen.bands == best
-        assert chosen.ratio == pytest.approx(ratio, rel=5e-3)
+def test_table_b_bands_auto_under_pld():
+    """The PLD re-ranking path of bands="auto" on the digits MLP bench (1257, 128, 200): b = 2 at ε = 3
+    (ratio 0.9874); the MNIST CNN ratios 0.827 and 0.610 are checked by the PLD noise-only runs below."""
+    choices = mf.suggest_bands(1257, 128, 200, 3.0, DELTA, "pld")
+    chosen = min(choices, key=lambda c: c.rmse)
+    assert chosen.bands == 2
+    assert chosen.ratio == pytest.approx(0.9874, rel=5e-3)
+    assert next(c for c in choices if c.bands == 1).noise_multiplier == pytest.approx(2.211987, rel=2e-3)
     digits = mf.suggest_bands(1257, 128, 200, 1.0, DELTA, "rdp")
-    assert min(digits, key=lambda c: c.rmse).bands == 1  # small data: nothing to gain
+    assert min(digits, key=lambda c: c.rmse).bands == 1  # small data at ε = 1: nothing to gain
 
 
 def test_bands_auto_ranks_by_the_predicted_error_under_rdp():
@@ -428,10 +429,12 @@ def prefix_rmse_ratio(epsilon: float, bands: int, accountant: str, d: int = 20_0
     noise.calibrate(epsilon, DELTA, sampler, steps, accountant)
     z = released_noise(noise, steps, d, std=noise.sigma)
     empirical = float(torch.cumsum(z, 0).pow(2).mean().sqrt())
-    dpsgd = calibrate_noise(
-        target_epsilon=epsilon, delta=DELTA, sample_rate=batch / n, steps=steps, accountant=accountant
-    )
-    assert noise.dpsgd_sigma == pytest.approx(dpsgd, rel=0.01)
+    dpsgd = noise.dpsgd_sigma  # DP-SGD's σ at this ε, steps and batch (Poisson at B/N)
+    assert dpsgd is not None
+    if accountant == "rdp":  # cheap to recompute: the slot's reference is the library's own calibration
+        assert dpsgd == calibrate_noise(
+            target_epsilon=epsilon, delta=DELTA, sample_rate=batch / n, steps=steps, accountant=accountant
+        )
     return empirical / mf.dpsgd_rmse(dpsgd, steps), noise._ratio()
 
 
