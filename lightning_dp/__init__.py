@@ -13,9 +13,9 @@ from lightning_dp.checks import checking
 from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
-from lightning_dp.noise import ConstantNoise, NoiseDividing
+from lightning_dp.noise import BLT, BandMF, ConstantNoise, NoiseDividing
 from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
-from lightning_dp.sampling import DPIS, FixedSize, Poisson
+from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.line_search import LineSearch
@@ -26,12 +26,15 @@ from lightning_dp.version import __version__
 register()
 
 __all__ = [
+    "BLT",
     "DPIS",
     "AdaCliP",
     "AdaptiveGD",
     "AuditResult",
+    "BandMF",
     "Clipping",
     "ConstantNoise",
+    "CyclicPoisson",
     "DPConfigurationError",
     "DPDDPStrategy",
     "DPStrategy",

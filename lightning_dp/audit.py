@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.errors import DPConfigurationError
 from lightning_dp.release import ReleaseHook
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import StepContext
@@ -288,6 +289,13 @@ def audit(
     strategy = dp_strategy_of(trainer)
     engine = strategy.engine
     included = torch.rand(num_canaries, generator=make_generator(seed, stream="audit/included")) < 0.5
+    if canary == "gradient" and engine.noise.correlated:
+        raise DPConfigurationError(
+            f"The gradient canaries are Poisson-sampled at every step and scored as i.i.d. noise, but "
+            f"{engine.noise.name}'s noise is correlated across steps and its examples join one step in b: the "
+            "audit would test another mechanism. Audit this run with canary='input' (the canaries then go "
+            "through the real sampler and noise)."
+        )
     if canary == "gradient":
         hook = GradientCanaries(engine, included, seed=seed, placement=placement)
         engine.release_hooks.append(hook)

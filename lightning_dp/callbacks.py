@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Protocol, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.prepare import trains_privately
@@ -113,7 +114,11 @@ class PrivacyCallback(Callback):
         return out
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        warn_on_minibatch_adaptive_step(dp_strategy_of(trainer).engine)
+        engine = dp_strategy_of(trainer).engine
+        warn_on_minibatch_adaptive_step(engine)
+        note = engine.noise.describe()  # correlated noise: the strategy fitted, b, rounds, predicted error
+        if note is not None:
+            rank_zero_info(f"lightning-dp: {note}")
         self._monitors_checked = False  # checked again in every fit
         self._stop_if_spent(trainer)
 

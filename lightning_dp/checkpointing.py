@@ -198,7 +198,8 @@ def check_resumed_counts(
     """The restored ledger must agree with the loop's step count, the engine's and the slots' own.
 
     Every private step records at least one event (steps that also release a search or a statistic
-    record more), so ``ledger events ≥ private steps``; the ledger's size at save time is stored beside
+    record more; correlated noise with cyclic sampling, one per round of b steps), so
+    ``ledger events ≥ ⌈private steps / b⌉``; the ledger's size at save time is stored beside
     it, and no slot can have taken more steps than the engine. Lightning's loop counts
     ``private steps − outside + silent`` optimizer steps (``silent``: steps that released nothing;
     ``outside``: releases no optimizer step of the loop counted), in its progress counters and in the
@@ -206,12 +207,16 @@ def check_resumed_counts(
     was spent.
     """
     steps, events = engine.steps, engine.ledger.steps
+    paid = -(-steps // engine.noise.steps_per_event)  # BandMF: one event per round of b steps
     problems = []
     saved_events = state.get("ledger_events")
     if saved_events is not None and int(saved_events) != events:
         problems.append(f"its ledger holds {events} events but was saved holding {int(saved_events)}")
-    if events < steps:
-        problems.append(f"its ledger holds {events} events for {steps} private steps (at least one each)")
+    if events < paid:
+        problems.append(
+            f"its ledger holds {events} events for {steps} private steps (at least one each"
+            + (f" round of {engine.noise.steps_per_event} steps)" if paid != steps else ")")
+        )
     if silent < 0 or outside < 0 or outside > steps:
         problems.append(f"its step counts are impossible ({silent} silent, {outside} outside the loop)")
     global_step, loop_steps = checkpoint.get("global_step"), loop_global_step(checkpoint)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import warnings
+
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.slots import Clipping, Noise, Sampler
+from lightning_dp.slots import Clipping, Noise, Sampler, Step
 
 
-def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str) -> None:
+def check_mechanisms(
+    sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str, step: Step | None = None
+) -> None:
     """Refuse slot combinations the ledger cannot price (e.g. Laplace noise with Poisson/RDP events).
 
     Slots declare ``mechanism`` ("gaussian" unless set): Laplace needs all of fixed-size sampling,
     L1 clipping, Laplace noise and the pure-ε accountant (basic composition); Gaussian needs none
-    (its accountant is "rdp", "prv" or "pld").
+    (its accountant is "rdp", "prv" or "pld"). Correlated noise has its own table
+    (:func:`check_correlated_noise`).
     """
     kinds = {
         name: slot.mechanism
@@ -24,4 +29,52 @@ def check_mechanisms(sampler: Sampler, clipping: Clipping, noise: Noise, account
             f"These slots release different mechanisms ({described}), which the ledger cannot price together. "
             "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
             "and accountant='pure'; Gaussian steps need none of these."
+        )
+    if noise.correlated:
+        check_correlated_noise(sampler, clipping, noise, step)
+    elif sampler.bands not in (None, 1):
+        raise DPConfigurationError(
+            f"{sampler.name}(bands={sampler.bands!r}) is for correlated noise (BandMF, BLT): with noise={noise.name} "
+            "every step would be priced as a subsampled Gaussian at q_b = B·b/N, b times DP-SGD's rate, which "
+            "overstates ε and gains nothing. Use noise=BandMF() with it, or Poisson() for DP-SGD."
+        )
+
+
+def check_correlated_noise(sampler: Sampler, clipping: Clipping, noise: Noise, step: Step | None) -> None:
+    """Correlated noise (BandMF, BLT) is priced only with cyclic participation and a gradient-only step.
+
+    The banded reduction (Choquette-Choo et al. 2023, Thm 4) and the min-separation sensitivity both need
+    every example's steps at least b apart, which ordinary Poisson sampling (b > 1), importance sampling
+    and fixed-size sampling do not give; every noisy release advances the noise recursion, so a step that
+    releases more than the gradient, or reads the noise as i.i.d. of std σ·C, cannot use it.
+    """
+    name = noise.name
+    if sampler.bands is None or sampler.schedules_noise:
+        raise DPConfigurationError(
+            f"{name} needs cyclic Poisson sampling, got sampler={sampler.name}: its accounting requires every "
+            "example's steps to be at least b apart (one group per example, Choquette-Choo et al. 2023 Thm 4), "
+            f"which {sampler.name} does not guarantee. Use sampler=CyclicPoisson(bands=...) (or bands='auto')."
+        )
+    if type(clipping).finalize is not Clipping.finalize:
+        raise DPConfigurationError(
+            f"{name} cannot be combined with clipping={clipping.name}: its finalize post-processes the released "
+            "sums assuming i.i.d. noise of std σ·C per step (AdaCliP's mean and variance estimates), while "
+            f"{name}'s noise is correlated across steps and larger per step. Use FlatClipping() with {name}."
+        )
+    if step is None:
+        return
+    own_rules = type(step).plan is not Step.plan or type(step).gradient_event is not Step.gradient_event
+    if own_rules or step.needs_sums or step.spends_until_budget or step.charges_unsampled:
+        raise DPConfigurationError(
+            f"{name} cannot be combined with step={step.name}: that step brings its own noise or ledger rule, "
+            "or releases more than one noisy gradient per step (a search, a re-measurement), and every noisy "
+            f"release would advance {name}'s correlated noise. Use the default step (your optimizer) with "
+            f"{name}, or ConstantNoise with {step.name}."
+        )
+    if type(step) is not Step:
+        warnings.warn(
+            f"{name}'s coefficients are optimised for the prefix sums of plain SGD; with step={step.name} the "
+            "released gradients are still private (post-processing), but the error reduction is not "
+            "guaranteed.",
+            stacklevel=4,
         )

@@ -66,12 +66,13 @@ class PrivateStepEngine:
         max_physical_batch_size: int | None = None,
     ) -> None:
         self.grad_sample_mode: GradMode = grad_sample_mode
-        check_mechanisms(sampler, clipping, noise, accountant)
+        check_mechanisms(sampler, clipping, noise, accountant, step)
         noise.link_step(step)  # schedules such as NoiseDividing take their weights from the step slot
         # A step that brings its own noise rule or ledger rule declares it here, once: nothing
         # replaces the engine's slots or ledger after construction.
         plan = step.plan(StepSetup(noise, clipping, accountant, target_epsilon, delta, max_grad_norm))
         noise = plan.noise if plan.noise is not None else noise
+        noise.link_sampler(sampler)  # correlated noise reads the sampler's bands
         self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
         self._max_grad_norm = max_grad_norm
         self.delta = delta
@@ -164,6 +165,7 @@ class PrivateStepEngine:
                 module, loss_reduction=self.loss_reduction, mode=self.grad_sample_mode
             )
             self.clipping.setup(self.grads.params)
+            self.noise.setup(self.grads.params)
             self.releases.anchor = self.grads.params[0]
 
     def refresh_parameters(self) -> None:
@@ -236,7 +238,14 @@ class PrivateStepEngine:
     def next_event(self) -> Any:
         """The ledger event the next step would release (None while a noise-scheduling sampler has no σ yet)."""
         sigma = self.noise_multiplier()
-        return None if sigma is None else self.step_slot.gradient_event(self.sampler, sigma)
+        if sigma is None:
+            return None
+        own = self.noise.step_event(self.steps, self.sampler, sigma)  # correlated noise prices its own steps
+        return own if own is not None else self.step_slot.gradient_event(self.sampler, sigma)
+
+    def _covered(self) -> bool:
+        """Whether the next step was paid for by the event recorded at the start of its round (BandMF)."""
+        return self.steps % self.noise.steps_per_event != 0
 
     def affordable_steps(self, drawn: bool = False) -> int | None:
         """How many more steps fit under ``target_epsilon`` (None when there is no target).
@@ -249,7 +258,9 @@ class PrivateStepEngine:
         if event is None or self.target_epsilon is None:
             return None
         pending = [] if drawn else self.sampler.pending_events()
-        return int(affordable_after(self.ledger, pending, event, self.target_epsilon))
+        per_event = self.noise.steps_per_event  # one event pays for a round of this many steps
+        paid = -self.steps % per_event  # steps left in the current round, already paid
+        return paid + per_event * int(affordable_after(self.ledger, pending, event, self.target_epsilon))
 
     @property
     def release_name(self) -> str:
@@ -403,14 +414,16 @@ class PrivateStepEngine:
         event = self.next_event()
         if event is None:
             raise RuntimeError(f"{self.sampler.name} has not set the noise multiplier of this step.")
-        self._check_affordable(event)
+        covered = self._covered()
+        if not covered:
+            self._check_affordable(event)
         sums, ctx = self._clipped_sums(self._layer_expected(chunked=self._partial is not None))
         if self._partial is not None:
             sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
             ctx.batch_size += self._partial_batch
             self._partial, self._partial_batch = None, 0
         self._check_realised_total(ctx.batch_size)
-        for p, g in zip(self.params, self._release(sums, ctx, event), strict=True):
+        for p, g in zip(self.params, self._release(sums, ctx, None if covered else event), strict=True):
             p.grad = g.to(p.dtype)
         self.steps += 1
         self.pending_ctx = ctx
@@ -426,8 +439,9 @@ class PrivateStepEngine:
         self.grads.clear()
         return self.privatize()
 
-    def _release(self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent) -> list[Tensor]:
-        """Record ``event``, add the noise once over all ranks, and finalize: the released gradient."""
+    def _release(self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent | None) -> list[Tensor]:
+        """Record ``event`` (None: a step its round's event already paid for), add the noise once over all
+        ranks, and finalize: the released gradient."""
         return self.releases.release_gradient(sums, ctx, event, keep_sums=self.step_slot.needs_sums)
 
     def private_gradient(self, event: PrivacyEvent) -> list[Tensor]:
@@ -436,6 +450,12 @@ class PrivateStepEngine:
         For step slots that measure a second gradient inside a step (e.g. the line search's CHEB);
         the noise multiplier is the noise slot's current one, and check-before-spend applies.
         """
+        if self.noise.correlated:
+            raise DPConfigurationError(
+                f"{self.step_slot.name} asked for a second noisy gradient in one step, but {self.noise.name}'s "
+                "noise is correlated across steps: every release advances it, so the gradient must be a step's "
+                "only release. Use the default step (the optimizer) with correlated noise."
+            )
         self._check_affordable(event)
         sums, ctx = self._clipped_sums()
         return self._release(sums, ctx, event)

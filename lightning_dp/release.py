@@ -133,14 +133,18 @@ class Releases:
         return self.all_reduce(noisy)
 
     def release_gradient(
-        self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent, *, keep_sums: bool = False
+        self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent | None, *, keep_sums: bool = False
     ) -> list[Tensor]:
         """Record ``event``, add the noise once over all ranks and finalize: the released gradient.
+
+        ``event=None``: a step an earlier event already paid for (BandMF records one event per round of
+        b steps, at its first step), so nothing is recorded.
 
         ``keep_sums``: copies of the clipped sums and of the released noisy sums go to
         ``ctx.clipped_sums`` / ``ctx.noisy_sums`` (steps that re-measure or rescale them).
         """
-        self.ledger.record(event)
+        if event is not None:
+            self.ledger.record(event)
         for hook in self.hooks:
             sums = hook.before_noise(sums, ctx)
         if keep_sums:  # the noise is added in place: keep the clipped sums apart

@@ -44,6 +44,10 @@ def privacy_report(
     checks = getattr(strategy, "checks", None)  # the audit reports a strategy-less run too
     if isinstance(checks, RunChecks):
         data["checks"] = checks.summary()
+    data["ledger_events"] = engine.ledger.steps
+    correlated = engine.noise.report()
+    if correlated is not None:  # BandMF / BLT: the strategy matrix, its accounting and its predicted error
+        data["correlated_noise"] = correlated
     if isinstance(engine.ledger, PrivacyFilter):
         # Adaptively chosen releases: the guarantee is the budget fixed in advance (the filter's target);
         # the composition of what happened to be released is an odometer reading beside it.
@@ -93,6 +97,9 @@ def plot_curve(ledger: Any, path: str | IO[bytes], data: dict[str, Any]) -> None
     import matplotlib.pyplot as plt
 
     curve = ledger.epsilon_curve()
+    per_event = int(data.get("correlated_noise", {}).get("steps_per_event", 1))
+    if per_event != 1:  # BandMF: one ledger event per round of b steps; the x-axis stays in steps
+        curve = [(min(events * per_event, int(data["steps"])), eps) for events, eps in curve]
     fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
     filtered = "realised_epsilon" in data
     if curve:

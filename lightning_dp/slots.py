@@ -85,6 +85,13 @@ class Sampler(Slot, ABC):
     restored_shape: tuple[int | None, float | None] = (None, None)
     """(N, q) read from a checkpoint by ``load_state_dict``: a resume on other data or another batch
     size is refused (None: the sampler keeps no such record)."""
+    bands: int | str | None = None
+    """Cyclic participation: each example joins only the steps t ≡ g(i) (mod ``bands``) of its own group
+    g(i) (``CyclicPoisson``; ``Poisson`` is ``bands=1``: one group, every step). ``"auto"`` until the noise
+    slot chooses it (:meth:`choose_bands`); None: no such structure (DPIS, FixedSize), which correlated
+    noise refuses."""
+    horizon: int | None = None
+    """The run's planned steps, for samplers handed a runtime (the noise slot fits its strategy to it)."""
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
         """Called by the strategy before every epoch's loader is built; default: nothing to keep."""
@@ -113,6 +120,10 @@ class Sampler(Slot, ABC):
         probabilities depend on the gradients (DPIS). None (default): the clipping slot bounds them."""
         del grad_samples, ctx
         return None
+
+    def choose_bands(self, bands: int) -> None:
+        """Resolve ``bands="auto"`` (called by a correlated noise slot while it calibrates, after ``bind``)."""
+        raise NotImplementedError(f"{self.name} has no cyclic bands to choose")
 
     @abstractmethod
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
@@ -216,6 +227,39 @@ class Noise(Slot, ABC):
     def link_step(self, step: Step) -> None:
         """Called once with the run's step slot (schedules that weight steps by its error bound)."""
         del step
+
+    correlated: bool = False
+    """True for noise correlated across steps (matrix factorization: BandMF, BLT). Every ``add_noise``
+    advances its state, so the gradient must be a step's only noisy release, and the step, sampler and
+    clipping slots must not assume i.i.d. noise (``compatibility.check_mechanisms`` refuses them)."""
+
+    def link_sampler(self, sampler: Sampler) -> None:
+        """Called once, when the engine is built, with the run's sampler (correlated noise reads its bands)."""
+        del sampler
+
+    def setup(self, params: Sequence[Tensor]) -> None:
+        """Called once the trainable parameters are known (noise that keeps per-parameter state)."""
+        del params
+
+    @property
+    def steps_per_event(self) -> int:
+        """How many consecutive steps one ledger event pays for: the engine checks the budget and records
+        the event only at steps that are multiples of it (b for BandMF under cyclic sampling; default 1)."""
+        return 1
+
+    def step_event(self, step: int, sampler: Sampler, noise_multiplier: float) -> PrivacyEvent | None:
+        """The ledger event of step ``step`` when this noise decides it (BLT: an unamplified Gaussian of the
+        step's sensitivity increment); None (default): the step slot's ``gradient_event``."""
+        del step, sampler, noise_multiplier
+        return None
+
+    def describe(self) -> str | None:
+        """One line for the start of training (what was fitted and chosen); None: nothing to say."""
+        return None
+
+    def report(self) -> dict[str, Any] | None:
+        """Plain JSON-able facts for the privacy report (``"correlated_noise"``); None: nothing to add."""
+        return None
 
     def add_noise(self, sums: list[Tensor], std: float, generator: torch.Generator) -> list[Tensor]:
         """Gaussian noise of standard deviation ``std`` on every coordinate, drawn in fp32.

@@ -12,6 +12,7 @@ import importlib.util
 import math
 from collections.abc import Iterable
 
+from .analytic_gaussian import unsampled_epsilon
 from .events import PrivacyEvent
 from .prv import PRVNumericalError, prv_segments
 from .rdp import check_delta
@@ -54,6 +55,9 @@ def pld_epsilon(
         return 0.0
     if any(sigma == 0.0 for sigma, _, _ in segments):
         return math.inf
+    exact = unsampled_epsilon(segments, delta)  # only q = 1 Gaussians: one Gaussian, read exactly
+    if exact is not None:
+        return exact
     require_dp_accounting()
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant

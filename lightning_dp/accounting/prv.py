@@ -21,6 +21,7 @@ from opacus.accountants.analysis.prv import (
     discretize,
 )
 
+from .analytic_gaussian import unsampled_epsilon
 from .events import PrivacyEvent
 from .rdp import check_delta
 
@@ -83,6 +84,9 @@ def prv_epsilon(
         return 0.0
     if any(sigma == 0.0 for sigma, _, _ in segments):
         return math.inf
+    exact = unsampled_epsilon(segments, delta)  # only q = 1 Gaussians: one Gaussian, read exactly
+    if exact is not None:
+        return exact
 
     total = sum(n for _, _, n in segments)
     counts = [n for _, _, n in segments]

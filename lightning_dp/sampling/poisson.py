@@ -43,6 +43,8 @@ class Poisson(SeededSampler):
     union over ranks is one Poisson sample of the whole data set.
     """
 
+    bands = 1  # one group that joins every step: cyclic Poisson sampling with b = 1
+
     def __init__(self, seed: int | None = None) -> None:
         super().__init__(seed)
         self.rank = 0
