@@ -140,12 +140,12 @@ def _llama_lora(dry: bool) -> nn.Module:
 
 
 def _tokens(vocab_full: int, vocab_dry: int, length: int, dry_length: int = 16) -> Callable[..., Batch]:
+    """Token ids and position ids per example ([B, T]: Opacus's embedding hooks need the batch dimension)."""
+
     def make(dry: bool, b: int, g: torch.Generator) -> Batch:
-        return (
-            torch.randint(
-                0, vocab_dry if dry else vocab_full, (b, dry_length if dry else length), generator=g
-            ),
-        )
+        t = dry_length if dry else length
+        ids = torch.randint(0, vocab_dry if dry else vocab_full, (b, t), generator=g)
+        return ids, torch.arange(t).repeat(b, 1)
 
     return make
 
@@ -189,7 +189,7 @@ MODELS: dict[str, SpeedModel] = {
             "GPT-2 small (124M), causal LM, T=512",
             _gpt2,
             _tokens(50257, 96, 512),
-            lambda m, b: m(input_ids=b[0]).logits,
+            lambda m, b: m(input_ids=b[0], position_ids=b[1]).logits,
             _lm_loss,
             batch_size=16,
         ),
@@ -226,7 +226,7 @@ MODELS: dict[str, SpeedModel] = {
             "LoRA r=16 (q, v) on a 1.1B Llama (TinyLlama's shape), T=512",
             _llama_lora,
             _tokens(32000, 96, 512),
-            lambda m, b: m(input_ids=b[0]).logits,
+            lambda m, b: m(input_ids=b[0], position_ids=b[1]).logits,
             _lm_loss,
             batch_size=8,
         ),
@@ -383,6 +383,7 @@ def bench(
     batch = tuple(t.to(device) for t in spec.batch(dry, batch_size, torch.Generator().manual_seed(0)))
     result["parameters"] = sum(p.numel() for p in base.parameters())
     result["trainable"] = sum(p.numel() for p in _trainable(base))
+    result["weight_bytes"] = sum(t.numel() * t.element_size() for t in [*base.parameters(), *base.buffers()])
     result["build_s"] = round(time.monotonic() - start, 2)
     variants, errors = _variants(spec, base, batch, device)
     del base  # the variants hold their own copies
@@ -420,9 +421,7 @@ def bench(
     for v in variants:
         if v.error is None and time.monotonic() + 2 * step_s.get(v.name, 0) < deadline:
             try:
-                base_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
                 v.peak_bytes = measure_peak(v, device)
-                v.rss_bytes = base_bytes  # live before the step: model, optimizer state, batch
             except Exception as err:
                 v.note = (v.note + "; " if v.note else "") + f"memory: {_reason(err)}"
     result["stage"] = "done"
@@ -464,10 +463,13 @@ def _variants(
 
 
 def _rows(result: dict[str, Any], variants: list[Variant], errors: dict[str, str]) -> None:
-    """The result's table rows from the variants so far: medians, IQR, × plain, peak memory."""
+    """The result's table rows from the variants so far: medians, IQR, × plain, and the peak memory of a
+    step: the most allocated during it over what was live before (gradients are set to None between
+    steps, so they are in it) plus the model's own weights and buffers, which every variant holds alike."""
+    weights = result.get("weight_bytes", 0)
     plain = next((v for v in variants if v.name == "plain" and v.times), None)
     plain_ms = statistics.median(plain.times) * 1e3 if plain else None
-    plain_total = (plain.peak_bytes or 0) + (plain.rss_bytes or 0) if plain and plain.peak_bytes else None
+    plain_total = plain.peak_bytes + weights if plain and plain.peak_bytes is not None else None
     rows: list[dict[str, Any]] = []
     for v in variants:
         row: dict[str, Any] = {"variant": v.name, "rounds": len(v.times)}
@@ -483,7 +485,7 @@ def _rows(result: dict[str, Any], variants: list[Variant], errors: dict[str, str
                 phases_ms={k: round(statistics.median(t) * 1e3, 3) for k, t in v.phase_times.items()},
             )
         if v.peak_bytes is not None:
-            total = v.peak_bytes + (v.rss_bytes or 0)
+            total = v.peak_bytes + weights
             row.update(
                 step_peak_mb=round(v.peak_bytes / 2**20, 1),
                 peak_mb=round(total / 2**20, 1),

@@ -57,7 +57,8 @@ from tests.tolerances import UNDERSTATE
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", "cuda"]
-PRECISIONS = ["fp32", "tf32", "bf16-mixed"]
+PRECISIONS = ["fp32", "bf16-mixed", "tf32"]
+"""In the order the cuda cases run: if a part's time box runs out, TF32 (a setting users opt into) goes first."""
 
 CPU_ZOO = (
     "hf_gpt2_lm_tied",
@@ -430,7 +431,8 @@ def test_dropout_on_the_device_trains_and_the_check_leaves_the_run_unchanged(
         unchecked, _ = _fit_dropout(device, precision, check=False)
     assert strategy.engine.steps == 3
     for a, b in zip(checked.parameters(), unchecked.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # other dropout masks would move the weights by ~1e-2; the tolerance only allows kernel nondeterminism
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.cuda("mechanisms")
