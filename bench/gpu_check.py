@@ -74,7 +74,7 @@ that ``--total`` allows by default, the children's start-up (imports, CUDA conte
 TOTAL_S = 480.0
 DRY_TOTAL_S = 120.0
 START_BOX_S = 120.0
-"""Most a child may take from its start to its first part's start (imports, CUDA initialisation)."""
+"""Most a child may spend outside a part: starting up (imports, CUDA initialisation), between parts, exiting."""
 POLL_S = 0.2
 WRITE_EVERY_S = 5.0
 PACKAGES = ("torch", "lightning", "pytorch-lightning", "torchmetrics", "opacus", "transformers", "timm",
@@ -174,11 +174,14 @@ class Check:
             log.flush()
             child = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
-        spawned, current, started, done = time.monotonic(), None, 0.0, []
+        idle_since, started, done = time.monotonic(), 0.0, []
+        current: Part | None = None
         seen = 0
         while True:
+            code = child.poll()  # before reading: the events a child wrote before it exited are all read
             events, seen = _read_events(progress, seen)
             for event in events:
+                idle_since = time.monotonic()
                 part = next(p for p in parts if p.name == event["part"])
                 if event["event"] == "start":
                     current, started = part, time.monotonic()
@@ -186,23 +189,20 @@ class Check:
                 else:
                     done.append(part.name)
                     current = None
-                    self.merge(part, event.get("status", "done"), time.monotonic() - started)
-            code = child.poll()
+                    self.merge(part, "done", time.monotonic() - started)
             now = time.monotonic()
-            if code is not None:
-                if current is not None:
+            if code is not None:  # the part it was in, or else the next it owed, crashed: progress is certain
+                victim = current or next((p for p in parts if p.name not in done), None)
+                if victim is not None:
+                    where = "during it" if current is not None else "before starting it"
+                    elapsed = now - started if current is not None else 0.0
                     self.merge(
-                        current,
+                        victim,
                         "crashed",
-                        now - started,
-                        f"the child exited with status {code} (children.log)",
+                        elapsed,
+                        f"the child exited with status {code} {where} (children.log)",
                     )
-                    done.append(current.name)
-                elif not done and code != 0:  # died before its first part
-                    self.merge(
-                        parts[0], "crashed", 0.0, f"the child exited with status {code} before starting"
-                    )
-                    done.append(parts[0].name)
+                    done.append(victim.name)
                 break
             if current is not None and now - started > boxes[current.name] + self.args.grace:
                 _kill(child)
@@ -211,10 +211,14 @@ class Check:
                 )
                 done.append(current.name)
                 break
-            if current is None and now - spawned > START_BOX_S and not done:
+            if (
+                current is None and now - idle_since > START_BOX_S
+            ):  # stuck starting up, between parts, exiting
                 _kill(child)
-                self.merge(parts[0], "cut", 0.0, f"the child did not start it within {START_BOX_S:.0f} s")
-                done.append(parts[0].name)
+                waiting = next((p for p in parts if p.name not in done), None)
+                if waiting is not None:
+                    self.merge(waiting, "cut", 0.0, f"its child did not start it within {START_BOX_S:.0f} s")
+                    done.append(waiting.name)
                 break
             if current is not None and now - self.last_write > WRITE_EVERY_S:
                 self.merge(current, "running", now - started)
