@@ -364,7 +364,7 @@ def markdown(record: dict[str, Any]) -> str:
                 iqr = "–".join(f"{v:.1f}" for v in row["iqr_ms"]) if "iqr_ms" in row else ""
                 note = "; ".join(filter(None, [row.get("error"), row.get("note"), row.get("paths")]))
                 lines.append(
-                    f"| {r['model']} | {r['batch']} | {r['precision']} | {row['variant']} | {row['rounds']} | "
+                    f"| {r.get('model')} | {r.get('batch', '')} | {r.get('precision', '')} | {row['variant']} | {row['rounds']} | "
                     f"{_fmt(row.get('median_ms'))} | {iqr} | {_fmt(row.get('x_plain'), 2)} | "
                     f"{_fmt(row.get('peak_mb'), 1)} | {_fmt(row.get('mem_x_plain'), 2)} | {note.replace('|', '/')[:200]} |"
                 )
@@ -409,8 +409,11 @@ class Child:
         for name in names:
             part = next(p for p in PARTS if p.name == name)
             self.event(name, "start")
-            deadline = time.monotonic() + self.boxes[name]
-            run_speed(self, part, device, deadline, info)
+            if device.type == "cpu" and not self.args.dry_run:  # full sizes on a CPU: nothing worth timing
+                self.save(name, {"model": part.model, "stage": "not run", "device": info, "rows": [
+                    {"variant": "all", "rounds": 0, "error": "no CUDA device (use --dry-run on a CPU)"}]})  # fmt: skip
+            else:
+                run_speed(self, part, device, time.monotonic() + self.boxes[name], info)
             self.event(name, "end")
         return 0
 
@@ -529,10 +532,12 @@ class CheckPlugin:
     def _save(self, part: Part) -> None:
         self.child.save(part.name, {"tests": self.results[part.name], "device": self.info})
 
+    def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> None:
+        self._switch(self.parts[self._part_of(item)])  # type: ignore[index]
+
     def pytest_runtest_setup(self, item: Any) -> None:
         import pytest
 
-        self._switch(self.parts[self._part_of(item)])  # type: ignore[index]
         if time.monotonic() > self.deadline:
             pytest.skip("not run: its part's time box was spent")
 
@@ -573,6 +578,10 @@ def _short(report: Any) -> str:
 
 def run_tests(child: Child, parts: list[Part], info: dict[str, Any]) -> int:
     import pytest
+
+    # before the skipping plugin's setup (a skipif would stop the time box's check) and before any report
+    for hook in ("pytest_runtest_protocol", "pytest_runtest_setup"):
+        setattr(CheckPlugin, hook, pytest.hookimpl(tryfirst=True)(getattr(CheckPlugin, hook)))
 
     args = [str(ROOT / TESTS), "-p", "no:cacheprovider", "-q", "-rN", "--color=no", "-o", "addopts=",
             "-W", "ignore::DeprecationWarning", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(ROOT)]  # fmt: skip

@@ -116,3 +116,21 @@ def test_a_part_past_its_box_is_cut_and_the_others_still_run(tmp_path: Path) -> 
     assert parts["speed-wrn"]["status"] == "done"
     assert code == 2
     assert "**cut**" in md
+
+
+@pytest.mark.slow
+def test_a_correctness_part_stops_its_own_tests_at_its_box(tmp_path: Path) -> None:
+    """Within the kill's grace, the part skips the tests that would start past its box ("not run"), ends
+    itself, and the same child goes on to the next part."""
+    code, record, _ = _run(
+        tmp_path, "--parts", "correctness-trainer,correctness-mechanisms", "--box", "correctness-trainer=0.01"
+    )
+    trainer, mechanisms = record["parts"]["correctness-trainer"], record["parts"]["correctness-mechanisms"]
+    outcomes = [t["outcome"] for t in trainer["result"]["tests"]]
+    assert trainer["status"] == "cut"
+    assert "detail" not in trainer  # it ended itself, nothing was killed
+    assert outcomes[0] == "passed"  # a test that started inside the box runs to its end
+    assert set(outcomes[1:]) == {"not run"}
+    assert mechanisms["status"] == "passed"
+    assert (tmp_path / "out" / "children.log").read_text().count("child for") == 1
+    assert code == 2
