@@ -394,8 +394,15 @@ def bench(
     for v in variants:
         for _ in range(warmup):
             if time.monotonic() > deadline:
+                v.note = "not timed: the part's box was spent before its warm-up"
                 break
-            step_s[v.name] = run_step(v, device, record=False)
+            try:
+                step_s[v.name] = run_step(v, device, record=False)
+            except Exception as err:  # e.g. out of memory at the real batch size
+                v.error = _reason(err)
+                step_s.pop(v.name, None)
+                _free(device)
+                break
     live = [v for v in variants if v.name in step_s]
     reserve = 2 * sum(step_s.values()) + 1.0  # the memory steps, and slack
     per_round = sum(step_s.values()) or 1.0
@@ -412,6 +419,7 @@ def bench(
                     step_s[v.name] = run_step(v, device, record=True)
                 except Exception as err:
                     v.error = _reason(err)
+                    _free(device)
             live = [v for v in live if v.error is None]
             if r % 5 == 4:
                 _rows(result, variants, errors)
