@@ -20,9 +20,14 @@ image or among the wheels, and each package must come once."""
 import re, sys, zipfile
 from pathlib import Path
 
-from packaging.markers import default_environment
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+try:
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+except ImportError:  # an interpreter without packaging: pip's own copy
+    from pip._vendor.packaging.markers import default_environment
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.utils import canonicalize_name
 
 dest = Path(sys.argv[1])
 wanted = {canonicalize_name(Requirement(ln).name) for ln in Path("bench/gpu_wheels.txt").read_text().splitlines()
