@@ -671,7 +671,17 @@ def main(argv: list[str] | None = None) -> int:
             imports[dist] = sorted(set(imports.get(dist, [])) | set(mods))
     check.record["check"]["imported_distributions"] = dict(sorted(imports.items()))
     check.write()
-    print((check.out / "results.md").read_text())
+    text = (check.out / "results.md").read_text()
+    print(text)
+    # the part table once more, last: a reader of the output's tail (the device tool returns 12,000 chars) sees it
+    table = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith(("| part |", "| correctness", "| speed")) or ln == "|---|---|---|---|---|"
+    ]
+    print(
+        "\n".join([f"exit status {check.exit_status()}; {check.out}/results.md has the tables above", *table])
+    )
     shutil.rmtree(check.work, ignore_errors=True)
     return check.exit_status()
 
