@@ -78,14 +78,19 @@ def exact_grads(layer: nn.Module, x: Tensor, d: Tensor) -> list[Tensor]:
     ]
 
 
-def assert_bounded(layer: nn.Module, x: Tensor, d: Tensor) -> None:
-    """Each example's exact contribution w_i·‖g_i‖ and the fp32 clipped sum of each example alone ≤ C."""
+def assert_bounded(layer: nn.Module, x: Tensor, d: Tensor, exact: bool = True) -> None:
+    """Each example's exact contribution w_i·‖g_i‖ and the fp32 clipped sum of each example alone ≤ C.
+
+    ``exact=False`` checks only the released sum: under TF32 the release is itself computed from inputs
+    rounded to 10-bit mantissas, so the fp64 gradient of the unrounded inputs is not what is released."""
     cache: Cache = {}
     norms = sq_norms(layer, [x], d, cache)
     weights = clip_factors(sum(norms.values()).sqrt(), C)
-    exact = torch.stack([g.flatten(1).square().sum(1) for g in exact_grads(layer, x, d)]).sum(0).sqrt()
-    contribution = weights.double() * exact
-    assert bool((contribution <= BOUND).all()), (contribution.max().item(), exact.max().item())
+    if exact:
+        grads = exact_grads(layer, x, d)
+        true_norms = torch.stack([g.flatten(1).square().sum(1) for g in grads]).sum(0).sqrt()
+        contribution = weights.double() * true_norms
+        assert bool((contribution <= BOUND).all()), (contribution.max().item(), true_norms.max().item())
     for i in range(x.shape[0]):  # what one example adds to the released sum, rounding included
         alone = torch.zeros_like(weights)
         alone[i] = weights[i]

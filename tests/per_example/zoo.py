@@ -127,7 +127,8 @@ class Recurrent(nn.Module):
         if not self.batch_first:
             x = x.transpose(0, 1)
         if self.packed:
-            x = pack_padded_sequence(x, lengths, batch_first=self.batch_first, enforce_sorted=False)
+            # pack_padded_sequence takes its lengths on the CPU (a CUDA run moves the whole batch)
+            x = pack_padded_sequence(x, lengths.cpu(), batch_first=self.batch_first, enforce_sorted=False)
         _, state = self.rnn(x)
         h = state[0] if self.lstm else state  # [layers·directions, B, D]
         directions = 2 if self.rnn.bidirectional else 1
@@ -147,7 +148,7 @@ class Attention(nn.Module):
 
     def forward(self, ids: Tensor, lengths: Tensor) -> Tensor:
         x = self.embed(ids)
-        pad = torch.arange(ids.shape[1]) >= lengths.unsqueeze(1)
+        pad = torch.arange(ids.shape[1], device=ids.device) >= lengths.unsqueeze(1)
         kv = x if self.other is None else self.other(x)
         q, kv = (x, kv) if self.batch_first else (x.transpose(0, 1), kv.transpose(0, 1))
         out, _ = self.attn(q, kv, kv, key_padding_mask=pad)
@@ -168,8 +169,9 @@ class Encoder(nn.Module):
         self.batch_first = batch_first
 
     def forward(self, ids: Tensor, lengths: Tensor) -> Tensor:
-        x = self.embed(ids) + self.pos(torch.arange(ids.shape[1]))
-        pad = torch.arange(ids.shape[1]) >= lengths.unsqueeze(1)
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.embed(ids) + self.pos(positions)
+        pad = positions >= lengths.unsqueeze(1)
         x = x if self.batch_first else x.transpose(0, 1)
         x = self.encoder(x, src_key_padding_mask=pad)
         x = x if self.batch_first else x.transpose(0, 1)
