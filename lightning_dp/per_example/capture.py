@@ -28,6 +28,7 @@ from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.materialized import add_samples, direct_params, grad_sampler, layer_method
+from lightning_dp.per_example.precision import ieee_fp32
 from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
 
 
@@ -363,10 +364,9 @@ class GradientCapture:
                 record.release_if_cached(own)
             self.records.append(record)
         else:
-            add_samples(
-                self.grad_samples,
-                grad_sampler(module)(module, activations, grad.detach() * self._scale(batch)),
-            )
+            with ieee_fp32():
+                samples = grad_sampler(module)(module, activations, grad.detach() * self._scale(batch))
+            add_samples(self.grad_samples, samples)
         self.batch_size = batch
 
     def _capture_call(
@@ -418,9 +418,10 @@ class GradientCapture:
             if b is not None
         ]
         try:
-            samples = vmap.per_example_grads(
-                module, dict(direct_params(module)), saved, positions, [g * scale for g in grads]
-            )
+            with ieee_fp32():
+                samples = vmap.per_example_grads(
+                    module, dict(direct_params(module)), saved, positions, [g * scale for g in grads]
+                )
         except RuntimeError as error:
             written = _written_buffers(buffers)
             if not written:

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
+from lightning_dp.per_example.precision import ieee_fp32
 from lightning_dp.per_example.reparametrized import reparametrized
 
 Cache = dict[nn.Parameter, Tensor]
@@ -85,7 +86,8 @@ def sq_norms(
     Pass the same ``cache`` dict to :func:`weighted_grad` so per-example gradients materialised
     here are reused there.
     """
-    return _kernels(layer).sq_norms(layer, activations, backprops, cache)
+    with ieee_fp32():  # the certified bounds assume fp32 products (not TF32, not bf16)
+        return _kernels(layer).sq_norms(layer, activations, backprops, cache)
 
 
 def weighted_grad(
@@ -100,7 +102,8 @@ def weighted_grad(
     Examples with weight 0 contribute exactly nothing, even if their inputs or gradients are not
     finite (clipping gives weight 0 to examples with non-finite norms).
     """
-    return _kernels(layer).weighted_grad(layer, activations, backprops, weights, cache)
+    with ieee_fp32():
+        return _kernels(layer).weighted_grad(layer, activations, backprops, weights, cache)
 
 
 def _kernels(layer: nn.Module) -> FastClipper:
