@@ -172,6 +172,7 @@ class GradientCapture:
         self.probed = False
         """Whether the strategy tried to classify (once per capture)."""
         self._expanded: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        self._random_states: dict[nn.Module, list[vmap.RandomState]] = {}
         self._handles: list[RemovableHandle] = []
         self._names = {p: name for name, p in root.named_parameters()}
         self._reached: set[nn.Parameter] = set()
@@ -192,6 +193,7 @@ class GradientCapture:
             if id(module) not in parts and path not in ("direct", "functorch"):
                 self._hook_freeze(module)
             if path in ("functorch", "direct"):
+                self._handles.append(module.register_forward_pre_hook(self._note_random_state))
                 self._handles.append(module.register_forward_hook(self._capture_call, with_kwargs=True))
             else:
                 self._handles.append(module.register_forward_hook(self._capture_kwargs, with_kwargs=True))
@@ -369,10 +371,19 @@ class GradientCapture:
             add_samples(self.grad_samples, samples)
         self.batch_size = batch
 
+    def _note_random_state(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """A recomputed layer's forward may draw random numbers (dropout): keep the state it starts from."""
+        del args
+        if self._active(module):
+            device = next((p.device for p in self._own[module]), torch.device("cpu"))
+            self._random_states.setdefault(module, []).append(vmap.random_state(device))
+
     def _capture_call(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         """Layers recomputed per example: keep every input (keyword ones too) and tap every output tensor."""
+        states = self._random_states.get(module)
+        random_state = states.pop() if states else None
         if not self._active(module):
             return None
         taps = vmap.output_tensors(output)
@@ -386,7 +397,7 @@ class GradientCapture:
         positions = [i for i, _ in taps]
 
         def on_grads(grads: tuple[Tensor, ...]) -> None:
-            self._recomputed(module, saved, positions, grads)
+            self._recomputed(module, saved, positions, grads, random_state)
 
         if isinstance(output, Tensor):  # one output: a hook on it, no copy
             output.register_hook(lambda grad: on_grads((grad,)))
@@ -402,6 +413,7 @@ class GradientCapture:
         saved: tuple[list[Any], dict[str, Any]],
         positions: list[int],
         grads: tuple[Tensor, ...],
+        random_state: vmap.RandomState | None = None,
     ) -> None:
         batch = grads[0].shape[0]
         scale = self._scale(batch)
@@ -420,7 +432,12 @@ class GradientCapture:
         try:
             with ieee_fp32():
                 samples = vmap.per_example_grads(
-                    module, dict(direct_params(module)), saved, positions, [g * scale for g in grads]
+                    module,
+                    dict(direct_params(module)),
+                    saved,
+                    positions,
+                    [g * scale for g in grads],
+                    random_state,
                 )
         except RuntimeError as error:
             written = _written_buffers(buffers)

@@ -11,7 +11,8 @@ could not replay the forward's draws).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,10 +34,14 @@ def per_example_grads(
     inputs: tuple[Sequence[Any], dict[str, Any]],
     output_positions: Sequence[int],
     grads: Sequence[Tensor],
+    random_state: RandomState | None = None,
 ) -> dict[nn.Parameter, Tensor]:
     """[B, *shape] gradient of each of ``params`` (names relative to ``module``) for each example.
 
     ``grads`` are the output gradients [B, ...] of the flattened output tensors at ``output_positions``.
+    A layer that draws random numbers (dropout, drop-path) cannot be recomputed one example at a time;
+    with ``random_state`` (the random state its forward started from) it is replayed instead
+    (:func:`replayed_per_example_grads`).
     """
     batch = grads[0].shape[0]
     names = list(params)
@@ -74,9 +79,79 @@ def per_example_grads(
     except RuntimeError as error:
         if "randomness" not in str(error):
             raise
+        if random_state is not None:
+            return replayed_per_example_grads(module, params, inputs, output_positions, grads, random_state)
         raise DPConfigurationError(
             f"{type(module).__name__} draws random numbers (dropout) inside its forward, and its per-example "
             "gradients are recomputed one example at a time, which cannot replay those draws. Move the "
             "dropout out of the layer (into a parent module), or set its probability to 0."
         ) from error
+    return dict(zip(params.values(), samples, strict=True))
+
+
+RandomState = tuple[Tensor, list[tuple[int, Tensor]]]
+"""The CPU generator's state and each used CUDA device's, at the start of a layer's forward."""
+
+
+def random_state(device: torch.device) -> RandomState:
+    """The global random state a forward on ``device`` draws from (cheap: a few kB copied)."""
+    cuda = [(device.index or 0, torch.cuda.get_rng_state(device))] if device.type == "cuda" else []
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replaying(state: RandomState) -> Iterator[None]:
+    cpu, cuda = torch.get_rng_state(), [(i, torch.cuda.get_rng_state(i)) for i, _ in state[1]]
+    torch.set_rng_state(state[0])
+    for index, value in state[1]:
+        torch.cuda.set_rng_state(value, index)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        for index, value in cuda:
+            torch.cuda.set_rng_state(value, index)
+
+
+REPLAY_CHUNK_ELEMENTS = 2**24
+"""Per-example cotangents pulled back at once in a replay (elements): bounds its memory."""
+
+
+def replayed_per_example_grads(
+    module: nn.Module,
+    params: dict[str, nn.Parameter],
+    inputs: tuple[Sequence[Any], dict[str, Any]],
+    output_positions: Sequence[int],
+    grads: Sequence[Tensor],
+    state: RandomState,
+) -> dict[nn.Parameter, Tensor]:
+    """Per-example gradients of a layer that draws random numbers: its forward is run once more on the whole
+    batch from the random state the original forward started from (same shapes, so the same draws: the
+    same dropout masks), and the one backward graph is pulled back once per example (each example's own
+    output gradient, ``vmap`` over the cotangents), so every example keeps its own mask."""
+    names = list(params)
+    values = tuple(p.detach() for p in params.values())
+    args, kwargs = inputs
+    positions = list(output_positions)
+    batch = grads[0].shape[0]
+
+    def forward(*weights: Tensor) -> tuple[Tensor, ...]:
+        output = torch.func.functional_call(
+            module, dict(zip(names, weights, strict=True)), tuple(args), kwargs
+        )
+        outs, _ = tree_flatten(output)
+        return tuple(outs[i] for i in positions)
+
+    with _replaying(state), torch.enable_grad():
+        pull_back = torch.func.vjp(forward, *values)[1]
+    cotangents = [g.detach() for g in grads]
+
+    def one(onehot: Tensor) -> tuple[Tensor, ...]:
+        return pull_back(tuple(g * onehot.view(-1, *([1] * (g.dim() - 1))).to(g.dtype) for g in cotangents))
+
+    per_row = max(1, sum(g.numel() for g in cotangents))
+    chunk = max(1, min(batch, REPLAY_CHUNK_ELEMENTS // per_row))
+    eye = torch.eye(batch, device=grads[0].device)
+    with torch.no_grad():
+        samples = torch.func.vmap(one, chunk_size=chunk)(eye)
     return dict(zip(params.values(), samples, strict=True))

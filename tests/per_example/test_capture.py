@@ -436,3 +436,37 @@ def test_each_capture_times_its_convolutions_once_and_keeps_the_choice_to_itself
     assert other.conv_tuner.choices == {}
     grads.remove()
     other.remove()
+
+
+class _ScaledDropout(nn.Module):
+    """A custom layer (no formula: recomputed per example) that draws random numbers in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+        self.shift = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, 0.5, self.training) * self.scale + self.shift * torch.rand_like(x)
+
+
+def test_a_recomputed_layer_that_draws_random_numbers_is_replayed_exactly():
+    """Its per-example gradients are each example's own, with the masks and draws of the real forward
+    (the layer is run again from the random state its forward started from, then pulled back per example)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6).double(), _ScaledDropout(), nn.Tanh(), nn.Linear(6, 2).double())
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    capture = GradientCapture(net, loss_reduction="sum")
+    torch.manual_seed(7)
+    nn.functional.cross_entropy(net(x), y, reduction="sum").backward()
+    samples, _ = capture.collect()
+    got = dict(zip(capture.params, samples.materialize(), strict=True))
+    capture.remove()
+    for p in net.parameters():
+        p.grad = None
+    torch.manual_seed(7)  # the same masks: one forward, then each example's own loss pulled back
+    losses = nn.functional.cross_entropy(net(x), y, reduction="none")
+    for i in range(5):
+        expected = torch.autograd.grad(losses[i], list(net.parameters()), retain_graph=True)
+        for p, g in zip(net.parameters(), expected, strict=True):
+            torch.testing.assert_close(got[p][i], g, rtol=1e-10, atol=1e-12)

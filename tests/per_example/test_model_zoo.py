@@ -88,18 +88,20 @@ def test_per_example_gradients_equal_autograd_on_each_example(entry: ZooModel) -
 
 
 @pytest.mark.parametrize("entry", ZOO, ids=repr)
-def test_one_private_step_through_the_trainer(entry: ZooModel) -> None:
+def test_private_steps_through_the_trainer_with_dropout_on_and_every_batch_checked(entry: ZooModel) -> None:
+    """Two private steps of every zoo model with its dropout on (p = 0.1 wherever it was 0): the mixing
+    check runs on both batches and refuses none (dropout draws the same masks for the examples it keeps)."""
     module = zoo_lightning_module(entry)
+    for layer in module.modules():
+        if isinstance(layer, nn.Dropout) and layer.p == 0:
+            layer.p = 0.1
     before = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     strategy = DPStrategy(
-        noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, on_batchnorm=entry.on_batchnorm
-    )
-    try:
-        make_trainer(strategy, max_steps=1).fit(module)
-    except DPConfigurationError as error:
-        if "has buffers" not in str(error):
-            raise
-        pytest.xfail("prepare.py still refuses every buffer of a layer without a formula (changed elsewhere)")
+        noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, on_batchnorm=entry.on_batchnorm,
+        check_sensitivity="every_step",
+    )  # fmt: skip
+    make_trainer(strategy, max_steps=2).fit(module)
+    assert strategy.checks.mixing.checked_steps  # (a batch of one example has nothing to check)
     after = dict(module.named_parameters())
     moved = [n for n, p in before.items() if not torch.equal(p, after[n].detach())]
     assert moved
