@@ -342,3 +342,21 @@ def test_manual_accumulation_over_parts_of_a_batch_gets_its_own_message():
             ManualHalves()
         )
     assert "sequence-first" not in str(info.value)
+
+
+class AddForeignGroup(Callback):
+    """Adds a parameter group holding a tensor that is not the module's, at epoch 1."""
+
+    def __init__(self) -> None:
+        self.extra = nn.Parameter(torch.zeros(3))
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == 1:
+            trainer.optimizers[0].add_param_group({"params": [self.extra]})
+
+
+def test_a_parameter_group_added_later_with_a_foreign_tensor_is_refused_before_the_release():
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    with pytest.raises(DPConfigurationError, match="not part of the LightningModule's layers"):
+        make_trainer(strategy, max_epochs=2, callbacks=[AddForeignGroup()]).fit(Finetuned())
+    assert strategy.engine.steps == 4

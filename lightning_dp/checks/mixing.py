@@ -189,7 +189,7 @@ class MixingCheck:
             self.moved += 1
             self.due_next = True
             return None
-        self.due_next = False
+        self.due_next = result.examples < 2  # one example cannot mix: the next batch is checked instead
         if not result.passed:
             raise DPConfigurationError(self.refusal(result, engine.steps))
         self.checked_steps.append(engine.steps)
@@ -207,9 +207,7 @@ class MixingCheck:
         grads = engine.grads
         assert grads is not None, "attach() first"
         rows = batch_length(batch)
-        if rows is None or rows < 2:
-            # One example (or none) cannot mix with another: this batch is fine; the next one is checked.
-            self.due_next = True
+        if rows is None or rows < 2:  # one example (or none) cannot mix with another: this batch is fine
             return None if rows is None else _vacuous(rows)
         tolerance = relative_tolerance(str(precision.precision), device)
         state = ModuleState.save(module, device)
@@ -223,16 +221,13 @@ class MixingCheck:
             # Random draws (dropout): replace only, so every shape and every draw stays the same. Else remove
             # the first changed example and replace the others: the batch's size and its content both move,
             # so a dependence on either (a loss summed but called a mean, a token mean) shows.
-            removed = () if state.drew_random_numbers() or len(changed_rows) < 2 else changed_rows[:1]
-            replaced = tuple(r for r in changed_rows if r not in removed)
-            if len(changed_rows) == 1 and not state.drew_random_numbers():
-                removed, replaced = changed_rows, ()
+            removed, replaced = changed_rows[:1], changed_rows[1:]
+            if state.drew_random_numbers():
+                removed, replaced = (), changed_rows
             sources = [_different_row(batch, rows, r, kept_full, self.pick(len(kept_full))) for r in replaced]
-            changed = (
-                remove_rows(replace_rows(batch, replaced, sources), removed, rows)
-                if removed
-                else (replace_rows(batch, replaced, sources))
-            )
+            changed = replace_rows(batch, replaced, sources)
+            if removed:
+                changed = remove_rows(changed, removed, rows)
             kept_changed = [i - sum(r < i for r in removed) for i in kept_full]
             state.restore()
             other = self._pass(

@@ -290,13 +290,19 @@ class DPStrategyBase(Strategy):
         super().post_backward(closure_loss)
         if self.engine.grads is None:
             return
-        self._refuse_together(self.checks.before_release)
+        self._refuse_together(self._before_release)
         try:
             self.engine.privatize()
         except BudgetExceededError as err:
             raise DPConfigurationError(refusals.budget_message(self.engine, self._trainer())) from err
         except BatchDimensionError as err:
             raise refusals.explain_batch_dimension(err, self._module(), self.engine) from err
+
+    def _before_release(self) -> None:
+        """The release checks (lightning_dp/checks), and every trainable parameter an optimizer holds is in
+        the private gradient (a parameter group added since set-up may hold one that is not)."""
+        self.checks.before_release()
+        refusals.refuse_uncovered_parameters(self.optimizers, self.engine)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:

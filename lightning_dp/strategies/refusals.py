@@ -121,7 +121,8 @@ def refuse_uncovered_parameters(optimizers: Sequence[Optimizer], engine: Private
         if missing:
             raise DPConfigurationError(
                 f"The optimizer holds {len(missing)} trainable parameters that are not part of the "
-                "LightningModule's layers, so they would get no per-example gradients."
+                "LightningModule's layers, so they would get no per-example gradients (and would be stepped "
+                "with their raw gradient). Optimise the module's own parameters only."
             )
 
 
