@@ -248,7 +248,10 @@ def _layer_weighted_sum(
     if record.released:  # the cache holds every per-example gradient of the layer
         return materialized_weighted_grad(record.cache, weights)
     assert record.backprops is not None
-    return kernels.weighted_grad(record.module, record.activations, record.backprops, weights, record.cache)
+    with record.tuner.active() if record.tuner is not None else contextlib.nullcontext():
+        return kernels.weighted_grad(
+            record.module, record.activations, record.backprops, weights, record.cache
+        )
 
 
 SPARSE_FRACTION = 0.5

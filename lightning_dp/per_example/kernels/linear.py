@@ -16,7 +16,7 @@ from lightning_dp.per_example.kernels.certified import (
     gram_sq_norm,
     mask_rows,
     outer_sum_err,
-    position_sum_err,
+    position_norms_err,
     reuse_cached,
     weight_bias,
 )
@@ -76,11 +76,7 @@ class _LinearKernels(KernelPair):
                 out[bias] = cache_samples(cache, bias, d[:, 0])  # a view
             else:
                 out[bias] = certified_cached(
-                    cache,
-                    bias,
-                    d.sum(1),
-                    position_sum_err(d.abs().sum(1), T),
-                    lambda i: d[i].double().sum(1),
+                    cache, bias, d.sum(1), position_norms_err(d, T), lambda i: d[i].double().sum(1)
                 )
         return out
 
