@@ -46,6 +46,10 @@ def refuse_sequence_first(root: nn.Module) -> None:
             )
 
 
+_GAUSSIAN_DRAW = Noise.add_noise
+"""The default noise draw, as defined (a noise slot that overrides or patches it draws in the release)."""
+
+
 class PrivateStepEngine:
     """Holds the four slots, the ledger and the noise generator, and runs the private step."""
 
@@ -86,6 +90,8 @@ class PrivateStepEngine:
             clipping=clipping,
             gradient_name=f"the private gradient step ({sampler.name}, {clipping.name}, {step.name})",
         )
+        # nothing but the gradient release draws from the noise generator: its noise can be drawn ahead
+        self.releases.prefetch_draw = _GAUSSIAN_DRAW if type(step) is Step else None
         sampler.use_releases(self.releases)
         self.steps = 0
         self.grads: GradientCapture | None = None
@@ -466,10 +472,17 @@ class PrivateStepEngine:
             "steps": self.steps,
             "ledger": self.ledger.state_dict(),
             "ledger_events": self.ledger.steps,
-            "noise_generator": self.generator.get_state() if self.generator is not None else None,
+            "noise_generator": self._noise_generator_state(),
             "slots": slots,
             "max_grad_norm": self.max_grad_norm,
         }
+
+    def _noise_generator_state(self) -> Tensor | None:
+        """The noise generator's state as of the last release (before any draws made ahead for the next)."""
+        if self.generator is None:
+            return None
+        before = self.releases.prefetch.state_before(self.generator)
+        return before if before is not None else self.generator.get_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the ledger, the step count and the slots; random streams only where a seed was given.

@@ -20,6 +20,7 @@ from lightning_dp.per_example.kernels.conv_methods import (
     CONV_SUMS,
     MATERIALISING,
     NORMS_ONLY,
+    SUM_METHODS,
     ConvLayer,
     ConvMethod,
     SumMethod,
@@ -28,6 +29,7 @@ from lightning_dp.per_example.kernels.conv_methods import (
 )
 
 _forced: ContextVar[ConvMethod | None] = ContextVar("forced_conv_method", default=None)
+_forced_sum: ContextVar[SumMethod | None] = ContextVar("forced_conv_sum_method", default=None)
 _active: ContextVar[ConvAutotuner | None] = ContextVar("conv_autotuner", default=None)
 
 
@@ -41,6 +43,18 @@ def force_conv_method(method: ConvMethod | None) -> Iterator[None]:
         yield
     finally:
         _forced.reset(token)
+
+
+@contextlib.contextmanager
+def force_conv_sum_method(method: SumMethod | None) -> Iterator[None]:
+    """Use one clipped-sum method everywhere inside the block (tests, benchmarks)."""
+    if method is not None and method not in SUM_METHODS:
+        raise ValueError(f"conv sum method must be one of {SUM_METHODS}, got {method!r}")
+    token = _forced_sum.set(method)
+    try:
+        yield
+    finally:
+        _forced_sum.reset(token)
 
 
 class ConvAutotuner:
@@ -169,7 +183,11 @@ def _sum_costs(layer: ConvLayer, x: Tensor, backprops: Tensor) -> dict[SumMethod
 
 
 def conv_sum_method(layer: ConvLayer, x: Tensor, backprops: Tensor) -> SumMethod:
-    """The current autotuner's clipped-sum method (a fresh autotuner outside any ``active`` block)."""
+    """The method forced by :func:`force_conv_sum_method`, else the current autotuner's clipped-sum method
+    (a fresh autotuner outside any ``active`` block)."""
+    forced = _forced_sum.get()
+    if forced is not None:
+        return forced
     return (_active.get() or ConvAutotuner()).sum_method(layer, x, backprops)
 
 

@@ -19,6 +19,7 @@ imports timm or transformers.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from typing import Any, cast
@@ -167,7 +168,7 @@ def _scale_terms(x: Tensor, d: Tensor, dim: int, dtype: torch.dtype) -> tuple[Te
     number of positions summed per channel."""
     prod = x.to(dtype) * d.to(dtype)
     prod = prod.movedim(dim, -1)
-    return prod, prod[0].numel() // max(1, prod.shape[-1])
+    return prod, math.prod(prod.shape[1:-1])
 
 
 def _scale_samples(layer: nn.Module, acts: list[Tensor], bp: Tensor) -> Samples:
@@ -175,8 +176,8 @@ def _scale_samples(layer: nn.Module, acts: list[Tensor], bp: Tensor) -> Samples:
     gamma, dim = _scale_param(layer)
     if gamma is None:
         return {}
-    prod, _ = _scale_terms(acts[0], bp, dim, torch.float32)
-    return {gamma: prod.reshape(prod.shape[0], -1, prod.shape[-1]).sum(1)}
+    prod, positions = _scale_terms(acts[0], bp, dim, torch.float32)
+    return {gamma: prod.reshape(prod.shape[0], positions, prod.shape[-1]).sum(1)}
 
 
 def _scale_kernels() -> FastClipper:
@@ -189,12 +190,12 @@ def _scale_kernels() -> FastClipper:
             return {}
         prod, positions = _scale_terms(acts[0], bp, dim, torch.float32)
         B = prod.shape[0]
-        flat = prod.reshape(B, -1, prod.shape[-1])  # a view unless the channels are not innermost
+        flat = prod.reshape(B, positions, prod.shape[-1])  # a view unless the channels are not innermost
         err = rounding_gamma(positions) * torch.linalg.vector_norm(flat, dim=2).sum(1)
 
         def exact(i: Tensor) -> Tensor:
             terms, _ = _scale_terms(acts[0][i], bp[i], dim, torch.float64)
-            return terms.reshape(len(i), -1, terms.shape[-1]).sum(1)
+            return terms.reshape(len(i), positions, terms.shape[-1]).sum(1)
 
         return {gamma: certified_cached(cache, gamma, flat.sum(1), err, exact)}
 
