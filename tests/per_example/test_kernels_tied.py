@@ -12,7 +12,7 @@ from lightning_dp.clipping.flat import clip_factors
 from lightning_dp.per_example import GradientCapture
 from lightning_dp.per_example.gradients import TiedCalls
 from lightning_dp.per_example.kernels import linear
-from lightning_dp.per_example.kernels.tied import tied_sq_norms, tied_weighted
+from lightning_dp.per_example.kernels.tied import magnitude_gram, tied_sq_norms, tied_weighted
 
 V, D = 11, 6
 
@@ -105,3 +105,16 @@ def test_crafted_examples_whose_embedding_and_output_parts_cancel_contribute_at_
         alone[i] = weights[i]
         released = tied_weighted((emb, [idx], u), (lin, [a], d), alone).double().norm()
         assert float(released) <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("V", [1, 63, 64, 200])
+def test_the_block_magnitude_gram_bounds_the_magnitude_gram(V: int) -> None:
+    """Σ_v |d_tv||d_sv| ≤ the block bound, for any width (a last, shorter block included)."""
+    d = torch.randn(3, 5, V, generator=torch.Generator().manual_seed(V)) * 10.0 ** torch.randint(
+        -3, 3, (3, 5, V)
+    )
+    exact = torch.einsum("btv,bsv->bts", d.double().abs(), d.double().abs())
+    assert bool((magnitude_gram(d).double() >= exact).all())
+    assert bool(
+        (magnitude_gram(d, block=1).double() <= exact * (1 + 1e-5) + 1e-30).all()
+    )  # blocks of 1: |d||d|ᵀ
