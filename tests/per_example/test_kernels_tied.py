@@ -116,5 +116,5 @@ def test_the_block_magnitude_gram_bounds_the_magnitude_gram(V: int) -> None:
     exact = torch.einsum("btv,bsv->bts", d.double().abs(), d.double().abs())
     assert bool((magnitude_gram(d).double() >= exact).all())
     assert bool(
-        (magnitude_gram(d, block=1).double() <= exact * (1 + 1e-5) + 1e-30).all()
-    )  # blocks of 1: |d||d|ᵀ
+        (magnitude_gram(d, block=1).double() <= exact * (1 + 1e-4) + 1e-30).all()
+    )  # blocks of 1: |d||d|ᵀ, rounded up
