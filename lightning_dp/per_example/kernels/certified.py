@@ -159,11 +159,14 @@ def position_sum_err(terms_abs_sum: Tensor, positions: int) -> Tensor:
     return rounding_gamma(positions) * terms_abs_sum.flatten(1).norm(dim=1)
 
 
-def position_norms_err(terms: Tensor, positions: int) -> Tensor:
-    """γ_T Σ_t ‖term_t‖ per example for ``terms`` [B, T, ...] summed over dim 1: a bound on the rounding
-    of that sum (‖Σ_t |term_t|‖ ≤ Σ_t ‖term_t‖, triangle inequality) from one fused norm pass, without
-    the |terms| copy of :func:`position_sum_err` (about as tight: within √(π/2) on Gaussian terms)."""
-    return rounding_gamma(positions) * torch.linalg.vector_norm(terms.flatten(2), dim=2).sum(1)
+def position_norms_err(terms: Tensor, positions: int, dim: int = 1) -> Tensor:
+    """γ_T Σ_t ‖term_t‖ per example for ``terms`` [B, ...] summed over the T positions of dim ``dim``: a
+    bound on the rounding of that sum (‖Σ_t |term_t|‖ ≤ Σ_t ‖term_t‖, triangle inequality) from one fused
+    norm pass, without the |terms| copy of :func:`position_sum_err` (about as tight: within √(π/2) on
+    Gaussian terms). The norms are over every other dimension, in the layout the terms have."""
+    features = tuple(i for i in range(1, terms.dim()) if i != dim)
+    norms = torch.linalg.vector_norm(terms, dim=features) if features else terms.abs()
+    return rounding_gamma(positions) * norms.sum(1)
 
 
 def outer_sum_err(a: Tensor, d: Tensor) -> Tensor:

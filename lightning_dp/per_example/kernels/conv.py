@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from lightning_dp.per_example.kernels.certified import (
     bias_sum,
     certified_cached,
-    position_sum_err,
+    position_norms_err,
     reuse_cached,
     weight_bias,
 )
@@ -60,7 +60,7 @@ class _ConvKernels(KernelPair):
                 cache,
                 bias,
                 flat.sum(2),
-                position_sum_err(flat.abs().sum(2), flat.shape[2]),
+                position_norms_err(flat, flat.shape[2], dim=2),
                 lambda i: backprops[i].double().flatten(2).sum(2),
             )
         return out
