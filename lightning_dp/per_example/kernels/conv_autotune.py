@@ -207,15 +207,17 @@ def _fastest(runs: Mapping[M, Callable[[], Any]], device: torch.device, rounds: 
     """The run with the best wall-clock time: each warmed up once, then timed in interleaved rounds
     (so a slow moment of the machine does not decide the choice for the whole training)."""
     best = dict.fromkeys(runs, math.inf)
+    # this thread's CPU time on a CPU: a busy machine's other processes do not decide the choice
+    clock = time.perf_counter if device.type == "cuda" else time.thread_time
     for fn in runs.values():
         fn()
     for _ in range(rounds):
         for method, fn in runs.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter()
+            start = clock()
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best[method] = min(best[method], time.perf_counter() - start)
+            best[method] = min(best[method], clock() - start)
     return min(best, key=best.__getitem__)
