@@ -22,7 +22,16 @@ from lightning_dp.per_example import BatchDimensionError, GradientCapture, GradM
 from lightning_dp.per_example.recurrent import SWAPS
 from lightning_dp.release import AllReduce, ReleaseHook, Releases
 from lightning_dp.rng import make_generator, without_generator_states
-from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepSetup, iter_slots
+from lightning_dp.slots import (
+    NOISE_SLICE,
+    Clipping,
+    Noise,
+    Sampler,
+    Step,
+    StepContext,
+    StepSetup,
+    iter_slots,
+)
 
 
 def refuse_sequence_first(root: nn.Module) -> None:
@@ -92,6 +101,7 @@ class PrivateStepEngine:
         )
         # nothing but the gradient release draws from the noise generator: its noise can be drawn ahead
         self.releases.prefetch_draw = _GAUSSIAN_DRAW if type(step) is Step else None
+        self.releases.prefetch_slice = NOISE_SLICE
         sampler.use_releases(self.releases)
         self.steps = 0
         self.grads: GradientCapture | None = None

@@ -81,6 +81,8 @@ class Releases:
         self.anchor: Tensor | None = None
         """A model parameter, set when the engine attaches: collectives run on its current device (the
         strategy may move the model after attaching); None: on the CPU."""
+        self.prefetch_slice = 1
+        """How many values the noise slot draws at a time (``slots.NOISE_SLICE``, set with ``prefetch_draw``)."""
         self.prefetch_draw: Callable[..., list[Tensor]] | None = None
         """Set by the engine when no slot but the noise slot draws from the noise generator (the default
         step): ``Noise.add_noise`` as defined. While the noise slot's ``add_noise`` is that function, each
@@ -146,12 +148,9 @@ class Releases:
             self.prefetch.cancel()
             noisy = self._noise.add_noise(sums, local, generator)
         else:  # the same draws, made while the step's backward ran: added slice by slice, as add_noise does
-            from lightning_dp.slots import NOISE_SLICE
-
+            size = self.prefetch_slice
             for s, z in zip(sums, drawn, strict=True):
-                for part, noise in zip(
-                    s.view(-1).split(NOISE_SLICE), z.view(-1).split(NOISE_SLICE), strict=True
-                ):
+                for part, noise in zip(s.view(-1).split(size), z.view(-1).split(size), strict=True):
                     part.add_(noise, alpha=local)
             noisy = sums
         return self.all_reduce(noisy)
@@ -179,7 +178,7 @@ class Releases:
         std = 0.0 if sigma == 0 else sigma * sensitivity
         noisy = self.noisy(sums, std, ctx.generator)
         if layout is not None and std != 0.0:  # the next release's noise, drawn while its step runs
-            self.prefetch.start(ctx.generator, layout)
+            self.prefetch.start(ctx.generator, layout, self.prefetch_slice)
         for hook in reversed(self.hooks):
             noisy = hook.after_release(noisy, ctx)
         if keep_sums:  # finalize may scale in place

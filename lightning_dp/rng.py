@@ -77,11 +77,10 @@ class NoisePrefetch:
             return None
         return (dtype, tuple(tuple(t.shape) for t in tensors))
 
-    def start(self, generator: torch.Generator, layout: tuple[Any, ...]) -> None:
-        """Begin drawing, on a background thread, the noise of a release of sums laid out as ``layout``."""
+    def start(self, generator: torch.Generator, layout: tuple[Any, ...], slice_size: int) -> None:
+        """Begin drawing, on a background thread, the noise of a release of sums laid out as ``layout``,
+        ``slice_size`` values per ``normal_`` (the release's own slices)."""
         self.cancel()
-        from lightning_dp.slots import NOISE_SLICE
-
         dtype, shapes = layout
         if self._spare_layout == layout:  # refill the buffers the last release consumed
             buffers = self._spare
@@ -91,7 +90,7 @@ class NoisePrefetch:
 
         def draw() -> None:
             for buffer in buffers:
-                for part in buffer.view(-1).split(NOISE_SLICE):
+                for part in buffer.view(-1).split(slice_size):
                     part.normal_(generator=generator)
 
         self._state = generator.get_state()

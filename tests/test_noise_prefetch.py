@@ -85,12 +85,12 @@ def test_prefetch_take_and_cancel() -> None:
     assert layout is not None
     assert NoisePrefetch.layout([torch.zeros(4, 3).t()]) is None  # not contiguous: drawn in the release
     prefetch = NoisePrefetch()
-    prefetch.start(g, layout)
+    prefetch.start(g, layout, 1 << 16)
     assert torch.equal(prefetch.state_before(g), before)
     assert prefetch.state_before(torch.Generator()) is None
     assert prefetch.take(g, NoisePrefetch.layout([torch.zeros(3, 4)])) is None  # another layout: rewound
     assert torch.equal(g.get_state(), before)
-    prefetch.start(g, layout)
+    prefetch.start(g, layout, 1 << 16)
     drawn = prefetch.take(g, layout)
     assert drawn is not None
     expected = torch.Generator().manual_seed(1)
