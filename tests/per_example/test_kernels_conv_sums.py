@@ -60,14 +60,14 @@ def test_crafted_examples_contribute_at_most_c_whichever_method_sums(family: str
 
 
 def test_the_sum_method_is_timed_once_per_shape_and_the_norms_only_methods_keep_nothing() -> None:
-    """Per-example gradients larger than the layer's record (a 3×3 kernel over 16×16 maps with 16
-    channels) are not kept: the autotuner picks among the Gram and norms-only methods, the weighted sum
-    is then timed once per shape, whatever the batch size."""
-    layer = torch.nn.Conv2d(16, 16, 3, padding=1)
+    """Per-example gradients more than KEEP_FACTOR times the layer's record (a 3×3 kernel with 32 channels
+    over 6×6 maps: 9,216 floats against 2,304) are not kept: the autotuner picks among the Gram and
+    norms-only methods, the weighted sum is then timed once per shape, whatever the batch size."""
+    layer = torch.nn.Conv2d(32, 32, 3, padding=1)
     tuner = ConvAutotuner()
     with tuner.active():
         for B in (2, 5, 3):
-            activations, backprops, _ = capture(layer, torch.randn(B, 16, 6, 6))
+            activations, backprops, _ = capture(layer, torch.randn(B, 32, 6, 6))
             cache: Cache = {}
             sq_norms(layer, activations, backprops, cache)
             weighted_grad(layer, activations, backprops, torch.rand(B), cache)

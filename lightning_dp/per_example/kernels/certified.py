@@ -44,6 +44,12 @@ def mask_rows(x: Tensor, keep: Tensor) -> Tensor:
 # The guard: norms that never understate
 # --------------------------------------------------------------------------------------------------
 
+KEEP_FACTOR = 2
+"""A layer keeps its materialised per-example gradients for the clipped sum (dropping its inputs and
+output gradient) while they take at most this many times the floats of what its record held: the sum is
+then a B-term weighted sum instead of a second reduction over every position, for a small rise in the
+step's peak (the records are a fraction of it: plain's own weight gradients are not kept)."""
+
 GUARD_FRACTION = 1e-2
 """Largest rounding-error bound, as a fraction of the computed squared norm, that is accepted (and added
 to it); beyond it the terms cancel and the example is recomputed exactly in fp64. Typical data sit far

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from lightning_dp.per_example.kernels.certified import KEEP_FACTOR
 from lightning_dp.per_example.kernels.conv_methods import (
     CONV_METHODS,
     CONV_NORMS,
@@ -84,9 +85,9 @@ class ConvAutotuner:
 
         The methods give the same norms (up to fp32 rounding), so the choice is a speed decision under a
         memory cap: the methods that keep B·O·p per-example gradients for the sum ("grouped", "unfold",
-        "correlate") are allowed only when those fit in what the layer's record already holds
-        (:func:`saved_per_example`), and "correlate" only when its C/G-fold copy of the output gradients
-        does too; where they do not fit, the same methods run for the norms only, a chunk of examples at
+        "correlate") are allowed only when those take at most :data:`.certified.KEEP_FACTOR` times what
+        the layer's record holds (:func:`saved_per_example`), and "correlate" only when its C/G-fold copy
+        of the output gradients fits in the record; where they do not fit, the same methods run for the norms only, a chunk of examples at
         a time (``NORMS_ONLY``); the two Gram methods work a chunk at a time and are always allowed. Of the allowed methods, those within 3× of the cheapest by the rough estimate of
         :func:`_conv_costs` are timed; which wins depends on the hardware (unfold copies are cheap on
         GPUs, grouped convolutions with many groups are not always), hence measured rather than
@@ -100,7 +101,7 @@ class ConvAutotuner:
             costs = _conv_costs(layer, x, backprops)
             budget = saved_per_example(x, backprops)
             # kept per-example gradients within the budget; otherwise the same methods, norms only
-            for method in MATERIALISING if layer.weight.numel() > budget else NORMS_ONLY:
+            for method in MATERIALISING if layer.weight.numel() > KEEP_FACTOR * budget else NORMS_ONLY:
                 del costs[method]
             # correlate repeats the output gradients once per input channel of a group
             if "correlate" in costs and layer.in_channels // layer.groups * backprops[0].numel() > budget:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.per_example.kernels.certified import (
+    KEEP_FACTOR,
     bias_sum,
     cache_samples,
     certified_cached,
@@ -33,12 +34,10 @@ def use_gram(T: int, d_in: int, d_out: int) -> bool:
     return T * (d_in + d_out) < d_in * d_out
 
 
-KEEP_FACTOR = 2
-"""A large Linear's per-example gradients are materialised and kept for the clipped sum (instead of the
-Gram trick) while they take at most this many times the floats of what its record held."""
 KEEP_MIN_WEIGHT = 1 << 16
-"""... and only for weights of at least this many entries, where the clipped sum's reduction is a large
-matmul (BERT's 256×1024 FFN layers: 10 ms of it a layer at B = 16, T = 128)."""
+"""A Linear's per-example gradients are materialised and kept although the Gram trick is cheaper for the
+norm only for weights of at least this many entries, where the clipped sum's reduction is a large matmul
+(BERT's 256×1024 FFN layers: 10 ms of it a layer at B = 16, T = 128), and within :data:`KEEP_FACTOR`."""
 
 
 def keeps(T: int, d_in: int, d_out: int) -> bool:
