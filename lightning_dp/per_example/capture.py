@@ -381,7 +381,8 @@ class GradientCapture:
 
     def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[Any]:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
-        norm, so those calls are materialised and summed; the others stay fast."""
+        norm: an Embedding and a Linear sharing their weight become one joint record (``tie``), other such
+        calls are materialised and summed; the others stay fast."""
         seen: dict[nn.Parameter, int] = {p: 1 for p in materialized}
         for record in self.records:
             for p in record.module.parameters():
