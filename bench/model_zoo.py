@@ -11,9 +11,16 @@ thread. Variants run in interleaved rounds with the measuring helpers of ``bench
                   its own loss: ghost clipping needs the criterion outside the model); "n/a" with the
                   reason where Opacus refuses or fails on the model
 
+``--realistic`` times the models of issue #31 at the widths users train instead
+(``bench/realistic_models.py``: BERT and GPT-2 at d 256, ViT-S/8, ResNet-18 with GroupNorm and ConvNeXt-atto at
+64 px, an LSTM(256), the bench MLP and CNN), each with its own batch; it prints each model's median
+phases too, the load average, and keeps a slow variant to ``--budget`` seconds of timed steps (at least
+``--min-rounds``), spread over the rounds so it stays interleaved.
+
 Run from the repository root::
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/model_zoo.py [--models lstm,hf_bert] [--json out.json]
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/model_zoo.py --realistic --rounds 9 [--models bert,lstm]
 """
 
 from __future__ import annotations
@@ -30,15 +37,20 @@ import copy
 import gc
 import json
 import statistics
+import time
 import warnings
 from collections import Counter
 from typing import Any
 
+import opacus
 import torch
 from opacus import PrivacyEngine
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from bench import step_time
+from bench._harness import cpu_name
+from bench.realistic_models import REALISTIC, RealisticModel
 from bench.step_time import (
     DATASET_SIZE,
     LR,
@@ -128,22 +140,31 @@ def build_opacus(base: nn.Module, batch: Batch) -> Variant:
 BUILDERS = {"plain": build_plain, "lightning-dp": build_lightning_dp, "opacus hooks": build_opacus}
 
 
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (the CPU is shared: a figure to read the table by)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def zoo_batch(entry: ZooModel, size: int) -> Batch:
     g = torch.Generator().manual_seed(0)
     parts = [entry.batch(g) for _ in range(-(-size // len(entry.batch(torch.Generator())[0])))]
     return tuple(torch.cat(ts)[:size] for ts in zip(*parts, strict=True))
 
 
-def bench_entry(entry: ZooModel, args: argparse.Namespace) -> list[Variant]:
+def bench_entry(entry: ZooModel | RealisticModel, args: argparse.Namespace) -> list[Variant]:
     torch.manual_seed(0)
     base = entry.build()
     if entry.on_batchnorm == "replace":
         replace_batchnorm(base)
     base.train()
-    batch = zoo_batch(entry, args.batch_size)
+    if isinstance(entry, RealisticModel):
+        batch = entry.batch(torch.Generator().manual_seed(0))
+    else:
+        batch = zoo_batch(entry, args.batch_size)
     device = torch.device("cpu")
     variants = []
-    for name, build in BUILDERS.items():
+    for name in args.variants.split(","):
+        build = BUILDERS[name]
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -153,10 +174,11 @@ def bench_entry(entry: ZooModel, args: argparse.Namespace) -> list[Variant]:
             v = Variant(name, error=_reason(err))
         variants.append(v)
     live = [v for v in variants if v.error is None]
+    plan = {}
     for v in live:
-        for _ in range(args.warmup):
-            run_step(v, device, record=False)
-    plan = {v.name: schedule(args.rounds, args.rounds) for v in live}
+        times = [run_step(v, device, record=False) for _ in range(args.warmup)] or [0.0]
+        count = min(args.rounds, max(args.min_rounds, int(args.budget / max(min(times), 1e-9))))
+        plan[v.name] = schedule(args.rounds, count)
     gc.collect()
     gc.disable()
     try:
@@ -167,16 +189,17 @@ def bench_entry(entry: ZooModel, args: argparse.Namespace) -> list[Variant]:
                         run_step(v, device, record=True)
                     except Exception as err:
                         v.error = _reason(err)
+            gc.collect()
     finally:
         gc.enable()
     for v in live:
         v.rounds = len(v.times)
-        if v.error is None:
+        if v.error is None and args.memory:
             v.peak_bytes = measure_peak(v, device)
     return variants
 
 
-def rows(entry: ZooModel, variants: list[Variant]) -> list[dict[str, Any]]:
+def rows(entry: ZooModel | RealisticModel, variants: list[Variant]) -> list[dict[str, Any]]:
     plain = next((v for v in variants if v.name == "plain" and v.times), None)
     plain_ms = statistics.median(plain.times) * 1e3 if plain else None
     plain_mb = plain.peak_bytes / 2**20 if plain and plain.peak_bytes else None
@@ -194,13 +217,14 @@ def rows(entry: ZooModel, variants: list[Variant]) -> list[dict[str, Any]]:
                 peak_mb=mb,
                 mem_ratio=mb / plain_mb if mb is not None and plain_mb else None,
                 phases_ms={k: statistics.median(t) * 1e3 for k, t in v.phase_times.items()},
+                rounds=len(v.times),
                 paths=v.paths or None,
             )
         out.append(row)
     return out
 
 
-def print_rows(table: list[dict[str, Any]]) -> None:
+def print_rows(table: list[dict[str, Any]], verbose: bool = False) -> None:
     print(f"{'model':<32}{'variant':<15}{'median ms':>10}{'× plain':>9}{'peak MB':>9}{'mem ×':>7}")
     for row in table:
         if "error" in row:
@@ -212,24 +236,48 @@ def print_rows(table: list[dict[str, Any]]) -> None:
         print(f"{row['model']:<32}{row['variant']:<15}{row['median_ms']:>10.2f}{ratio:>9}{peak:>9}{mem:>7}")
         if row.get("paths"):
             print(f"{'':<47}{row['paths']}")
+        if row.get("phases_ms") and verbose:
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in row["phases_ms"].items())
+            print(f"{'':<47}phases ms: {phases} (n={row['rounds']})")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default=None, help="comma-separated zoo names (default: all)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--models", default=None, help="comma-separated model names (default: all)")
+    parser.add_argument("--realistic", action="store_true", help="issue #31's models at realistic widths")
+    parser.add_argument("--batch-size", type=int, default=32, help="the zoo's batch (not --realistic)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=1e9, help="timed seconds per variant at most")
+    parser.add_argument("--min-rounds", type=int, default=5)
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="wall time, or the process's CPU time (all its threads; less inflated on a busy machine)",
+    )  # fmt: skip
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak memory step")
+    parser.add_argument("--variants", default=",".join(BUILDERS), help="comma-separated variants")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    names = args.models.split(",") if args.models else [e.name for e in ZOO]
+    if args.clock == "cpu":
+        step_time.CLOCK = time.process_time
+    zoo: list[ZooModel] | list[RealisticModel] = REALISTIC if args.realistic else ZOO
+    names = args.models.split(",") if args.models else [e.name for e in zoo]
+    unknown = set(names) - {e.name for e in zoo}
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; choose from {[e.name for e in zoo]}")
+    print(f"torch {torch.__version__}, opacus {opacus.__version__}, CPU {cpu_name()}, 1 thread; "
+          f"{args.clock} clock; load average before: {_load()}")  # fmt: skip
     table: list[dict[str, Any]] = []
-    for entry in (e for e in ZOO if e.name in names):
+    for entry in (e for e in zoo if e.name in names):
         table.extend(rows(entry, bench_entry(entry, args)))
-    print_rows(table)
+        if args.realistic:  # one model at a time: the long runs show progress
+            print_rows(table[-len(args.variants.split(",")) :], verbose=True)
+            print(f"  (load average: {_load()})", flush=True)
+    print(f"load average after: {_load()}")
+    print_rows(table, verbose=args.realistic)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)

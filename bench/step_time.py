@@ -398,20 +398,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CLOCK: Callable[[], float] = time.perf_counter
+"""What ``run_step`` times with: wall time (``bench/model_zoo.py --clock cpu`` sets the process's CPU
+time, which a busy shared machine inflates less)."""
+
+
 def run_step(v: Variant, device: torch.device, record: bool) -> float:
-    """One step (all phases, then zero_grad); returns its wall time in seconds."""
+    """One step (all phases, then zero_grad); returns its time in seconds (:data:`CLOCK`)."""
+    clock = CLOCK
     _sync(device)
-    start = last = time.perf_counter()
+    start = last = clock()
     for name, fn in v.phases:
         fn()
         _sync(device)
-        now = time.perf_counter()
+        now = clock()
         if record:
             v.phase_times.setdefault(name, []).append(now - last)
         last = now
     v.zero()
     _sync(device)
-    end = time.perf_counter()
+    end = clock()
     if record:
         v.phase_times.setdefault("zero_grad", []).append(end - last)
         v.times.append(end - start)

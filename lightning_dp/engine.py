@@ -22,7 +22,16 @@ from lightning_dp.per_example import BatchDimensionError, GradientCapture, GradM
 from lightning_dp.per_example.recurrent import SWAPS
 from lightning_dp.release import AllReduce, ReleaseHook, Releases
 from lightning_dp.rng import make_generator, without_generator_states
-from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepSetup, iter_slots
+from lightning_dp.slots import (
+    NOISE_SLICE,
+    Clipping,
+    Noise,
+    Sampler,
+    Step,
+    StepContext,
+    StepSetup,
+    iter_slots,
+)
 
 
 def refuse_sequence_first(root: nn.Module) -> None:
@@ -44,6 +53,10 @@ def refuse_sequence_first(root: nn.Module) -> None:
                 "the examples, so it would clip each time step instead of each example. Build it with "
                 "batch_first=True and feed it [batch, time, ...] tensors."
             )
+
+
+_GAUSSIAN_DRAW = Noise.add_noise
+"""The default noise draw, as defined (a noise slot that overrides or patches it draws in the release)."""
 
 
 class PrivateStepEngine:
@@ -87,6 +100,9 @@ class PrivateStepEngine:
             clipping=clipping,
             gradient_name=f"the private gradient step ({sampler.name}, {clipping.name}, {step.name})",
         )
+        # nothing but the gradient release draws from the noise generator: its noise can be drawn ahead
+        self.releases.prefetch_draw = _GAUSSIAN_DRAW if type(step) is Step else None
+        self.releases.prefetch_slice = NOISE_SLICE
         sampler.use_releases(self.releases)
         self.steps = 0
         self.grads: GradientCapture | None = None
@@ -512,10 +528,17 @@ class PrivateStepEngine:
             "steps": self.steps,
             "ledger": self.ledger.state_dict(),
             "ledger_events": self.ledger.steps,
-            "noise_generator": self.generator.get_state() if self.generator is not None else None,
+            "noise_generator": self._noise_generator_state(),
             "slots": slots,
             "max_grad_norm": self.max_grad_norm,
         }
+
+    def _noise_generator_state(self) -> Tensor | None:
+        """The noise generator's state as of the last release (before any draws made ahead for the next)."""
+        if self.generator is None:
+            return None
+        before = self.releases.prefetch.state_before(self.generator)
+        return before if before is not None else self.generator.get_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the ledger, the step count and the slots; random streams only where a seed was given.

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger, charge
 from lightning_dp.context import StepContext
+from lightning_dp.rng import NoisePrefetch
 
 AllReduce = Callable[[list[Tensor]], list[Tensor]]
 """Sums a list of tensors over all ranks (same shapes and devices back)."""
@@ -80,6 +81,14 @@ class Releases:
         self.anchor: Tensor | None = None
         """A model parameter, set when the engine attaches: collectives run on its current device (the
         strategy may move the model after attaching); None: on the CPU."""
+        self.prefetch_slice = 1
+        """How many values the noise slot draws at a time (``slots.NOISE_SLICE``, set with ``prefetch_draw``)."""
+        self.prefetch_draw: Callable[..., list[Tensor]] | None = None
+        """Set by the engine when no slot but the noise slot draws from the noise generator (the default
+        step): ``Noise.add_noise`` as defined. While the noise slot's ``add_noise`` is that function, each
+        gradient release's noise is drawn ahead, on a background thread, right after the previous release
+        (:class:`~lightning_dp.rng.NoisePrefetch`)."""
+        self.prefetch = NoisePrefetch()
 
     def connect(self, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
         """This process's rank, the number of processes, and the sum over them (None on one process)."""
@@ -129,8 +138,26 @@ class Releases:
         std ``std`` exactly once; one collective, the same result on every rank. Prices nothing: the
         caller has recorded the release (:meth:`release_gradient` or :meth:`spend`).
         """
-        noisy = self._noise.add_noise(sums, std / math.sqrt(self.world_size), generator)
+        local = std / math.sqrt(self.world_size)
+        drawn = (
+            self.prefetch.take(generator, NoisePrefetch.layout(sums))
+            if self._draws_ahead() and local
+            else None
+        )
+        if drawn is None:  # nothing drawn ahead for these sums (a σ = 0 release rewinds what was)
+            self.prefetch.cancel()
+            noisy = self._noise.add_noise(sums, local, generator)
+        else:  # the same draws, made while the step's backward ran: added slice by slice, as add_noise does
+            size = self.prefetch_slice
+            for s, z in zip(sums, drawn, strict=True):
+                for part, noise in zip(s.view(-1).split(size), z.view(-1).split(size), strict=True):
+                    part.add_(noise, alpha=local)
+            noisy = sums
         return self.all_reduce(noisy)
+
+    def _draws_ahead(self) -> bool:
+        """Whether the noise slot draws as ``prefetch_draw`` does (not overridden, not patched)."""
+        return self.prefetch_draw is not None and type(self._noise).add_noise is self.prefetch_draw
 
     def release_gradient(
         self, sums: list[Tensor], ctx: StepContext, event: PrivacyEvent | None, *, keep_sums: bool = False
@@ -151,7 +178,11 @@ class Releases:
             ctx.clipped_sums = [s.clone() for s in sums]
         sigma = ctx.noise_multiplier
         sensitivity = ctx.sensitivity if ctx.sensitivity is not None else self._clipping.sensitivity(ctx)
-        noisy = self.noisy(sums, 0.0 if sigma == 0 else sigma * sensitivity, ctx.generator)
+        layout = NoisePrefetch.layout(sums) if self._draws_ahead() and not self.hooks else None
+        std = 0.0 if sigma == 0 else sigma * sensitivity
+        noisy = self.noisy(sums, std, ctx.generator)
+        if layout is not None and std != 0.0:  # the next release's noise, drawn while its step runs
+            self.prefetch.start(ctx.generator, layout, self.prefetch_slice)
         for hook in reversed(self.hooks):
             noisy = hook.after_release(noisy, ctx)
         if keep_sums:  # finalize may scale in place

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from typing import Any
 
 import torch
@@ -39,3 +40,91 @@ def without_generator_states(state: dict[str, Any]) -> dict[str, Any]:
     if "generators" in out:
         out["generators"] = {}
     return out
+
+
+class NoisePrefetch:
+    """The standard normal draws of the next gradient release, made on a background thread while the
+    step's forward and backward run, so they are off the step's critical path (CPU).
+
+    They are exactly the draws the release would make itself: the same generator, the same order and the
+    same slices as ``Noise.add_noise`` (one ``normal_`` per slice of each parameter-shaped sum), so the
+    released noise is bit-identical to drawing it in the release. Whoever reads the generator's state for
+    a checkpoint gets the state from before these draws (:meth:`state_before`), so a run resumed with a
+    seed draws them again, and nothing else may draw from the generator while they are pending (the
+    engine enables this only for steps whose slots draw nothing else from it). A release whose sums do
+    not match what was drawn for (other shapes, a release hook's extra tensors, σ = 0) rewinds the
+    generator and draws as usual. The buffers are one fp32 copy of the parameters, held between steps
+    and refilled in place once the release has added them.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._generator: torch.Generator | None = None
+        self._layout: tuple[Any, ...] | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._state: torch.Tensor | None = None
+        self._spare: list[torch.Tensor] = []
+        self._spare_layout: tuple[Any, ...] | None = None
+
+    @staticmethod
+    def layout(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
+        """What a draw for ``tensors`` depends on; None where it cannot be drawn ahead (not all contiguous
+        CPU tensors of one floating dtype)."""
+        if not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            return None
+        dtype = tensors[0].dtype
+        if not dtype.is_floating_point or any(t.dtype != dtype for t in tensors):
+            return None
+        return (dtype, tuple(tuple(t.shape) for t in tensors))
+
+    def start(self, generator: torch.Generator, layout: tuple[Any, ...], slice_size: int) -> None:
+        """Begin drawing, on a background thread, the noise of a release of sums laid out as ``layout``,
+        ``slice_size`` values per ``normal_`` (the release's own slices)."""
+        self.cancel()
+        dtype, shapes = layout
+        if self._spare_layout == layout:  # refill the buffers the last release consumed
+            buffers = self._spare
+        else:
+            buffers = [torch.empty(shape, dtype=dtype) for shape in shapes]
+        self._spare, self._spare_layout = [], None
+
+        def draw() -> None:
+            for buffer in buffers:
+                for part in buffer.view(-1).split(slice_size):
+                    part.normal_(generator=generator)
+
+        self._state = generator.get_state()
+        self._generator, self._layout, self._buffers = generator, layout, buffers
+        self._thread = threading.Thread(target=draw, name="lightning-dp-noise")  # joined at exit
+        self._thread.start()
+
+    def take(self, generator: torch.Generator, layout: tuple[Any, ...] | None) -> list[torch.Tensor] | None:
+        """The pending draws if they were made from ``generator`` for sums laid out as ``layout`` (then they
+        are consumed), else None, with the generator rewound to before them."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        if generator is self._generator and layout == self._layout:
+            buffers = self._buffers
+            self._clear()
+            self._spare, self._spare_layout = buffers, layout  # the caller uses them now; refilled next
+            return buffers
+        self.cancel()
+        return None
+
+    def cancel(self) -> None:
+        """Drop the pending draws and rewind their generator to before them."""
+        if self._thread is None:
+            return
+        self._thread.join()
+        assert self._generator is not None
+        assert self._state is not None
+        self._generator.set_state(self._state)
+        self._clear()
+
+    def state_before(self, generator: torch.Generator) -> torch.Tensor | None:
+        """The state ``generator`` had before pending draws from it (None: nothing pending from it)."""
+        return self._state if self._thread is not None and generator is self._generator else None
+
+    def _clear(self) -> None:
+        self._thread, self._generator, self._layout, self._buffers, self._state = None, None, None, [], None

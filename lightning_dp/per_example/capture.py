@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import kernels, recurrent, vmap
-from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients
+from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients, tie
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.materialized import add_samples, direct_params, grad_sampler, layer_method
@@ -526,20 +526,25 @@ class GradientCapture:
         """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
         return float(batch) if self.loss_reduction == "mean" else 1.0
 
-    def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[LayerCall]:
+    def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[Any]:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
-        norm, so those calls are materialised and summed; the others stay fast."""
+        norm: an Embedding and a Linear sharing their weight become one joint record (``tie``), other such
+        calls are materialised and summed; the others stay fast."""
         seen: dict[nn.Parameter, int] = {p: 1 for p in materialized}
         for record in self.records:
             for p in record.module.parameters():
                 seen[p] = seen.get(p, 0) + 1
-        fast = []
+        fast: list[Any] = []
+        shared = []
         for record in self.records:
             if any(seen.get(p, 0) > 1 for p in record.module.parameters()):
-                add_samples(materialized, record.samples(scale))
+                shared.append(record)
             else:
                 fast.append(record)
-        return fast
+        tied, rest = tie(shared, seen)  # an Embedding and a Linear sharing their weight: a joint kernel
+        for record in rest:
+            add_samples(materialized, record.samples(scale))
+        return fast + tied
 
     def clear(self) -> None:
         """Drop what the backward captured. The forward's call counts stay until ``collect``: Lightning

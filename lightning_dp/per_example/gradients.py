@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from lightning_dp.per_example import kernels
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
+from lightning_dp.per_example.kernels.tied import tied_sq_norms, tied_weighted
 from lightning_dp.per_example.materialized import (
     add_samples,
     grad_sampler,
@@ -96,6 +97,96 @@ class LayerCall:
         )
 
 
+@dataclass(eq=False)
+class TiedCalls:
+    """An Embedding call and a Linear call that share their weight (tied input and output embeddings):
+    one record whose norms include the cross term (:mod:`.kernels.tied`), instead of materialising both.
+
+    To a clipping that reads ``layers()`` it is a materialised entry (``released``): its ``samples``
+    are the two calls' per-example gradients summed.
+    """
+
+    embedding: LayerCall
+    linear: LayerCall
+    norms: dict[nn.Parameter, Tensor] | None = None
+    released = True
+    tuner = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.linear.module
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return cast(nn.Parameter, self.linear.module.weight)
+
+    def _calls(self) -> tuple[tuple[nn.Module, list[Any], Tensor], tuple[nn.Module, list[Any], Tensor]]:
+        self.embedding._check_unspent()
+        self.linear._check_unspent()
+        calls = []
+        for call in (self.embedding, self.linear):
+            assert call.backprops is not None
+            calls.append((call.module, call.activations, call.backprops))
+        return calls[0], calls[1]
+
+    def sq_norms(self) -> dict[nn.Parameter, Tensor]:
+        if self.norms is None:
+            self.norms = {self.weight: tied_sq_norms(*self._calls())}
+        return self.norms
+
+    def weighted(self, weights: Tensor) -> dict[nn.Parameter, Tensor]:
+        return {self.weight: tied_weighted(*self._calls(), weights)}
+
+    def samples(self, scale: float) -> dict[nn.Parameter, Tensor]:
+        out: dict[nn.Parameter, Tensor] = {}
+        add_samples(out, self.embedding.samples(scale))
+        add_samples(out, self.linear.samples(scale))
+        return out
+
+    def spend(self) -> None:
+        self.embedding.spend()
+        self.linear.spend()
+
+    def take(self, rows: Tensor) -> TiedCalls:
+        return TiedCalls(
+            self.embedding.take(rows),
+            self.linear.take(rows),
+            None if self.norms is None else {p: _take(v, rows) for p, v in self.norms.items()},
+        )
+
+
+def tie(
+    records: Sequence[LayerCall], uses: dict[nn.Parameter, int]
+) -> tuple[list[TiedCalls], list[LayerCall]]:
+    """Pair the records of shared parameters that a joint kernel covers (one Embedding call and one Linear
+    call sharing exactly the weight, nothing else shared); return (the pairs, the records left over,
+    which are materialised). ``uses``: calls per parameter over the whole batch."""
+    by_weight: dict[nn.Parameter, list[LayerCall]] = {}
+    for record in records:
+        weight = getattr(record.module, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            by_weight.setdefault(weight, []).append(record)
+    pairs: list[TiedCalls] = []
+    paired: set[int] = set()
+    for weight, group in by_weight.items():
+        emb = [r for r in group if type(r.module) is nn.Embedding and kernels.is_supported(r.module)]
+        lin = [r for r in group if isinstance(r.module, nn.Linear) and _linear_kernels(r.module)]
+        if len(group) != 2 or len(emb) != 1 or len(lin) != 1 or uses.get(weight) != 2:
+            continue
+        others = [p for r in group for p in r.module.parameters() if p is not weight and p.requires_grad]
+        if others or any(r.released or r.spent for r in group):
+            continue
+        pairs.append(TiedCalls(emb[0], lin[0]))
+        paired.update(id(r) for r in group)
+    return pairs, [r for r in records if id(r) not in paired]
+
+
+def _linear_kernels(layer: nn.Module) -> bool:
+    """Whether ``layer`` is on the Linear kernels (nn.Linear and the Linear parts of swapped layers)."""
+    found = kernels.FAST_CLIPPERS.get(type(layer))
+    return found is not None and found == kernels.FAST_CLIPPERS[nn.Linear]
+
+
 class LayerGradients:
     """One layer's share of a batch's per-example gradients, as a clipping slot reads them.
 
@@ -105,25 +196,37 @@ class LayerGradients:
     """
 
     def __init__(
-        self, call: LayerCall | None, scale: float, materialized: dict[nn.Parameter, Tensor] | None = None
+        self,
+        call: LayerCall | TiedCalls | None,
+        scale: float,
+        materialized: dict[nn.Parameter, Tensor] | None = None,
     ) -> None:
         self._call, self._scale, self._materialized = call, scale, materialized
 
     @property
+    def _held(self) -> LayerCall | None:
+        """The layer call whose inputs and output gradient are held (None: materialised entries)."""
+        call = self._call
+        return call if isinstance(call, LayerCall) and not call.released else None
+
+    @property
     def module(self) -> nn.Module | None:
         """The layer whose inputs and output gradient are held, or None (gradients materialised)."""
-        return None if self._call is None or self._call.released else self._call.module
+        held = self._held
+        return None if held is None else held.module
 
     @property
     def inputs(self) -> list[Any]:
         """The layer call's recorded inputs (empty where ``module`` is None)."""
-        return [] if self.module is None or self._call is None else self._call.activations
+        held = self._held
+        return [] if held is None else held.activations
 
     def output_grad(self) -> Tensor:
         """The per-example gradient of the layer's output (scaled; a new tensor); only where ``module`` is set."""
-        if self.module is None or self._call is None or self._call.backprops is None:
+        held = self._held
+        if held is None or held.backprops is None:
             raise ValueError("this entry holds materialised per-example gradients, not a layer call")
-        return self._call.backprops * self._scale
+        return held.backprops * self._scale
 
     def samples(self) -> dict[nn.Parameter, Tensor]:
         """Per-example gradients [B, *shape] of this entry's parameters (materialised now for a layer call)."""
@@ -147,7 +250,7 @@ class PerExampleGradients(Sequence[Tensor]):
         params: list[nn.Parameter],
         batch: int,
         materialized: dict[nn.Parameter, Tensor],
-        records: list[LayerCall],
+        records: Sequence[LayerCall | TiedCalls],
         scale: float = 1.0,
     ) -> None:
         self.params, self.batch = params, batch
@@ -239,16 +342,21 @@ class PerExampleGradients(Sequence[Tensor]):
 
 
 def _layer_weighted_sum(
-    record: LayerCall, weights: Tensor, rows: Tensor | None
+    record: LayerCall | TiedCalls, weights: Tensor, rows: Tensor | None
 ) -> dict[nn.Parameter, Tensor]:
     """Σ_i w_i g_i of one fast-path layer call (raw scale), over ``rows`` only when given."""
     if rows is not None:  # reductions over the weighted rows only
         record, weights = record.take(rows), weights[rows]
+    if isinstance(record, TiedCalls):
+        return record.weighted(weights)
     record._check_unspent()
     if record.released:  # the cache holds every per-example gradient of the layer
         return materialized_weighted_grad(record.cache, weights)
     assert record.backprops is not None
-    return kernels.weighted_grad(record.module, record.activations, record.backprops, weights, record.cache)
+    with record.tuner.active() if record.tuner is not None else contextlib.nullcontext():
+        return kernels.weighted_grad(
+            record.module, record.activations, record.backprops, weights, record.cache
+        )
 
 
 SPARSE_FRACTION = 0.5

@@ -44,6 +44,12 @@ def mask_rows(x: Tensor, keep: Tensor) -> Tensor:
 # The guard: norms that never understate
 # --------------------------------------------------------------------------------------------------
 
+KEEP_FACTOR = 2
+"""A layer keeps its materialised per-example gradients for the clipped sum (dropping its inputs and
+output gradient) while they take at most this many times the floats of what its record held: the sum is
+then a B-term weighted sum instead of a second reduction over every position, for a small rise in the
+step's peak (the records are a fraction of it: plain's own weight gradients are not kept)."""
+
 GUARD_FRACTION = 1e-2
 """Largest rounding-error bound, as a fraction of the computed squared norm, that is accepted (and added
 to it); beyond it the terms cancel and the example is recomputed exactly in fp64. Typical data sit far
@@ -157,6 +163,20 @@ def position_sum_err(terms_abs_sum: Tensor, positions: int) -> Tensor:
     """γ_T‖Σ_t |term_t|‖ per example: the rounding bound of a per-example gradient summed over T
     positions, from the entrywise sums of the terms' magnitudes [B, ...]."""
     return rounding_gamma(positions) * terms_abs_sum.flatten(1).norm(dim=1)
+
+
+def position_norms_err(terms: Tensor, positions: int, dim: int = 1) -> Tensor:
+    """A bound on the rounding of ``terms`` [B, ...] summed in fp32 over the T positions of dim ``dim``.
+
+    With the positions outermost (a sequence's [B, T, features]) it is γ_T Σ_t ‖term_t‖ (‖Σ_t |term_t|‖
+    ≤ Σ_t ‖term_t‖, triangle inequality): one fused norm pass over the innermost dimensions, without the
+    |terms| copy (about as tight: within √(π/2) on Gaussian terms). With the positions innermost
+    ([B, C, P] maps) torch reduces a middle dimension ten times slower than that copy, so it is
+    :func:`position_sum_err` of the summed magnitudes there."""
+    if dim == terms.dim() - 1:
+        return position_sum_err(terms.abs().sum(dim), positions)
+    norms = torch.linalg.vector_norm(terms.flatten(dim + 1), dim=dim + 1)
+    return rounding_gamma(positions) * norms.flatten(1).sum(1)
 
 
 def outer_sum_err(a: Tensor, d: Tensor) -> Tensor:

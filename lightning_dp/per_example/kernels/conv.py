@@ -1,5 +1,7 @@
-"""Conv1d/Conv2d kernels: norms by the method the autotuner picks, the clipped sum by the layer's own
-weight-gradient convolution with the weights folded into the output gradients."""
+"""Conv1d/Conv2d kernels: norms by the method the autotuner picks, the clipped sum from the per-example
+gradients the norms kept, else by the fastest reduction over batch and positions (the layer's own
+weight-gradient convolution with the weights folded into the output gradients, a matmul of unfolded
+patches, or per-example gradients formed a chunk at a time), timed once per shape."""
 
 from __future__ import annotations
 
@@ -9,19 +11,17 @@ from torch import Tensor, nn
 from lightning_dp.per_example.kernels.certified import (
     bias_sum,
     certified_cached,
-    fold_weights,
-    mask_rows,
-    position_sum_err,
+    position_norms_err,
     reuse_cached,
     weight_bias,
 )
-from lightning_dp.per_example.kernels.conv_autotune import conv_method
+from lightning_dp.per_example.kernels.conv_autotune import conv_method, conv_sum_method
 from lightning_dp.per_example.kernels.conv_methods import (
     CONV_NORMS,
+    CONV_SUMS,
     MATERIALISING,
     conv_samples_grouped,
     conv_sum_err,
-    conv_weight_grad,
 )
 from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
 
@@ -60,7 +60,7 @@ class _ConvKernels(KernelPair):
                 cache,
                 bias,
                 flat.sum(2),
-                position_sum_err(flat.abs().sum(2), flat.shape[2]),
+                position_norms_err(flat, flat.shape[2], dim=2),
                 lambda i: backprops[i].double().flatten(2).sum(2),
             )
         return out
@@ -80,11 +80,8 @@ class _ConvKernels(KernelPair):
             out[bias] = bias_sum(cache, bias, weights, lambda: backprops.float().flatten(2).sum(2))
         if weight is not None:
             reused = reuse_cached(cache, weight, weights)
-            if reused is None:
-                # The layer's own weight-gradient convolution with w_i·δ_i as output gradient: one
-                # reduction over batch and positions, the same as a matmul of the unfolded patches.
-                wd, keep = fold_weights(weights, backprops)
-                x = mask_rows(activations[0], keep)
-                reused = conv_weight_grad(layer, x, wd, layer.groups, layer.weight.shape)
+            if reused is None:  # one reduction over batch and positions, by the fastest method for the shape
+                x = activations[0]
+                reused = CONV_SUMS[conv_sum_method(layer, x, backprops)](layer, x, backprops, weights)
             out[weight] = reused
         return out

@@ -15,10 +15,14 @@ from torch.nn import grad as nn_grad
 
 from lightning_dp.per_example.kernels.certified import (
     certified_sq_norms,
+    fold_weights,
     gram_certified,
     gram_sq_norm,
+    mask_rows,
     rounding_gamma,
+    sum_bound,
 )
+from lightning_dp.per_example.materialized import materialized_sq_norm, materialized_weighted
 
 ConvLayer = nn.Conv1d | nn.Conv2d
 
@@ -69,8 +73,19 @@ def _conv_inputs(layer: ConvLayer, x: Tensor, backprops: Tensor) -> tuple[Tensor
     return _conv_patches(layer, x), d.transpose(2, 3)
 
 
-ConvMethod = Literal["gram", "position-gram", "unfold", "grouped", "correlate"]
-CONV_METHODS: tuple[ConvMethod, ...] = ("gram", "position-gram", "unfold", "grouped", "correlate")
+ConvMethod = Literal[
+    "gram",
+    "position-gram",
+    "unfold",
+    "grouped",
+    "correlate",
+    "unfold-norms",
+    "grouped-norms",
+    "correlate-norms",
+]
+CONV_METHODS: tuple[ConvMethod, ...] = (
+    "gram", "position-gram", "unfold", "grouped", "correlate", "unfold-norms", "grouped-norms", "correlate-norms"
+)  # fmt: skip
 
 
 def conv_weight_grad(
@@ -114,19 +129,18 @@ def _conv_exact_sq_norms(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tens
     return conv_samples_grouped(layer, x, backprops, torch.float64).flatten(1).square().sum(1)
 
 
-def conv_sum_err(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
-    """Rounding bound of per-example weight gradients summed over the L output positions in fp32:
-    γ_L Σ_t ‖a_t‖‖δ_t‖ ≤ γ_L √K ‖x_padded‖‖δ‖ (Cauchy–Schwarz; an input position lies in at most K =
-    prod(kernel) patches), from two norms per example instead of the patches."""
+def conv_spread(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Σ_t ‖a_t‖‖δ_t‖ ≤ √K ‖x_padded‖‖δ‖ per example (Cauchy–Schwarz; an input position lies in at most
+    K = prod(kernel) patches), from two norms per example instead of the patches."""
     xp = x.float() if layer.padding_mode == "zeros" else _conv_padded_input(layer, x)
     K = math.prod(layer.kernel_size)
-    L = math.prod(backprops.shape[2:])
-    return (
-        rounding_gamma(L)
-        * math.sqrt(K)
-        * xp.flatten(1).norm(dim=1)
-        * backprops.float().flatten(1).norm(dim=1)
-    )
+    return math.sqrt(K) * xp.flatten(1).norm(dim=1) * backprops.float().flatten(1).norm(dim=1)
+
+
+def conv_sum_err(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+    """Rounding bound of per-example weight gradients summed over the L output positions in fp32:
+    γ_L Σ_t ‖a_t‖‖δ_t‖ (bounded by :func:`conv_spread`)."""
+    return rounding_gamma(math.prod(backprops.shape[2:])) * conv_spread(layer, x, backprops)
 
 
 def _conv_samples_correlate(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
@@ -284,6 +298,53 @@ def padded_positions(layer: ConvLayer, x: Tensor) -> int:
 
 MATERIALISING: tuple[ConvMethod, ...] = ("unfold", "grouped", "correlate")
 """Methods returning per-example gradients [B, *weight.shape] (kept for the sum); the others return norms."""
+NORMS_ONLY: dict[ConvMethod, ConvMethod] = {
+    "unfold-norms": "unfold",
+    "grouped-norms": "grouped",
+    "correlate-norms": "correlate",
+}
+"""Each materialising method run a chunk of examples at a time for the norms only: the per-example
+gradients are dropped as soon as their norms are taken (the clipped sum is then the layer's own
+weight-gradient convolution, as after a Gram method). For layers whose per-example gradients are larger
+than what their record holds (depthwise 7×7 kernels on small maps, 3×3 kernels on 16×16 maps with 64
+channels), where they may not be kept, but computing them is still far cheaper than a Gram matrix."""
+
+
+def _temporary_floats(method: ConvMethod, layer: ConvLayer, x: Tensor, backprops: Tensor) -> int:
+    """Floats per example a materialising method allocates: the per-example gradient, plus the unfolded
+    patches (unfold) or the output gradients repeated per input channel of a group (correlate)."""
+    G, L = layer.groups, math.prod(backprops.shape[2:])
+    cg = layer.in_channels // G
+    per_example = math.prod(backprops.shape[1:])
+    extra = {"unfold": L * G * layer.weight[0].numel(), "correlate": cg * per_example if cg > 1 else 0}
+    return layer.weight.numel() + extra.get(method, 0)
+
+
+def _dropping(method: ConvMethod) -> Callable[[ConvLayer, Tensor, Tensor], Tensor]:
+    """Certified squared norms from ``method``'s per-example gradients, taken :data:`CHUNK_FLOATS` at a
+    time and dropped. The rounding bound of a gradient summed over L positions in fp32 is γ_L·spread
+    (:func:`conv_spread`); flagged examples are recomputed in fp64, plus the clipped sum's own rounding
+    (a weight-gradient convolution over B·L terms)."""
+
+    def norms(layer: ConvLayer, x: Tensor, backprops: Tensor) -> Tensor:
+        B, L = backprops.shape[0], math.prod(backprops.shape[2:])
+        values = backprops.new_zeros(B, dtype=torch.float32)
+        step = max(1, CHUNK_FLOATS // _temporary_floats(method, layer, x, backprops))
+        for start in range(0, B, step):
+            rows = slice(start, min(B, start + step))
+            values[rows] = materialized_sq_norm(CONV_NORMS[method](layer, x[rows], backprops[rows]))
+        spread = conv_spread(layer, x, backprops)
+        return certified_sq_norms(
+            values,
+            sum_bound(values, rounding_gamma(L) * spread),
+            lambda i: _conv_exact_sq_norms(layer, x[i], backprops[i]),
+            spread,
+            B * L,
+        )
+
+    return norms
+
+
 CONV_NORMS: dict[ConvMethod, Callable[[ConvLayer, Tensor, Tensor], Tensor]] = {
     "gram": _conv_gram,
     "position-gram": _conv_position_gram,
@@ -291,3 +352,75 @@ CONV_NORMS: dict[ConvMethod, Callable[[ConvLayer, Tensor, Tensor], Tensor]] = {
     "grouped": conv_samples_grouped,
     "correlate": _conv_samples_correlate,
 }
+CONV_NORMS.update({name: _dropping(method) for name, method in NORMS_ONLY.items()})
+
+
+# --------------------------------------------------------------------------------------------------
+# The clipped sum Σ_i w_i g_i of a layer whose per-example gradients were not kept
+# --------------------------------------------------------------------------------------------------
+
+SumMethod = Literal["weight-grad", "unfold-mm", "grouped-samples", "correlate-samples"]
+SUM_METHODS: tuple[SumMethod, ...] = ("weight-grad", "unfold-mm", "grouped-samples", "correlate-samples")
+
+
+def _sum_weight_grad(layer: ConvLayer, x: Tensor, backprops: Tensor, weights: Tensor) -> Tensor:
+    """The layer's own weight-gradient convolution with w_i·δ_i as output gradient: one reduction over
+    the batch and the positions, the same as a matmul of the unfolded patches but without unfolding."""
+    wd, keep = fold_weights(weights, backprops)
+    return conv_weight_grad(layer, mask_rows(x, keep), wd, layer.groups, layer.weight.shape)
+
+
+def _sum_unfold_mm(layer: ConvLayer, x: Tensor, backprops: Tensor, weights: Tensor) -> Tensor:
+    """(w ⊙ δ)ᵀ · patches per group, one matmul over all examples and positions, a chunk of examples at a
+    time (oneDNN's weight-gradient convolution is 5× slower on small maps with many channels: 512×512
+    3×3 kernels on 2×2 maps)."""
+    G, n, o = layer.groups, len(layer.kernel_size), layer.out_channels // layer.groups
+    total = backprops.new_zeros((G, o, layer.weight[0].numel()), dtype=torch.float32)
+    for rows in _chunks(layer, x, backprops):
+        wd, keep = fold_weights(weights[rows], backprops[rows])
+        a, d = _conv_inputs(layer, mask_rows(x[rows], keep), wd)  # [b, G, L, p], [b, G, L, o]
+        b, L = a.shape[0], a.shape[2]
+        a = a.transpose(0, 1).reshape(G, b * L, -1)
+        d = d.transpose(0, 1).reshape(G, b * L, o)
+        total.baddbmm_(d.transpose(1, 2), a)
+    # columns in (kernel, channel) order: back to the weight's [O, C/G, *kernel]
+    grad = total.view(layer.out_channels, *layer.kernel_size, -1)
+    return grad.permute(0, 1 + n, *range(1, 1 + n)).contiguous()
+
+
+def _sum_of_samples(method: ConvMethod) -> Callable[[ConvLayer, Tensor, Tensor, Tensor], Tensor]:
+    """Σ_i w_i g_i from ``method``'s per-example gradients, a chunk of examples at a time (depthwise
+    kernels: the correlation runs 4-10× faster than the weight-gradient convolution)."""
+
+    def weighted(layer: ConvLayer, x: Tensor, backprops: Tensor, weights: Tensor) -> Tensor:
+        B, L = backprops.shape[0], math.prod(backprops.shape[2:])
+        if B < 2 or L < 2:  # the norms' rounding allowance assumes B·L ≥ B + L terms per entry
+            return _sum_weight_grad(layer, x, backprops, weights)
+        total = torch.zeros(layer.weight.shape, dtype=torch.float32, device=backprops.device)
+        step = max(1, CHUNK_FLOATS // _temporary_floats(method, layer, x, backprops))
+        for start in range(0, B, step):
+            rows = slice(start, min(B, start + step))
+            w = weights[rows]
+            keep = w != 0  # weight-0 examples may hold non-finite values: never multiplied
+            if not bool(keep.all()):
+                index = keep.nonzero().squeeze(1) + start
+                if index.numel() == 0:
+                    continue
+                samples = CONV_NORMS[method](layer, x[index], backprops[index])
+                w = weights[index]
+            else:
+                samples = CONV_NORMS[method](layer, x[rows], backprops[rows])
+            total += materialized_weighted(samples, w)
+        return total
+
+    return weighted
+
+
+CONV_SUMS: dict[SumMethod, Callable[[ConvLayer, Tensor, Tensor, Tensor], Tensor]] = {
+    "weight-grad": _sum_weight_grad,
+    "unfold-mm": _sum_unfold_mm,
+    "grouped-samples": _sum_of_samples("grouped"),
+    "correlate-samples": _sum_of_samples("correlate"),
+}
+"""The ways to form a convolution's clipped sum without kept per-example gradients; all reduce B·L terms
+per entry in fp32 (the rounding the certified norms allow for), :mod:`.conv_autotune` times them."""

@@ -23,7 +23,7 @@ def embedding_use_gram(T: int, embedding_dim: int) -> bool:
     return 4 * embedding_dim >= T * T
 
 
-def _embedding_inputs(
+def embedding_inputs(
     layer: nn.Embedding, activations: list[Tensor], backprops: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Indices [B, T] and fp32 backprops [B, T, D], the padding row's positions zeroed (no gradient)."""
@@ -47,6 +47,26 @@ def _embedding_rows_sq_norms(layer: nn.Embedding, idx: Tensor, d: Tensor) -> Ten
     return d.new_zeros(B).index_add_(0, unique // layer.num_embeddings, rows.square().sum(1))
 
 
+def embedding_terms(layer: nn.Embedding, idx: Tensor, d: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(fp32 squared norms, a bound on their rounding error, Σ_t ‖δ_t‖) per example, from indices [B, T]
+    and fp32 output gradients [B, T, D] (:func:`embedding_inputs`): the index-equality Gram for short
+    sequences, else the rows summed per distinct (example, row)."""
+    T = idx.shape[1]
+    if embedding_use_gram(T, layer.embedding_dim):
+        same = (idx.unsqueeze(2) == idx.unsqueeze(1)).float()  # the exact Gram of one-hot inputs
+        dd = torch.bmm(d, d.transpose(1, 2))
+        return gram_certified(same, dd, 0, layer.embedding_dim)
+    # the rows are sums of up to T output gradients each: γ_T Σ_t ‖δ_t‖ bounds their error
+    values = _embedding_rows_sq_norms(layer, idx, d)
+    spread = d.norm(dim=2).sum(1)
+    return values, sum_bound(values, rounding_gamma(T) * spread), spread
+
+
+def embedding_weighted(layer: nn.Embedding, idx: Tensor, wd: Tensor, into: Tensor) -> Tensor:
+    """Index-add the weight-folded output gradients ``wd`` [B, T, D] (fp32) into the table ``into``."""
+    return into.index_add_(0, idx.reshape(-1), wd.reshape(-1, layer.embedding_dim))
+
+
 @register_fast_clipper(nn.Embedding)
 class _EmbeddingKernels(KernelPair):
     """Rows gathered by index: the per-example gradient is a sparse sum of δ_t into rows i_t."""
@@ -59,21 +79,13 @@ class _EmbeddingKernels(KernelPair):
         weight, _ = weight_bias(layer)
         if weight is None:
             return {}
-        idx, d = _embedding_inputs(layer, activations, backprops)
+        idx, d = embedding_inputs(layer, activations, backprops)
         B, T = idx.shape
 
         def exact(i: Tensor) -> Tensor:
             return _embedding_rows_sq_norms(layer, idx[i], d[i].double())
 
-        if embedding_use_gram(T, layer.embedding_dim):
-            same = (idx.unsqueeze(2) == idx.unsqueeze(1)).float()  # the exact Gram of one-hot inputs
-            dd = torch.bmm(d, d.transpose(1, 2))
-            values, bound, spread = gram_certified(same, dd, 0, layer.embedding_dim)
-        else:
-            # the rows are sums of up to T output gradients each: γ_T Σ_t ‖δ_t‖ bounds their error
-            values = _embedding_rows_sq_norms(layer, idx, d)
-            spread = d.norm(dim=2).sum(1)
-            bound = sum_bound(values, rounding_gamma(T) * spread)
+        values, bound, spread = embedding_terms(layer, idx, d)
         # the clipped sum index-adds w_i·δ_t of the whole batch into the table: B·T terms at most
         return {weight: certified_sq_norms(values, bound, exact, spread, B * T)}
 
@@ -90,6 +102,6 @@ class _EmbeddingKernels(KernelPair):
         if weight is None:
             return {}
         wd, _ = fold_weights(weights, backprops)
-        idx, wd = _embedding_inputs(layer, activations, wd)
+        idx, wd = embedding_inputs(layer, activations, wd)
         grad = wd.new_zeros(layer.num_embeddings, layer.embedding_dim)
-        return {weight: grad.index_add_(0, idx.reshape(-1), wd.reshape(-1, layer.embedding_dim))}
+        return {weight: embedding_weighted(layer, idx, wd, grad)}

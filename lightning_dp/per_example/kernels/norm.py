@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from lightning_dp.per_example.kernels.certified import (
     cache_samples,
     certified_cached,
-    position_sum_err,
+    position_norms_err,
     reuse_cached,
     weight_bias,
 )
@@ -79,7 +79,7 @@ class _NormKernels(KernelPair):
             )[p]
 
         return {
-            p: certified_cached(cache, p, t.sum(dim), position_sum_err(t.abs().sum(dim), positions), exact(p))
+            p: certified_cached(cache, p, t.sum(dim), position_norms_err(t, positions, dim), exact(p))
             for p, t in terms.items()
         }
 

@@ -75,7 +75,8 @@ def is_supported(layer: nn.Module) -> bool:
     if isinstance(layer, nn.Embedding):
         # scale_grad_by_freq rescales by counts over the whole batch: not a per-example gradient.
         return not layer.scale_grad_by_freq
-    return True
+    # an in-place layer (timm's LayerScale(inplace=True)) overwrites the input its kernels read
+    return getattr(layer, "inplace", False) is not True
 
 
 def sq_norms(
