@@ -26,7 +26,7 @@ test: install lint
 
 # The fast-clipping exactness tests again with narrower CPU kernels (ATen, MKL, oneDNN): on an AVX-512
 # machine `make test` runs the native ones, these the AVX2 and plain paths (about 10 s each on 2 workers).
-ISA_TESTS := tests/per_example/test_kernels.py tests/per_example/test_kernels_conv.py tests/per_example/test_kernels_linear.py tests/per_example/test_kernels_embedding.py tests/per_example/test_materialized.py tests/per_example/test_certified.py -k "not random_shapes and not private_step"
+ISA_TESTS := tests/per_example/test_kernels.py tests/per_example/test_kernels_conv.py tests/per_example/test_kernels_linear.py tests/per_example/test_kernels_embedding.py tests/per_example/test_kernels_tied.py tests/per_example/test_kernels_conv_sums.py tests/per_example/test_kernels_scale.py tests/per_example/test_materialized.py tests/per_example/test_certified.py -k "not random_shapes and not private_step"
 test-isa: install
 	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(ISA_TESTS) -n 2
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 $(BIN)/python -m pytest $(ISA_TESTS) -n 2
