@@ -20,6 +20,7 @@ per batch, the budget) are in ``engine.py``; resume checks in ``strategies/check
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,28 @@ class RunChecks:
     ) -> None:
         """``batch``: what training_step receives; ``check_batch``: what one forward sees (a physical chunk
         under virtual batching). Raises before user code runs when a check fails."""
+        begin = time.perf_counter()
+        try:
+            self._before_user_code(engine, module, trainer, batch, batch_idx, check_batch, precision, device)
+        finally:
+            self._spent(begin)
+
+    def _spent(self, begin: float) -> None:
+        """Every moment's time (the mixing check's runs included) counts against the budget the mixing
+        check schedules itself by (``check_overhead``): the checks together stay within it."""
+        self.mixing.seconds_checking += time.perf_counter() - begin
+
+    def _before_user_code(
+        self,
+        engine: PrivateStepEngine,
+        module: LightningModule,
+        trainer: Trainer | None,
+        batch: Any,
+        batch_idx: int,
+        check_batch: Any,
+        precision: Any,
+        device: torch.device,
+    ) -> None:
         self._checked_this_step = False
         if engine.grads is not None and engine.train_data is not None:  # structure, not a check: always
             dataset, collate = engine.train_data
@@ -123,7 +146,11 @@ class RunChecks:
         """Before the noisy release: no parameter written during the step; forward-written buffers checked."""
         if self.state is None:
             return
-        unverified = self.state.before_release(self._checked_this_step)
+        begin = time.perf_counter()
+        try:
+            unverified = self.state.before_release(self._checked_this_step)
+        finally:
+            self._spent(begin)
         if unverified and self.isolate_examples:
             raise DPConfigurationError(
                 f"The buffers {unverified} were written in the forward with isolate_examples=True: the examples "
@@ -138,7 +165,9 @@ class RunChecks:
     # -- after each optimizer step -----------------------------------------------------------------------------
     def after_step(self) -> None:
         if self.state is not None:
+            begin = time.perf_counter()
             self.state.after_step()
+            self._spent(begin)
 
     def summary(self) -> dict[str, Any]:
         """For the privacy report: what was checked, when, and what could not be verified."""

@@ -20,8 +20,8 @@ saved with the model. Every step, the in-place version counters of every paramet
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -30,12 +30,25 @@ from lightning_dp.errors import DPConfigurationError
 Versions = dict[str, tuple[int, int]]
 
 
-def _versions(named: Sequence[tuple[str, object]]) -> Versions:
-    return {name: (id(t), t._version) for name, t in named}  # type: ignore[attr-defined]
+@dataclass
+class _Snapshot:
+    """(object id, in-place version) of every parameter and buffer, in a fixed order, with their names:
+    comparing two is a list comparison; names are matched only when something changed."""
+
+    param_names: list[str]
+    params: list[tuple[int, int]]
+    buffer_names: list[str]
+    buffers: list[tuple[int, int]]
 
 
-def _changed(before: Versions, after: Versions) -> list[str]:
-    return sorted(name for name, v in after.items() if before.get(name) != v)
+def _changed(
+    before_names: list[str], before: list[tuple[int, int]], names: list[str], after: list[tuple[int, int]]
+) -> list[str]:
+    """Names whose tensor was written or replaced, or that appeared, between the two snapshots."""
+    if before_names is names and before == after:
+        return []
+    previous = dict(zip(before_names, before, strict=True))
+    return sorted(n for n, v in zip(names, after, strict=True) if previous.get(n) != v)
 
 
 @dataclass
@@ -48,11 +61,45 @@ class StateWatch:
     """Buffers the forward writes that a mixing check found independent of the batch."""
     unverified_buffers: set[str] = field(default_factory=set)
     """Buffers the forward wrote on a step no check covered, not yet seen on a checked step."""
-    _after_step: tuple[Versions, Versions] | None = None
-    _at_entry: tuple[Versions, Versions] | None = None
+    _after_step: _Snapshot | None = None
+    _at_entry: _Snapshot | None = None
+    _modules: list[tuple[str, nn.Module]] = field(default_factory=list)
+    _layout: (
+        tuple[int, list[tuple[dict[str, Any], str]], list[str], list[tuple[dict[str, Any], str]], list[str]]
+        | None
+    ) = None
 
-    def _now(self) -> tuple[Versions, Versions]:
-        return _versions(list(self.module.named_parameters())), _versions(list(self.module.named_buffers()))
+    def __post_init__(self) -> None:
+        self._modules = list(self.module.named_modules())
+
+    def _where(
+        self,
+    ) -> tuple[list[tuple[dict[str, Any], str]], list[str], list[tuple[dict[str, Any], str]], list[str]]:
+        """Where each parameter and buffer lives (its module's dict and key), read again only when the number
+        of entries changes: a buffer the forward replaces (``self.mask = ...``) is a new object in place."""
+        count = sum(len(m._parameters) + len(m._buffers) for _, m in self._modules)
+        if self._layout is None or self._layout[0] != count:
+            slots: list[tuple[dict[str, Any], str]] = []
+            names: list[str] = []
+            buffer_slots: list[tuple[dict[str, Any], str]] = []
+            buffer_names: list[str] = []
+            for prefix, m in self._modules:
+                for key in m._parameters:
+                    slots.append((m._parameters, key))
+                    names.append(f"{prefix}.{key}" if prefix else key)
+                for key in m._buffers:
+                    buffer_slots.append((m._buffers, key))
+                    buffer_names.append(f"{prefix}.{key}" if prefix else key)
+            self._layout = (count, slots, names, buffer_slots, buffer_names)
+        return self._layout[1:]
+
+    def _now(self) -> _Snapshot:
+        slots, names, buffer_slots, buffer_names = self._where()
+
+        def read(where: list[tuple[dict[str, Any], str]]) -> list[tuple[int, int]]:
+            return [(id(t), t._version) if (t := d.get(k)) is not None else (0, 0) for d, k in where]
+
+        return _Snapshot(names, read(slots), buffer_names, read(buffer_slots))
 
     def _public(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.public_buffers)
@@ -67,8 +114,10 @@ class StateWatch:
         if self._after_step is None:  # the first batch of the fit: the baseline
             self._after_step = self._now()
             return
-        _, buffers = self._now()
-        written = [n for n in _changed(self._after_step[1], buffers) if not self._public(n)]
+        now = self._now()
+        before = self._after_step
+        changed = _changed(before.buffer_names, before.buffers, now.buffer_names, now.buffers)
+        written = [n for n in changed if not self._public(n)]
         if written:
             raise DPConfigurationError(
                 f"The buffers {written} were written between two training steps (in on_train_batch_end, "
@@ -90,13 +139,15 @@ class StateWatch:
         wrote that no check has shown to be independent of the batch (the next step must be checked)."""
         if self._at_entry is None:
             return []
-        params, buffers = self._now()
-        written_params = _changed(self._at_entry[0], params)
+        now = self._now()
+        entry = self._at_entry
+        written_params = _changed(entry.param_names, entry.params, now.param_names, now.params)
         if written_params:
             from lightning_dp.checks.mixing import parameter_write_message
 
             raise DPConfigurationError(parameter_write_message(written_params, "the training step"))
-        written = [n for n in _changed(self._at_entry[1], buffers) if not self._public(n)]
+        changed = _changed(entry.buffer_names, entry.buffers, now.buffer_names, now.buffers)
+        written = [n for n in changed if not self._public(n)]
         if checked:
             self.verified_buffers |= set(written)
             self.unverified_buffers -= set(written)
