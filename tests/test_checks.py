@@ -688,6 +688,33 @@ def test_tolerance_scales_with_the_compute_dtype():
     assert math.isclose(relative_tolerance("16-mixed", cpu), 16 * 2**-10)
 
 
+class _RoundingOnly(TinyModule):
+    """Most rows' gradients exactly 0 and the rest about 1e-20 that move by 5 % with the batch's size: what
+    an overshooting model's saturated softmax showed in CI (most p − 1 round to 0, the others to a few ulps
+    that round differently over B and B − 1 rows). The released sum moves by ~1e-21·C: no leak."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per_example = F.cross_entropy(self(x), y, reduction="none")
+        weight = (y == 0).double() * 1e-20 * (1.0 + 0.05 * (len(x) % 2))
+        return (per_example * weight.to(per_example.dtype)).mean()
+
+
+def test_changes_far_below_c_on_near_zero_gradients_are_rounding_not_mixing():
+    model = _RoundingOnly(n=64, batch_size=16)
+    assert (model.y != 0).float().mean() > 0.5  # the batch's median gradient norm is 0
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, check_sensitivity="every_step")
+    make_trainer(strategy, max_steps=4).fit(model)
+    assert len(strategy.checks.mixing.checked_steps) == 4
+    # The same dependence on the batch's size at a scale that matters is refused.
+    loud = _RoundingOnly(n=64, batch_size=16)
+    loud.training_step = lambda batch, i: _RoundingOnly.training_step(loud, batch, i) * 1e20  # type: ignore[method-assign]
+    with pytest.raises(DPConfigurationError, match=MIXING):
+        make_trainer(
+            DPStrategy(noise_multiplier=1.0, seed=0, check_sensitivity="every_step"), max_steps=4
+        ).fit(loud)
+
+
 # -- carried over from the fit-start check's tests -------------------------------------------------------------
 
 

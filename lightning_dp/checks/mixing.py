@@ -57,6 +57,8 @@ size selects; passes over B and B − 1 rows also round differently (GEMM blocki
 patterns the check exists for move an example's gradient by 8 % and more (measured)."""
 
 DEFAULT_OVERHEAD = 0.05
+NEGLIGIBLE_MOVE = 1e-5
+"""A change of an example's gradient below this many C is rounding, not a leak (the noise's std is σ·C)."""
 
 
 def relative_tolerance(precision: str, device: torch.device) -> float:
@@ -384,10 +386,8 @@ def _compare(
     """The largest relative change of a kept example's gradient norm, and of the kept rows' clipped sum."""
     a, b = full.norms[kept_full], other.norms[kept_changed]
     worst, worst_example = 0.0, kept_full[0]
-    # A near-zero gradient (a saturated softmax: p − 1 rounds to a few ulps) has no relative precision; a
-    # change is measured against at least a hundredth of the batch's typical norm, far below any leak.
-    both = torch.maximum(a, b)
-    floor = 1e-2 * float(both[torch.isfinite(both)].median()) if bool(torch.isfinite(both).any()) else 0.0
+    c = engine.max_grad_norm
+    floor = _change_floor(torch.maximum(a, b), c)
     for position, (x, y) in enumerate(zip(a.tolist(), b.tolist(), strict=True)):
         if not (math.isfinite(x) and math.isfinite(y)):
             change = 0.0 if math.isfinite(x) == math.isfinite(y) else math.inf
@@ -396,7 +396,6 @@ def _compare(
             change = abs(x - y) / scale if scale > 0 else 0.0
         if change > worst:
             worst, worst_example = change, kept_full[position]
-    c = engine.max_grad_norm
     finite = torch.isfinite(a)
     factors = clip_factors(a.float(), c).double()
     scale_sq = float((factors * a).where(finite, 0.0).square().sum())
@@ -405,11 +404,30 @@ def _compare(
         for x, y in zip(full.clipped_sum, other.clipped_sum, strict=True)
     )
     move = math.sqrt(move_sq)
-    relative = move / math.sqrt(scale_sq) if scale_sq > 0 else (0.0 if move == 0 else math.inf)
+    scale = max(math.sqrt(scale_sq), _negligible(c))
+    relative = move / scale if scale > 0 else (0.0 if move == 0 else math.inf)
     if relative > worst:
         worst = relative
     in_c = move / c if math.isfinite(c) else move
     return MixingResult(kind, changed, rows, worst, worst_example, in_c, tolerance, buffers)
+
+
+def _change_floor(norms: Tensor, max_grad_norm: float) -> float:
+    """The smallest gradient norm a relative change is measured against.
+
+    A near-zero gradient has no relative precision: a saturated softmax rounds p − 1 to a few ulps (or to 0
+    for most rows of an overshooting model, so the batch's median can be 0), and passes over B and B − 1 rows
+    round differently. A change is measured against at least a hundredth of the typical nonzero norm, and
+    against at least ``NEGLIGIBLE_MOVE·C``, a movement of the released sum far below any leak.
+    """
+    nonzero = norms[torch.isfinite(norms) & (norms > 0)]
+    typical = float(nonzero.median()) if nonzero.numel() else 0.0
+    return max(1e-2 * typical, _negligible(max_grad_norm))
+
+
+def _negligible(max_grad_norm: float) -> float:
+    """A gradient change too small to matter: ``NEGLIGIBLE_MOVE·C`` (0 without a finite C)."""
+    return NEGLIGIBLE_MOVE * max_grad_norm if math.isfinite(max_grad_norm) else 0.0
 
 
 def _different_row(batch: Any, rows: int, row: int, kept: list[int], draw: int) -> int:
