@@ -626,6 +626,23 @@ def test_the_check_leaves_no_trace(tmp_path):
     assert off.checks.mixing.checked_steps == []
 
 
+def test_the_budget_is_a_share_of_the_time_outside_the_checks():
+    """check_overhead = 0.05 lets the checks add 5 % to a fit with them off: 4.95 s of checks after 100 s
+    (95.05 s outside them) is over the budget; 4.7 s is within it (half the eligible batches are drawn)."""
+    import time
+
+    from lightning_dp.checks.mixing import MixingCheck
+
+    check = MixingCheck(True, overhead=0.05, seed=0)
+    check.start_fit()
+    check.due_next = False
+    check.started = time.perf_counter() - 100.0
+    check.seconds_checking, check._last_cost = 4.9, 0.05
+    assert not any(check.due() for _ in range(40))
+    check.seconds_checking = 4.65
+    assert 5 < sum(check.due() for _ in range(40)) < 35
+
+
 def test_a_small_overhead_budget_checks_the_first_batch_and_few_others():
     strategy = DPStrategy(noise_multiplier=1.0, seed=0, check_overhead=1e-6)
     make_trainer(strategy, max_steps=12).fit(TinyModule(n=64, batch_size=16))
