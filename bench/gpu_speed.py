@@ -30,15 +30,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from step_time import Variant, _reason, check_variant, measure_peak, run_step
+from step_time import Variant, _reason, check_variant, measure_peak, private_variant, run_step
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from lightning_dp.clipping import FlatClipping
-from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.noise import ConstantNoise
-from lightning_dp.sampling import Poisson
-from lightning_dp.slots import Step
 
 SIGMA, MAX_GRAD_NORM, LR, DATASET_SIZE = 1.0, 1.0, 1e-4, 50_000
 Batch = tuple[Tensor, ...]
@@ -270,38 +264,13 @@ def build_plain(spec: SpeedModel, base: nn.Module, batch: Batch, device: torch.d
 
 
 def build_lightning_dp(spec: SpeedModel, base: nn.Module, batch: Batch, device: torch.device) -> Variant:
-    model = copy.deepcopy(base)
-    opt = _sgd(model)
-    engine = PrivateStepEngine(
-        sampler=Poisson(seed=0), clipping=FlatClipping(), noise=ConstantNoise(SIGMA), step=Step(),
-        max_grad_norm=MAX_GRAD_NORM, delta=1e-5, target_epsilon=None, accountant="rdp",
-        loss_reduction="mean", seed=0, grad_sample_mode="auto",
-    )  # fmt: skip
-    engine.attach(model)
-    engine.sampler.bind(DATASET_SIZE, len(batch[0]))
-    grads = engine.grads
-    assert grads is not None
-
-    def zero() -> None:
-        opt.zero_grad(set_to_none=True)
-        grads.clear()
-
-    variant = Variant(
-        "lightning-dp",
-        [
-            ("fwd+bwd", _forward_backward(spec, model, batch, device)),
-            ("privatize", lambda: setattr(variant, "ctx", engine.privatize())),
-            ("update", lambda: engine.apply_step(opt)),
-        ],
-        zero=zero,
-        params=_trainable(model),
+    return private_variant(
+        base,
+        lambda model: _forward_backward(spec, model, batch, device),
+        len(batch[0]),
+        lr=LR,
+        dataset_size=DATASET_SIZE,
     )
-    variant.engine = engine
-    paths: dict[str, int] = {}
-    for _, layer in grads.layers:
-        paths[grads.path_of(layer)] = paths.get(grads.path_of(layer), 0) + 1
-    variant.paths = f"{grads.mode} mode: " + ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
-    return variant
 
 
 def _opacus_loader(batch: Batch) -> DataLoader[Any]:

@@ -39,7 +39,6 @@ import json
 import statistics
 import time
 import warnings
-from collections import Counter
 from typing import Any
 
 import opacus
@@ -52,7 +51,6 @@ from bench import step_time
 from bench._harness import cpu_name
 from bench.realistic_models import REALISTIC, RealisticModel
 from bench.step_time import (
-    DATASET_SIZE,
     LR,
     MAX_GRAD_NORM,
     SIGMA,
@@ -60,15 +58,11 @@ from bench.step_time import (
     _reason,
     check_variant,
     measure_peak,
+    private_variant,
     run_step,
     schedule,
 )
-from lightning_dp.clipping import FlatClipping
-from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.noise import ConstantNoise
 from lightning_dp.prepare import replace_batchnorm
-from lightning_dp.sampling import Poisson
-from lightning_dp.slots import Step
 from tests.per_example.zoo import ZOO, ZooModel
 
 Batch = tuple[Tensor, ...]
@@ -90,36 +84,7 @@ def build_plain(base: nn.Module, batch: Batch) -> Variant:
 
 
 def build_lightning_dp(base: nn.Module, batch: Batch) -> Variant:
-    model = copy.deepcopy(base)
-    opt = _sgd(model)
-    engine = PrivateStepEngine(
-        sampler=Poisson(seed=0), clipping=FlatClipping(), noise=ConstantNoise(SIGMA), step=Step(),
-        max_grad_norm=MAX_GRAD_NORM, delta=1e-5, target_epsilon=None, accountant="rdp",
-        loss_reduction="mean", seed=0, grad_sample_mode="auto",
-    )  # fmt: skip
-    engine.attach(model)
-    engine.sampler.bind(DATASET_SIZE, len(batch[0]))
-    grads = engine.grads
-    assert grads is not None
-
-    def zero() -> None:
-        opt.zero_grad(set_to_none=True)
-        grads.clear()
-
-    variant = Variant(
-        "lightning-dp",
-        [
-            ("fwd+bwd", lambda: model(*batch).backward()),
-            ("privatize", lambda: setattr(variant, "ctx", engine.privatize())),
-            ("update", lambda: engine.apply_step(opt)),
-        ],
-        zero=zero,
-        params=[p for p in model.parameters() if p.requires_grad],
-    )
-    variant.engine = engine
-    paths = Counter(grads.path_of(m) for _, m in grads.layers)
-    variant.paths = f"{grads.mode} mode: " + ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
-    return variant
+    return private_variant(base, lambda model: lambda: model(*batch).backward(), len(batch[0]))
 
 
 def build_opacus(base: nn.Module, batch: Batch) -> Variant:

@@ -284,48 +284,57 @@ def build_plain(base: nn.Module, x: Tensor, y: Tensor) -> Variant:
     )
 
 
-def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor, mode: GradMode) -> Variant:
+def private_variant(
+    base: nn.Module,
+    forward_backward: Callable[[nn.Module], Callable[[], None]],
+    batch_size: int,
+    mode: GradMode = "auto",
+    *,
+    name: str = "lightning-dp",
+    lr: float = LR,
+    dataset_size: int = DATASET_SIZE,
+) -> Variant:
+    """The library's :class:`~lightning_dp.engine.PrivateStepEngine` on a copy of ``base`` (σ = SIGMA,
+    C = MAX_GRAD_NORM, SGD over the trainable parameters): fwd+bwd (``forward_backward(model)``),
+    privatize, update. Shared by this script, ``model_zoo.py`` and ``gpu_speed.py``."""
     model = copy.deepcopy(base)
-    opt = _sgd(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=lr)
     engine = PrivateStepEngine(
-        sampler=Poisson(seed=0),
-        clipping=FlatClipping(),
-        noise=ConstantNoise(SIGMA),
-        step=Step(),
-        max_grad_norm=MAX_GRAD_NORM,
-        delta=1e-5,
-        target_epsilon=None,
-        accountant="rdp",
-        loss_reduction="mean",
-        seed=0,
-        grad_sample_mode=mode,
-    )
+        sampler=Poisson(seed=0), clipping=FlatClipping(), noise=ConstantNoise(SIGMA), step=Step(),
+        max_grad_norm=MAX_GRAD_NORM, delta=1e-5, target_epsilon=None, accountant="rdp",
+        loss_reduction="mean", seed=0, grad_sample_mode=mode,
+    )  # fmt: skip
     engine.attach(model)
-    engine.sampler.bind(DATASET_SIZE, len(y))
-
-    def fwd_bwd() -> None:
-        F.cross_entropy(model(x), y).backward()
+    engine.sampler.bind(dataset_size, batch_size)
+    grads = engine.grads
+    assert grads is not None
 
     def zero() -> None:
         opt.zero_grad(set_to_none=True)
-        assert engine.grads is not None
-        engine.grads.clear()
-
-    def privatize() -> None:
-        variant.ctx = engine.privatize()
+        grads.clear()
 
     variant = Variant(
-        f"lightning-dp {mode}",
-        [("fwd+bwd", fwd_bwd), ("privatize", privatize), ("update", lambda: engine.apply_step(opt))],
+        name,
+        [
+            ("fwd+bwd", forward_backward(model)),
+            ("privatize", lambda: setattr(variant, "ctx", engine.privatize())),
+            ("update", lambda: engine.apply_step(opt)),
+        ],
         zero=zero,
-        params=list(model.parameters()),
+        params=trainable,
     )
     variant.engine = engine
-    grads = engine.grads
-    assert grads is not None
     paths = Counter(grads.path_of(m) for _, m in grads.layers)
-    variant.paths = ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
+    variant.paths = f"{grads.mode} mode: " + ", ".join(f"{n} {k}" for k, n in sorted(paths.items()))
     return variant
+
+
+def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor, mode: GradMode) -> Variant:
+    def forward_backward(model: nn.Module) -> Callable[[], None]:
+        return lambda: F.cross_entropy(model(x), y).backward()
+
+    return private_variant(base, forward_backward, len(y), mode, name=f"lightning-dp {mode}")
 
 
 def _opacus_loader(x: Tensor, y: Tensor) -> DataLoader:
@@ -654,7 +663,7 @@ def print_model_table(
             print(f"    {v.name:<{w}}{parts}")
     for v in variants:
         if v.paths:
-            print(f"  {v.name}: per-layer path: {v.paths}")
+            print(f"  {v.name}: {v.paths}")
     gap = norm_gap(variants)
     if gap is not None:
         print(f"  check: fast vs materialised per-example norms (first step), max relative gap {gap:.1e}")
