@@ -21,6 +21,8 @@ per batch, the budget) are in ``engine.py``; resume checks in ``strategies/check
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +92,16 @@ class RunChecks:
         self.mixing.start_fit()  # the state's baseline is taken at the first batch (after DDP's broadcast
         # of rank 0's weights and a resume's restore, which write the parameters on purpose)
 
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        """Every moment's time (the mixing check's runs included) counts against the budget the mixing
+        check schedules itself by (``check_overhead``): the checks together stay within it."""
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.mixing.seconds_checking += time.perf_counter() - begin
+
     # -- each sampled batch, before user code ---------------------------------------------------------------
     def before_user_code(
         self,
@@ -104,53 +116,29 @@ class RunChecks:
     ) -> None:
         """``batch``: what training_step receives; ``check_batch``: what one forward sees (a physical chunk
         under virtual batching). Raises before user code runs when a check fails."""
-        begin = time.perf_counter()
-        try:
-            self._before_user_code(engine, module, trainer, batch, batch_idx, check_batch, precision, device)
-        finally:
-            self._spent(begin)
-
-    def _spent(self, begin: float) -> None:
-        """Every moment's time (the mixing check's runs included) counts against the budget the mixing
-        check schedules itself by (``check_overhead``): the checks together stay within it."""
-        self.mixing.seconds_checking += time.perf_counter() - begin
-
-    def _before_user_code(
-        self,
-        engine: PrivateStepEngine,
-        module: LightningModule,
-        trainer: Trainer | None,
-        batch: Any,
-        batch_idx: int,
-        check_batch: Any,
-        precision: Any,
-        device: torch.device,
-    ) -> None:
-        self._checked_this_step = False
-        if engine.grads is not None and engine.train_data is not None:  # structure, not a check: always
-            dataset, collate = engine.train_data
-            probe_batch_structure(engine.grads, module, dataset, collate, device, precision)
-        self.integrity.check(batch, module, trainer)
-        if self.state is not None:
-            self.state.between_steps()
-        if isinstance(batch, EmptyBatch):
-            return
-        if not self.isolate_examples and self.mixing.due():
-            result = self.mixing.run(engine, module, check_batch, batch_idx, precision, device)
-            self._checked_this_step = result is not None
-        if self.state is not None:
-            self.state.at_entry()
+        with self._counted():
+            self._checked_this_step = False
+            if engine.grads is not None and engine.train_data is not None:  # structure, not a check: always
+                dataset, collate = engine.train_data
+                probe_batch_structure(engine.grads, module, dataset, collate, device, precision)
+            self.integrity.check(batch, module, trainer)
+            if self.state is not None:
+                self.state.between_steps()
+            if isinstance(batch, EmptyBatch):
+                return
+            if not self.isolate_examples and self.mixing.due():
+                result = self.mixing.run(engine, module, check_batch, batch_idx, precision, device)
+                self._checked_this_step = result is not None
+            if self.state is not None:
+                self.state.at_entry()
 
     # -- each release -------------------------------------------------------------------------------------
     def before_release(self) -> None:
         """Before the noisy release: no parameter written during the step; forward-written buffers checked."""
         if self.state is None:
             return
-        begin = time.perf_counter()
-        try:
+        with self._counted():
             unverified = self.state.before_release(self._checked_this_step)
-        finally:
-            self._spent(begin)
         if unverified and self.isolate_examples:
             raise DPConfigurationError(
                 f"The buffers {unverified} were written in the forward with isolate_examples=True: the examples "
@@ -165,9 +153,8 @@ class RunChecks:
     # -- after each optimizer step -----------------------------------------------------------------------------
     def after_step(self) -> None:
         if self.state is not None:
-            begin = time.perf_counter()
-            self.state.after_step()
-            self._spent(begin)
+            with self._counted():
+                self.state.after_step()
 
     def summary(self) -> dict[str, Any]:
         """For the privacy report: what was checked, when, and what could not be verified."""
