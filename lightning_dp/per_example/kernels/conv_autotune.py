@@ -35,27 +35,24 @@ _active: ContextVar[ConvAutotuner | None] = ContextVar("conv_autotuner", default
 
 
 @contextlib.contextmanager
-def force_conv_method(method: ConvMethod | None) -> Iterator[None]:
+def _forcing(var: ContextVar[Any], method: str | None, allowed: tuple[str, ...], what: str) -> Iterator[None]:
+    if method is not None and method not in allowed:
+        raise ValueError(f"{what} must be one of {allowed}, got {method!r}")
+    token = var.set(method)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def force_conv_method(method: ConvMethod | None) -> contextlib.AbstractContextManager[None]:
     """Use one convolution norm method everywhere inside the block (tests, benchmarks)."""
-    if method is not None and method not in CONV_METHODS:
-        raise ValueError(f"conv method must be one of {CONV_METHODS}, got {method!r}")
-    token = _forced.set(method)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
+    return _forcing(_forced, method, CONV_METHODS, "conv method")
 
 
-@contextlib.contextmanager
-def force_conv_sum_method(method: SumMethod | None) -> Iterator[None]:
+def force_conv_sum_method(method: SumMethod | None) -> contextlib.AbstractContextManager[None]:
     """Use one clipped-sum method everywhere inside the block (tests, benchmarks)."""
-    if method is not None and method not in SUM_METHODS:
-        raise ValueError(f"conv sum method must be one of {SUM_METHODS}, got {method!r}")
-    token = _forced_sum.set(method)
-    try:
-        yield
-    finally:
-        _forced_sum.reset(token)
+    return _forcing(_forced_sum, method, SUM_METHODS, "conv sum method")
 
 
 class ConvAutotuner:
