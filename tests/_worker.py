@@ -7,11 +7,13 @@ a worker with :func:`run_worker` (run to success) or :func:`launch` (a process t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, in every rank
 TESTS = Path(__file__).resolve().parent
@@ -37,6 +39,29 @@ def finish_distributed() -> None:
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def ddp_trainer(out: Path, strategy: Any, **kwargs: Any) -> Any:
+    """A 2-process CPU Trainer for a DDP worker: no logger, checkpoints, progress bar or sanity steps."""
+    from lightning.pytorch import Trainer
+
+    options: dict[str, Any] = dict(
+        accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=str(out),
+    )  # fmt: skip
+    options.update(kwargs)
+    return Trainer(strategy=strategy, **options)
+
+
+def dump(out: Path, name: str, strategy: Any, **extra: Any) -> None:
+    """Write ``out/<name>.rank<r>.json``: the rank, its private steps and ε, plus ``extra``."""
+    record = {
+        "rank": strategy.global_rank,
+        "steps": strategy.engine.steps,
+        "epsilon": strategy.epsilon,
+        **extra,
+    }
+    (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
 
 
 def worker_env(**extra: str) -> dict[str, str]:

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -73,6 +73,42 @@ class TinyModule(LightningModule):
 
     def test_dataloader(self):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=256)
+
+
+class IndexedModule(TinyModule):
+    """TinyModule whose batches carry the examples' indices, recorded per step (``steps``)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.steps: list[list[int]] = []
+
+    def train_dataloader(self):
+        return DataLoader(
+            TensorDataset(self.x, self.y, torch.arange(len(self.x))), batch_size=self.batch_size
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        if not checking():  # the run-time checks' own passes are not steps
+            self.steps.append(index.tolist())
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+
+class ZeroSignal(TinyModule):
+    """A TinyModule whose loss carries no gradient (0 × output): every release is pure noise."""
+
+    def training_step(self, batch, batch_idx):
+        return (self(batch[0]) * 0.0).mean()
+
+
+class GradientRecorder(Callback):
+    """Records the gradient each optimizer step receives, all parameters flattened into one vector."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]))
 
 
 class RecordingClipping(FlatClipping):

@@ -6,13 +6,12 @@ in the same order. Each rank writes its results to ``OUT/<scenario>.rank<r>.json
 
 from __future__ import annotations
 
-import json
 import math
 
 import _worker
 import torch
-from conftest import TinyModule
-from lightning.pytorch import Callback, Trainer
+from conftest import GradientRecorder, TinyModule, ZeroSignal
+from lightning.pytorch import Trainer
 
 from lightning_dp import DPDDPStrategy
 
@@ -20,29 +19,11 @@ OUT, _ = _worker.start()
 
 
 def trainer(strategy: DPDDPStrategy, **kwargs) -> Trainer:
-    options = dict(
-        accelerator="cpu",
-        devices=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=str(OUT),
-    )
-    options.update(kwargs)
-    return Trainer(strategy=strategy, **options)
+    return _worker.ddp_trainer(OUT, strategy, **kwargs)
 
 
 def dump(name: str, strategy: DPDDPStrategy, **extra) -> None:
-    record = {
-        "rank": strategy.global_rank,
-        "steps": strategy.engine.steps,
-        "epsilon": strategy.epsilon,
-        "sample_rate": strategy.engine.sampler.sample_rate,
-        **extra,
-    }
-    (OUT / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
+    _worker.dump(OUT, name, strategy, sample_rate=strategy.engine.sampler.sample_rate, **extra)
 
 
 # 1. σ = 0, C = ∞, q = 1: two processes must give exactly single-process full-batch training.
@@ -56,22 +37,10 @@ dump("exact", t.strategy, batches=module.seen_batch_sizes)
 
 
 # 2. Zero-signal loss: the private gradient is noise of std σC/B_global, added once in total.
-class ZeroSignal(TinyModule):
-    def training_step(self, batch, batch_idx):
-        return (self(batch[0]) * 0.0).mean()
-
-
-grads: list[torch.Tensor] = []
-
-
-class Capture(Callback):
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        grads.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]))
-
-
-t = trainer(DPDDPStrategy(noise_multiplier=2.0, max_grad_norm=3.0), max_steps=3, callbacks=[Capture()])
+recorder = GradientRecorder()
+t = trainer(DPDDPStrategy(noise_multiplier=2.0, max_grad_norm=3.0), max_steps=3, callbacks=[recorder])
 t.fit(ZeroSignal(n=400, d=50, hidden=100, classes=50, batch_size=40))
-noise = torch.cat(grads)
+noise = torch.cat(recorder.grads)
 dump("noise", t.strategy, std=float(noise.std()), numel=noise.numel(), checksum=float(noise.sum()))
 
 # 3. Tiny q: most local batches are empty; every rank must take every step, with the same ε.

@@ -16,9 +16,9 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from conftest import IndexedModule, TinyModule, make_trainer
 from neighbour import MOVE_RTOL, released_sum, tiny_data
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import Subset
 
 from lightning_dp import (
     BLT,
@@ -34,32 +34,12 @@ from lightning_dp import (
     LineSearch,
     Poisson,
     audit,
-    checking,
 )
 from lightning_dp.accounting import PoissonGaussian, compute_epsilon
 from lightning_dp.noise.correlated import CorrelatedNoise
 
 ROOT = Path(__file__).resolve().parents[1]
 DELTA = 1e-5
-
-
-class Indexed(TinyModule):
-    """TinyModule whose batches carry the examples' indices, recorded per step."""
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.steps: list[list[int]] = []
-
-    def train_dataloader(self):
-        return DataLoader(
-            TensorDataset(self.x, self.y, torch.arange(len(self.x))), batch_size=self.batch_size
-        )
-
-    def training_step(self, batch, batch_idx):
-        x, y, index = batch
-        if not checking():  # the run-time checks' own passes are not steps
-            self.steps.append(index.tolist())
-        return torch.nn.functional.cross_entropy(self(x), y)
 
 
 def bandmf(bands=4, seed=0, target_epsilon=2.0, **noise) -> DPStrategy:
@@ -95,7 +75,7 @@ def test_b1_bandmf_is_dp_sgd_bit_for_bit():
 
 
 def test_bandmf_records_one_round_per_b_steps():
-    module = Indexed(n=256, batch_size=16)
+    module = IndexedModule(n=256, batch_size=16)
     strategy = bandmf(bands=4, target_epsilon=2.0)
     trainer = make_trainer(strategy, max_epochs=3)
     trainer.fit(module)
@@ -267,13 +247,13 @@ def test_resume_never_stores_buffers_and_resets_them(tmp_path):
 
 def test_resume_mid_round_keeps_the_groups_and_the_rounds(tmp_path):
     """A checkpoint at step 10 (mid-round): the resumed run continues the phase t mod b and the rounds."""
-    module = Indexed(n=256, batch_size=16)
+    module = IndexedModule(n=256, batch_size=16)
     strategy = bandmf(bands=4, noise_multiplier=2.0)
     first = make_trainer(strategy, tmp_path, max_steps=10, max_epochs=5)
     first.fit(module)
     ckpt = tmp_path / "mid.ckpt"
     first.save_checkpoint(ckpt)
-    resumed_module = Indexed(n=256, batch_size=16)
+    resumed_module = IndexedModule(n=256, batch_size=16)
     resumed = bandmf(bands=4, noise_multiplier=2.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

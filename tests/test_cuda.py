@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TinyModule, make_trainer
+from conftest import TinyModule, ZeroSignal, make_trainer
 from lightning.pytorch import seed_everything
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import Tensor, nn
@@ -413,22 +413,12 @@ def test_neighbour_moves_the_released_sum_by_at_most_c(
 # --------------------------------------------------------------------------------------------------
 
 
-class ZeroSignal(TinyModule):
-    """A 400-20-250 MLP whose loss carries no gradient (0 × output): the release is pure noise."""
-
-    def __init__(self) -> None:
-        super().__init__(n=512, d=400, classes=250, batch_size=64, lr=1.0, hidden=20)
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        return 0.0 * self(batch[0]).sum()
-
-
 @pytest.mark.cuda("mechanisms")
 @pytest.mark.parametrize("device", _device_cases())
 def test_noise_std_is_sigma_c_over_b_from_the_device_generator(device: str) -> None:
     """One step of pure noise (lr 1, SGD): each coordinate moves by N(0, (σC/B)²), B = q·N the expected batch;
     ~13k coordinates pin the std to ±3 % and the mass within one std to 0.683 ± 0.02."""
-    module = ZeroSignal()
+    module = ZeroSignal(n=512, d=400, classes=250, batch_size=64, lr=1.0, hidden=20)  # 400-20-250
     before = torch.cat([p.detach().flatten() for p in module.parameters()])
     sigma, C, B = 2.0, 3.0, module.batch_size
     strategy = DPStrategy(noise_multiplier=sigma, max_grad_norm=C, seed=0, check_sensitivity=False)

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import RecordingClipping, TinyModule, make_trainer
+from conftest import GradientRecorder, RecordingClipping, TinyModule, ZeroSignal, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
@@ -85,25 +85,13 @@ def test_every_contribution_is_at_most_c(precision):
 
 def test_noise_std_matches_sigma_c_over_b():
     """Zero-signal loss: the private gradient is pure noise with std σC/(qN) on every coordinate."""
-    grads = []
-
-    class ZeroSignal(TinyModule):
-        def __init__(self):
-            super().__init__(n=400, d=50, hidden=100, classes=50, batch_size=40)
-
-        def training_step(self, batch, batch_idx):
-            return (self(batch[0]) * 0.0).mean()
-
-    class Capture(Callback):
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            grads.append(torch.cat([p.grad.flatten() for p in pl_module.parameters()]))
-
+    recorder = GradientRecorder()
     sigma, C = 2.0, 3.0
     trainer = make_trainer(
-        DPStrategy(noise_multiplier=sigma, max_grad_norm=C), max_steps=3, callbacks=[Capture()]
+        DPStrategy(noise_multiplier=sigma, max_grad_norm=C), max_steps=3, callbacks=[recorder]
     )
-    trainer.fit(ZeroSignal())
-    noise = torch.cat(grads)
+    trainer.fit(ZeroSignal(n=400, d=50, hidden=100, classes=50, batch_size=40))
+    noise = torch.cat(recorder.grads)
     expected = sigma * C / 40.0
     assert noise.numel() > 30_000
     assert abs(float(noise.std()) / expected - 1) < 0.03
