@@ -15,7 +15,8 @@ the per-batch side channel from the sampler to the step. The bottom floor: no sl
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
@@ -49,6 +50,27 @@ def split_batch(batch: Any, size: int) -> list[Any]:
         )
 
     return [part(start) for start in starts]
+
+
+@dataclass(frozen=True)
+class UnitInfo:
+    """Which privacy unit each row of a batch belongs to (a user's rows, an example's augmented views).
+
+    Rows of one unit are contiguous and clipped as one: the unit's ``reduction`` ("mean" or "sum") of its
+    rows' gradients is clipped to C, so adding or removing a whole unit moves the released sum by at most C.
+    ``unit_of_row`` is int64 of length R (rows), non-decreasing, with values 0 .. num_units - 1.
+    """
+
+    unit_of_row: Tensor
+    reduction: Literal["mean", "sum"] = "mean"
+
+    @property
+    def num_units(self) -> int:
+        return int(self.unit_of_row[-1]) + 1 if self.unit_of_row.numel() else 0
+
+    def rows_per_unit(self) -> Tensor:
+        """How many rows each unit has in this batch (int64, length ``num_units``)."""
+        return self.unit_of_row.bincount(minlength=self.num_units)
 
 
 class IndicesWithInfo(list[int]):
