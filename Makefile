@@ -47,7 +47,7 @@ lint: install
 # The documentation site (mkdocs.yml: docs/ and the API reference from the docstrings) into site/.
 # --strict: a broken link, a missing page or an API reference that does not resolve fails the build.
 docs: install
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 format: install
 	$(BIN)/ruff format lightning_dp recipes tests bench
