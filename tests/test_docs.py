@@ -326,15 +326,14 @@ SHARES_DPSTRATEGY_ARGUMENTS = {"DPDDPStrategy", "PrivacyConfig"}
 
 
 def test_public_api_docstrings_document_every_argument():
-    """Each argument of every public class and function of lightning_dp (a class's ``__init__``, a
-    dataclass's fields) has an entry in its docstring (``Args:``/``Attributes:``, or the field's own
-    docstring), as mkdocstrings reads it for the API reference."""
+    """Each argument of every public class and function of lightning_dp and recipes (a class's
+    ``__init__``, a dataclass's fields) has an entry in its docstring (``Args:``/``Attributes:``, or the
+    field's own docstring), as mkdocstrings reads it for the API reference."""
     griffe = pytest.importorskip("griffe", reason="griffe comes with the docs extras (make install)")
     import dataclasses
 
     import lightning_dp
-
-    package = griffe.load("lightning_dp", search_paths=[str(ROOT)], docstring_parser="google")
+    import recipes
 
     def documented(obj) -> set[str]:
         names: set[str] = set()
@@ -348,27 +347,30 @@ def test_public_api_docstrings_document_every_argument():
             names |= {n for n, m in obj.members.items() if m.is_attribute and m.docstring is not None}
         return names
 
-    def griffe_object(value):
-        return package[f"{value.__module__.removeprefix('lightning_dp.')}.{value.__name__}"]
-
-    strategy_documented = documented(griffe_object(lightning_dp.DPStrategy))
     missing: dict[str, list[str]] = {}
-    for name in lightning_dp.__all__:
-        value = getattr(lightning_dp, name)
-        if not (inspect.isclass(value) or inspect.isfunction(value)):
-            continue
-        if inspect.isclass(value) and issubclass(value, BaseException):
-            continue  # raised, not called: its message is its documentation
-        if dataclasses.is_dataclass(value):
-            arguments = [f.name for f in dataclasses.fields(value)]
-        else:
-            parameters = inspect.signature(value).parameters.values()
-            arguments = [p.name for p in parameters if p.name not in ("self", "cls")]
-        known = documented(griffe_object(value)) | LIGHTNING_ARGUMENTS
-        if name in SHARES_DPSTRATEGY_ARGUMENTS:
-            known |= strategy_documented
-        if absent := [a for a in arguments if a not in known]:
-            missing[name] = absent
+    for package in (lightning_dp, recipes):
+        loaded = griffe.load(package.__name__, search_paths=[str(ROOT)], docstring_parser="google")
+
+        def griffe_object(value, loaded=loaded, package=package):
+            return loaded[f"{value.__module__.removeprefix(package.__name__ + '.')}.{value.__name__}"]
+
+        shared = documented(griffe_object(lightning_dp.DPStrategy)) if package is lightning_dp else set()
+        for name in package.__all__:
+            value = getattr(package, name)
+            if not (inspect.isclass(value) or inspect.isfunction(value)):
+                continue
+            if inspect.isclass(value) and issubclass(value, BaseException):
+                continue  # raised, not called: its message is its documentation
+            if dataclasses.is_dataclass(value):
+                arguments = [f.name for f in dataclasses.fields(value)]
+            else:
+                parameters = inspect.signature(value).parameters.values()
+                arguments = [p.name for p in parameters if p.name not in ("self", "cls")]
+            known = documented(griffe_object(value)) | LIGHTNING_ARGUMENTS
+            if name in SHARES_DPSTRATEGY_ARGUMENTS:
+                known |= shared
+            if absent := [a for a in arguments if a not in known]:
+                missing[f"{package.__name__}.{name}"] = absent
     assert not missing, f"arguments with no docstring entry (say what, default, unit): {missing}"
 
 
