@@ -132,6 +132,7 @@ def test_docs_exist_and_have_runnable_examples():
         "privacy-report.md",
         "guarantees.md",
         "troubleshooting.md",
+        "results.md",
     }
     assert expected <= {p.name for p in DOCS.glob("*.md")}
     assert len(CHAINS) >= 8

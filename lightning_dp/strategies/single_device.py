@@ -26,7 +26,8 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             training stops before a step that would exceed it. Defaults to 3 when neither it nor
             ``noise_multiplier`` is given.
         delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
-        max_grad_norm: per-example clipping bound C.
+        max_grad_norm: per-example clipping bound C, an L2 norm over all trainable parameters, in the
+            gradient's own units.
         noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
         accountant: ``"rdp"``, ``"prv"`` or ``"pld"`` (needs ``pip install dp-accounting``); ``"pure"`` sums
             pure ε (basic composition) for Laplace steps.
