@@ -48,6 +48,9 @@ def replace_batchnorm(module: nn.Module) -> list[str]:
 
     This is exactly what ``DPStrategy(on_batchnorm="replace")`` does at fit start; call it on a fresh
     instance (or use :func:`load_from_checkpoint`) to load the weights of a model trained that way.
+
+    Args:
+        module: the model, changed in place.
     """
     replaced = []
     for name, parent in list(module.named_modules()):
@@ -94,6 +97,11 @@ def load_from_checkpoint(cls: type[M], checkpoint_path: str | PathLike[str] | IO
     ``DPStrategy(on_batchnorm="replace")``: its BatchNorm layers are swapped for the same GroupNorm
     (:func:`replace_batchnorm`) after construction and before the weights load, through Lightning's
     ``on_load_checkpoint`` hook. Returns an instance of ``cls`` itself.
+
+    Args:
+        cls: the LightningModule class that was trained.
+        checkpoint_path: the checkpoint file (a path or an open binary file).
+        **kwargs: passed to ``cls.load_from_checkpoint`` (``map_location``, hyperparameter overrides).
     """
 
     def on_load_checkpoint(self: Any, checkpoint: dict[str, Any]) -> None:

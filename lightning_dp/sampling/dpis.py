@@ -156,12 +156,14 @@ class DPIS(Sampler):
         k: over-sampling factor of the first round (candidates ≈ ``k·b`` per step); needs ``k·b < N``.
         a_E: budget scheduler: during the first ``floor(a_E·E)`` epochs σ_G is planned for worst-case
             future epochs (r = 1), afterwards for future epochs like the current one.
-        sigma_N, sigma_K: noise multipliers of the released N~ (sensitivity 1) and K~, K~* (sensitivity C);
-            default ``0.02·N`` as in the paper.
+        sigma_N: noise multiplier of the released count N~ (sensitivity 1 example); default ``0.02·N`` as
+            in the paper.
+        sigma_K: noise multiplier of the released norm sums K~, K~* (sensitivity C); default ``0.02·N``.
         adaptive_clipping: DPIS+AC: ``C_{e+1} = lam·K~*_e/N~`` (K~* = noisy sum of norms clipped at C_star).
         lam: AC multiplier of the noisy mean norm.
         C_star: external clip of the AC statistic (default ``4·C_1``).
-        g_L, xi: envelope floor and slack of the K~ lower clamp, as fractions of C (spec §7 A5).
+        g_L: envelope floor of the K~ lower clamp, as a fraction of C (spec §7 A5).
+        xi: slack of the K~ lower clamp, as a fraction of C (spec §7 A5).
         seed: makes selection, acceptance and the statistics' noise reproducible (default: os.urandom).
 
     σ_G,e is solved at each epoch start from ``target_epsilon`` (or fixed when ``noise_multiplier`` is

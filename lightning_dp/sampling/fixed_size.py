@@ -36,6 +36,9 @@ class FixedSize(SeededSampler):
 
     The sample rate q = m/n is exact and the batch size is public, so the mean divides by m.
     Single-process only: the Laplace noise cannot be split into per-rank shares.
+
+    Args:
+        seed: seeds the sampling stream (default None: ``os.urandom``, so batches are unpredictable).
     """
 
     mechanism = "laplace"

@@ -41,6 +41,9 @@ class Poisson(SeededSampler):
     ``seed`` makes the batches reproducible (tests, debugging); by default the stream is seeded from
     ``os.urandom``. Under DDP, rank r samples the examples with index ≡ r (mod world size), so the
     union over ranks is one Poisson sample of the whole data set.
+
+    Args:
+        seed: seeds the sampling stream (default None: ``os.urandom``, so batches are unpredictable).
     """
 
     bands = 1  # one group that joins every step: cyclic Poisson sampling with b = 1

@@ -37,7 +37,8 @@ class PrivacyConfig:
     """What a private run promises and how it is built: the budget, C, the accountant and the four slots.
 
     A slot left as None is the default (Poisson sampling, flat L2 clipping, constant σ, the user's
-    optimizer); ``target_epsilon`` defaults to 3 when neither it nor a noise level is given.
+    optimizer); ``target_epsilon`` defaults to 3 when neither it nor a noise level is given. Each field is
+    the :class:`~lightning_dp.DPStrategy` argument of the same name, documented there.
     """
 
     target_epsilon: float | None = None

@@ -118,6 +118,19 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
     batch_size / world_size examples a step. ``per_device_batch_size=True`` gives Lightning's
     per-device meaning instead (logical batch = batch_size × world size).
     ``process_group_backend`` defaults to NCCL on GPUs and gloo on CPU.
+
+    Args:
+        per_device_batch_size: read the DataLoader's ``batch_size`` as examples per device (Lightning's
+            meaning: logical batch = batch_size × world size) instead of the logical batch over all
+            devices (default False).
+        process_group_backend: the torch.distributed backend (default None: NCCL on GPUs, gloo on CPU).
+        timeout: how long a collective may wait before it fails (default None: torch's default).
+        start_method: how Lightning starts the processes: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``.
+
+    Every other argument is :class:`~lightning_dp.DPStrategy`'s, with the same meaning, default and unit;
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io`` and
+    ``precision_plugin`` are Lightning's.
     """
 
     strategy_name = "dp_ddp"

@@ -92,17 +92,23 @@ class LineSearch(Step):
             mode only with ``accounting="paper"``).
         loss_clip: C_obj; each per-example loss is clamped to [0, C_obj]. Default 3 (NN), 1 (adaptive).
         armijo: the sufficient-decrease constant c. Default 0.001 (NN), 0.5 (adaptive).
-        beta, max_it, eta0: candidates η0·β^i, i < max_it. ``eta0`` defaults in NN mode to 1/C
-            (C = ``max_grad_norm``), so the largest candidate moves the weights about one unit along
-            the clipped gradient whatever C is (:func:`eta0_for_clip`); in adaptive mode to the
-            paper's 1.
-        reset_every, reset_factor, eta0_growth: every τ iterations η0 ← min(ς·max accepted η, η0)
-            (without the min when ``eta0_growth``).
+        beta: β, the ratio between successive candidate step sizes η0·β^i (default 0.8).
+        max_it: the number of candidates, i < max_it (default 10).
+        eta0: η0, the largest candidate step size. Defaults in NN mode to 1/C (C = ``max_grad_norm``), so
+            the largest candidate moves the weights about one unit along the clipped gradient whatever C
+            is (:func:`eta0_for_clip`); in adaptive mode to the paper's 1.
+        reset_every: τ, in iterations: every τ iterations η0 ← min(ς·max accepted η, η0) (default 10).
+        reset_factor: ς of that reset (default 1.2).
+        eta0_growth: drop the min of that reset, so η0 may grow (default False).
         grad_fraction: NN mode: share of the per-iteration zCDP budget spent on the gradient.
         planned_iterations: adaptive mode: the planner sizes ε_iter so this many nominal iterations use
             the budget (default 50, the paper's heuristic); NN mode: default the Trainer's planned steps.
-        budget_increase, angle_high, angle_low, angle_decay: CHEB's ξ, φ_max, φ_min and the EMA ψ.
-        adapt_clip, clip_decay: DP-BLSGD-AC: shrink C_grad and C_obj by (1−ζ) when CHEB raises ρ_grad.
+        budget_increase: CHEB's ξ: a failed search raises ρ_grad or the search budget by (1+ξ) (default 0.3).
+        angle_high: CHEB's φ_max (default 1.1).
+        angle_low: CHEB's φ_min (default 0.5).
+        angle_decay: ψ, the EMA factor of CHEB's angle (default 0.8).
+        adapt_clip: DP-BLSGD-AC: shrink C_grad and C_obj by (1−ζ) when CHEB raises ρ_grad (default False).
+        clip_decay: ζ of that shrink (default 0.05).
         weight_decay: μ of the data-independent regulariser (μ/2)‖w‖² added to the objective.
         max_cheb_per_step: adaptive mode: at most this many CHEB rounds per iteration (compute cap; a
             decision on released values only, so it changes no privacy cost).
