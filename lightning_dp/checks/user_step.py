@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import operator
 import random
 import sys
 import warnings
@@ -227,6 +228,9 @@ _FOREIGN = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabr
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), range, slice, enum.Enum)
 
+_ATOM_TYPES = frozenset({str, bytes, int, float, bool, type(None)})
+"""The exact types of most values in a large list (a fast test before ``isinstance``)."""
+
 _reported: set[str] = set()
 
 
@@ -339,9 +343,10 @@ class PythonState:
             elif _walked(x):
                 self.undo.append(functools.partial(_refill_dict, x.__dict__, dict(x.__dict__)))
                 children = x.__dict__.values()
-            for i, child in enumerate(children):
-                if not isinstance(child, _ATOMS):
-                    stack.append((child, f"{at}[{i}]"))
+            inner = f"{at}[…]"
+            stack.extend(
+                (c, inner) for c in children if type(c) not in _ATOM_TYPES and not isinstance(c, _ATOMS)
+            )
 
     def _generator(self, read: Callable[[], Any], write: Callable[[Any], Any]) -> None:
         saved = read()
@@ -423,7 +428,7 @@ _MISSING = object()
 
 
 def _refill_list(x: list[Any] | bytearray, items: Any) -> None:
-    if len(x) != len(items) or any(a is not b for a, b in zip(x, items, strict=True)):
+    if len(x) != len(items) or not all(map(operator.is_, x, items)):
         x[:] = items
 
 
@@ -440,7 +445,7 @@ def _refill_set(x: set[Any], items: set[Any]) -> None:
 
 
 def _refill_deque(x: deque[Any], items: list[Any]) -> None:
-    if len(x) != len(items) or any(a is not b for a, b in zip(x, items, strict=True)):
+    if len(x) != len(items) or not all(map(operator.is_, x, items)):
         x.clear()
         x.extend(items)
 
