@@ -12,9 +12,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
-from collections import namedtuple
+from collections import deque, namedtuple
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from lightning_dp import DPConfigurationError, DPStrategy, checking
 from lightning_dp.checks.batch_edit import remove_rows, replace_rows
+from lightning_dp.checks.user_step import ModuleState
 
 # -- 1. the dry passes leave no trace ----------------------------------------------------------------------
 
@@ -108,6 +110,56 @@ def test_the_checks_leave_the_users_state_and_weights_as_without_them():
         )
         for (name, a), b in zip(off.state_dict().items(), other.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
+
+
+class Notebook:
+    """A plain object of the user's, held by the module."""
+
+    def __init__(self) -> None:
+        self.pages: list[str] = ["first"]
+        self.count = 0
+
+
+def test_a_snapshot_puts_python_state_back_in_place():
+    """Lists, dicts, sets, deques, objects, arrays, tensors and generators return to their saved contents,
+    as the same objects (a reference the user holds elsewhere sees the old contents again)."""
+    module = Scheduling()
+    module.book = Notebook()
+    module.queue = deque([1, 2], maxlen=4)
+    module.array = np.zeros(3)
+    module.removed_later = "kept"
+    history, book, stats = module.history, module.book, module.stats
+    state = ModuleState.save(module, torch.device("cpu"))
+    module.calls += 5
+    module.history.append((1, 2))
+    module.stats["losses"].append(0.5)
+    module.stats["new"] = 1
+    module.book.pages.append("dry")
+    module.book.count += 1
+    module.queue.append(3)
+    module.array[0] = 7.0
+    module.ticks += 1
+    module.tally.sizes.add(99)
+    module.added = [1]
+    del module.removed_later
+    torch.randn(2, generator=module.noise)
+    assert state.drew_random_numbers()
+    state.restore()
+    assert module.calls == 0
+    assert module.history is history
+    assert history == []
+    assert module.stats is stats
+    assert stats == {"rows": 0, "losses": []}
+    assert module.book is book
+    assert book.pages == ["first"]
+    assert book.count == 0
+    assert list(module.queue) == [1, 2]
+    assert module.array.tolist() == [0.0, 0.0, 0.0]
+    assert float(module.ticks) == 0.0
+    assert module.tally.sizes == set()
+    assert not hasattr(module, "added")
+    assert module.removed_later == "kept"
+    assert not state.drew_random_numbers()
 
 
 # -- 2. a check edits whole examples ----------------------------------------------------------------------
