@@ -24,7 +24,7 @@ from lightning.pytorch import seed_everything
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
-from lightning_dp import DPConfigurationError, DPStrategy, checking
+from lightning_dp import DPIS, DPConfigurationError, DPStrategy, checking
 from lightning_dp.checks.batch_edit import remove_rows, replace_rows
 from lightning_dp.checks.user_step import ModuleState
 
@@ -110,6 +110,26 @@ def test_the_checks_leave_the_users_state_and_weights_as_without_them():
         )
         for (name, a), b in zip(off.state_dict().items(), other.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
+
+
+class CountingCalls(TinyModule):
+    def __init__(self) -> None:
+        super().__init__(n=200, batch_size=10)
+        self.calls = 0
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.calls += 1
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+
+def test_dpis_norm_pass_leaves_the_users_counters_as_they_were():
+    """DPIS runs training_step over the candidates to read their norms: a dry pass too, so a counter kept in
+    training_step counts the steps that reached it (one per non-empty sampled batch)."""
+    module = CountingCalls()
+    strategy = DPStrategy(sampler=DPIS(k=3, seed=0), seed=0, max_grad_norm=0.5, noise_multiplier=1.0)
+    make_trainer(strategy, max_steps=6).fit(module)
+    assert strategy.engine.steps == 6
+    assert 0 < module.calls <= 6
 
 
 class Notebook:

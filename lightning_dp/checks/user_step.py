@@ -48,12 +48,22 @@ def _dry() -> Iterator[None]:
         _dry_passes -= 1
 
 
-def training_step_loss(module: LightningModule, batch: Any, batch_idx: int = 0) -> Tensor | None:
+def training_step_loss(
+    module: LightningModule, batch: Any, batch_idx: int = 0, keep_python_state: bool = True
+) -> Tensor | None:
     """The loss ``module.training_step(batch, batch_idx)`` returns, with logging detached (None when it
-    returns no loss: None, or a dict without ``"loss"``, which the real step reports in Lightning's words)."""
-    with _detached_logging(module), warnings.catch_warnings(), _dry():
-        warnings.simplefilter("ignore")
-        out = module.training_step(batch, batch_idx)
+    returns no loss: None, or a dict without ``"loss"``, which the real step reports in Lightning's words).
+
+    ``keep_python_state``: put the module tree's Python state back after the call (:class:`PythonState`:
+    DPIS's norm pass); off where the caller's :class:`ModuleState` does it (and reads the draws first)."""
+    saved = PythonState.save(module, _optimizer_settings(module)) if keep_python_state else None
+    try:
+        with _detached_logging(module), warnings.catch_warnings(), _dry():
+            warnings.simplefilter("ignore")
+            out = module.training_step(batch, batch_idx)
+    finally:
+        if saved is not None:
+            saved.restore()
     loss = out.get("loss") if isinstance(out, Mapping) else out
     return loss if isinstance(loss, Tensor) else None
 
@@ -140,7 +150,7 @@ def dry_training_step(
 
     if module.automatic_optimization:
         with precision.train_step_context():
-            result.loss = training_step_loss(module, batch, batch_idx)
+            result.loss = training_step_loss(module, batch, batch_idx, keep_python_state=False)
         if forward_only:
             return result
         if result.loss is not None and result.loss.requires_grad:
@@ -166,7 +176,7 @@ def dry_training_step(
         ),
         precision.train_step_context(),
     ):
-        result.loss = training_step_loss(module, batch, batch_idx)
+        result.loss = training_step_loss(module, batch, batch_idx, keep_python_state=False)
     return result
 
 
