@@ -440,7 +440,7 @@ class GradientCapture:
                     random_state,
                 )
         except RuntimeError as error:
-            written = _written_buffers(buffers)
+            written = _written_buffers(buffers) or _written_in_recompute(error, buffers)
             if not written:
                 raise
             raise DPConfigurationError(
@@ -578,6 +578,17 @@ def _written_buffers(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> li
         except RuntimeError:  # a batched value left in place by the recomputation
             written.append(name)
     return written
+
+
+def _written_in_recompute(
+    error: RuntimeError, buffers: list[tuple[nn.Module, str, Tensor, Tensor]]
+) -> list[str]:
+    """The layer's buffers, when torch.func refused the recomputation for writing a tensor the layer holds in
+    place (a running mean updated under ``no_grad`` in its forward): the write itself never happened."""
+    text = str(error)
+    if "captured Tensor" not in text and not ("vmap" in text and "inplace" in text.lower()):
+        return []
+    return [name for _, name, _, _ in buffers] or ["(a tensor attribute that is not a registered buffer)"]
 
 
 def _put_back(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> None:
