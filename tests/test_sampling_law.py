@@ -298,3 +298,17 @@ def test_a_billion_example_data_set_trains_private_steps():
     per_step = (time.perf_counter() - start) / len(sizes)
     assert per_step < 0.05  # loose on a shared CI machine; bench/sampling_scale.py makes the < 1 ms claim
     assert 150 < np.mean(sizes) < 350
+
+
+def test_a_draw_uses_its_own_generator_only():
+    """The same generator state gives the same batch whatever the global seed, and the global stream is untouched."""
+    results = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        g = torch.Generator().manual_seed(7)
+        results.append([poisson_subset(n, q, g) for n, q in [(10**9, 1e-6), (100, 0.5), (1000, 0.01)]])
+        assert torch.equal(torch.get_rng_state(), before)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    with pytest.raises(ValueError, match="NaN"):
+        poisson_subset(10, float("nan"), torch.Generator())

@@ -86,6 +86,9 @@ def poisson_subset(population: int, rate: float, generator: torch.Generator) -> 
 
     O(rate·population) time and memory: nothing of size ``population`` is allocated below rate 1/4.
     """
+    population, rate = int(population), float(rate)
+    if rate != rate:
+        raise ValueError("the sample rate is NaN: it must be a probability in [0, 1].")
     if population <= 0 or rate <= 0.0:
         return _empty()
     if rate >= 1.0:
