@@ -4,8 +4,8 @@ The single primitive every Poisson-type sampler draws with (examples, a cyclic g
 cost of a step is that of this function: O(expected batch) time and memory, whatever the population.
 A Bernoulli(rate) subset of ``range(n)`` has the law of: a size K ~ Binomial(n, rate) (an exact draw:
 ``torch.binomial``'s inversion or BTRS rejection, in float64), then K distinct members uniformly at
-random without replacement (uniform 64-bit integers, duplicates drawn again). At rate ≥ 1/4 the
-population is at most four times the expected batch, and one uniform per member is cheaper.
+random without replacement (exactly uniform integers from 62 random bits, repeats drawn again). At
+rate ≥ 1/4 the population is at most four times the expected batch, and one uniform per member is cheaper.
 Every random number comes from the caller's generator, so a sampler's stream stays its own.
 """
 
@@ -44,7 +44,7 @@ def uniform_below(bound: int, size: int, generator: torch.Generator) -> Tensor:
     missing = size
     while missing > 0:
         bits = torch.randint(0, _BITS, (missing,), generator=generator, dtype=torch.long)
-        if missing and int(bits.max()) >= limit:  # probability below bound/2⁶² per draw
+        if int(bits.max()) >= limit:  # probability below bound/2⁶² per draw
             bits = bits[bits < limit]
         out.append(bits.remainder_(bound))
         missing -= len(bits)
