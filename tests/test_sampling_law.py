@@ -16,7 +16,7 @@ from scipy import stats
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dp import CyclicPoisson, DPStrategy, FixedSize, Poisson
-from lightning_dp.sampling.draw import poisson_share, poisson_subset, uniform_below, uniform_subset
+from lightning_dp.draws import poisson_share, poisson_subset, uniform_below, uniform_subset
 
 ALPHA = 1e-4
 

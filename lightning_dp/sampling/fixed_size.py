@@ -13,7 +13,7 @@ import torch
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.pure_laplace import SubsampledLaplace
-from lightning_dp.sampling.draw import uniform_subset
+from lightning_dp.draws import uniform_subset
 from lightning_dp.sampling.seeded import SeededSampler
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
-from lightning_dp.sampling.draw import poisson_share
+from lightning_dp.draws import poisson_share
 from lightning_dp.sampling.seeded import SeededSampler
 
 

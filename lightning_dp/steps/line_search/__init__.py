@@ -30,6 +30,7 @@ from lightning_dp.accounting import PrivacyEvent, PrivacyFilter
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.batches import EmptyBatch
+from lightning_dp.draws import poisson_share
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
@@ -396,8 +397,7 @@ class LineSearch(Step):
 
         dataset, collate = host.train_data
         rank, world = host.releases.rank, host.releases.world_size
-        indices = torch.arange(rank, len(dataset), world)
-        chosen = indices[torch.rand(len(indices), generator=self._generator("batches")) < self._q]
+        chosen = poisson_share(len(dataset), self._q, self._generator("batches"), rank, world)  # O(batch)
         if len(chosen) == 0:
             return EmptyBatch()
         if isinstance(dataset, TensorDataset):  # index the tensors at once (tabular data, no Python loop)
