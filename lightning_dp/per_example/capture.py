@@ -72,6 +72,9 @@ def expands_params(module: nn.Module, trainable: bool = True) -> bool:
 
 GradMode = Literal["auto", "fast", "materialize"]
 
+GRAPH_WALK_LIMIT = 4096
+"""Graph nodes visited at most when deciding whether a one-row layer input derives from the batch."""
+
 
 class _Graft(torch.autograd.Function):
     """Identity on ``x`` that makes it require grad, with no copy: ``x`` is returned marked dirty (as
@@ -180,6 +183,17 @@ class GradientCapture:
         self._reach_handles: list[RemovableHandle] = []
         self._unchecked: set[nn.Parameter] = set()
         """Trainable parameters whose per-example path no batch has confirmed yet (``_check_reached``)."""
+        self._froze: set[nn.Parameter] = set()
+        """Parameters :meth:`_freeze` froze during their layer's forward since the last ``collect``."""
+        self._outside: set[nn.Parameter] = set()
+        """Of those, the ones autograd still accumulated a gradient into: used outside their layer's forward."""
+        self._outside_handles: list[RemovableHandle] = []
+        self._batched_nodes: set[Any] = set()
+        """Graph nodes of this forward's layer outputs over the whole batch (``_from_batch``)."""
+        self._freezing: set[nn.Module] = set()
+        """Layers whose parameters :meth:`_freeze` freezes for the length of their forward."""
+        self._thawed: set[nn.Parameter] = set()
+        """Parameters that some holder uses unfrozen (a recomputed layer): their gradient always accumulates."""
         self.refresh()
         parts = {id(part) for module, _ in self._swapped for _, part in recurrent.parts_of(module) or []}
         for module, _ in self._swapped:
@@ -197,6 +211,7 @@ class GradientCapture:
                 self._handles.append(module.register_forward_hook(self._capture_call, with_kwargs=True))
             else:
                 self._handles.append(module.register_forward_hook(self._capture_kwargs, with_kwargs=True))
+        self._thawed = {p for m, ps in self._all.items() if m not in self._freezing for p in ps}
 
     def refresh(self) -> bool:
         """Read which parameters are trainable now (before each step); True when that changed.
@@ -219,10 +234,12 @@ class GradientCapture:
         new = [p for p in params if p not in set(self.params)]
         self._unchecked |= set(new)
         self._reach_handles += [p.register_post_accumulate_grad_hook(self._reached.add) for p in new]
+        self._outside_handles += [p.register_post_accumulate_grad_hook(self._note_outside) for p in new]
         self.params = params
         return True
 
     def _hook_freeze(self, module: nn.Module) -> None:
+        self._freezing.add(module)
         self._handles.append(module.register_forward_pre_hook(self._freeze))
         self._handles.append(module.register_forward_hook(self._thaw, always_call=True))
 
@@ -247,6 +264,13 @@ class GradientCapture:
             for p in frozen:
                 p.requires_grad_(False)
             self._frozen.setdefault(module, []).extend(frozen)
+            self._froze.update(frozen)
+
+    def _note_outside(self, param: Tensor) -> None:
+        """A gradient accumulated into a parameter its layer's forward had frozen: another use reached it
+        (``h @ emb.weight.T``, the loss reading it), which no per-example path covers."""
+        if param in self._froze and param not in self._thawed:
+            self._outside.add(param)  # type: ignore[arg-type]
 
     def _thaw(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Undo :meth:`_freeze` (also when the forward raised)."""
@@ -277,7 +301,10 @@ class GradientCapture:
         if module in self.batched:  # its inputs scale with the batch: never a broadcast, whatever the size
             return inputs, output
         shared = module in self.shared
-        if batch > 1 and first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1:
+        one_row = batch > 1 and first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1
+        if one_row and self._from_batch(first, batch, shared):
+            return inputs, output  # a row of the batch, or the batch as one set: never a broadcast
+        if one_row:
             expanded = tuple(
                 x.expand(batch, *x.shape[1:])
                 if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == 1
@@ -289,6 +316,35 @@ class GradientCapture:
         if lookup and (shared or (first.shape[0] != batch and not self.classified)):
             return (first.expand(batch, -1), *inputs[1:]), output.expand(batch, *output.shape)
         return inputs, output
+
+    def _from_batch(self, first: Tensor, batch: int, shared: bool) -> bool:
+        """Whether a layer input of one row derives from the batch's rows (``h[i:i+1]``, ``h.unsqueeze(0)``)
+        rather than being shared by every example (positions, a learned query): its autograd graph reaches
+        the output of a layer call over the batch, or it is a view of a batch-sized tensor with no
+        history, or the structure probe ran and did not find the layer shared."""
+        if first.grad_fn is not None and self._batched_nodes:
+            seen: set[Any] = set()
+            todo = [first.grad_fn]
+            while todo and len(seen) < GRAPH_WALK_LIMIT:
+                node = todo.pop()
+                if node in self._batched_nodes:
+                    return True
+                if node in seen:
+                    continue
+                seen.add(node)
+                todo.extend(n for n, _ in node.next_functions if n is not None)
+        if shared:
+            return False
+        base = first._base
+        if base is not None and base.dim() > 0 and base.shape[0] == batch and base.grad_fn is None:
+            return True
+        return self.classified
+
+    def _note_output(self, output: Tensor) -> None:
+        """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it)."""
+        batch = self._batch_hint
+        if output.grad_fn is not None and output.dim() > 0 and batch is not None and output.shape[0] == batch:
+            self._batched_nodes.add(output.grad_fn)
 
     # -- which layer calls are shared by the batch: decided by structure, not by a size -----------------
     @contextlib.contextmanager
@@ -347,6 +403,7 @@ class GradientCapture:
         activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
         count = len(activations)
         output.register_hook(lambda grad: self._accumulate(module, activations, grad, count))
+        self._note_output(output)
         return output
 
     def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor, count: int) -> None:
@@ -401,10 +458,12 @@ class GradientCapture:
 
         if isinstance(output, Tensor):  # one output: a hook on it, no copy
             output.register_hook(lambda grad: on_grads((grad,)))
+            self._note_output(output)
             return output
         flat, spec = tree_flatten(output)
         for i, tapped in zip(positions, _Tap.apply(on_grads, *(t for _, t in taps)), strict=True):
             flat[i] = tapped
+            self._note_output(tapped)
         return tree_unflatten(flat, spec)
 
     def _recomputed(
@@ -490,6 +549,11 @@ class GradientCapture:
         have it on dimension 0 (else :class:`BatchDimensionError`, before anything is released).
         """
         batch = self.batch_size or 0
+        outside, self._outside, self._froze = self._outside, set(), set()
+        self._batched_nodes = set()
+        if outside:
+            self.clear()
+            raise DPConfigurationError(missed_use_message([self._names.get(p, "?") for p in outside]))
         check_batch_dimension(self.calls, batch if expected is None else expected, self.layers)
         for sample in self.grad_samples.values():
             if sample.shape[0] != batch:
@@ -556,9 +620,9 @@ class GradientCapture:
 
     def remove(self) -> None:
         """Remove the hooks and give swapped layers back their original classes."""
-        for handle in [*self._handles, *self._reach_handles]:
+        for handle in [*self._handles, *self._reach_handles, *self._outside_handles]:
             handle.remove()
-        self._handles, self._reach_handles = [], []
+        self._handles, self._reach_handles, self._outside_handles = [], [], []
         recurrent.unswap(self._swapped)
         self._swapped = []
         self.clear()
@@ -616,11 +680,34 @@ def check_batch_dimension(
         return
     module, size = bad
     name = next((n for n, m in layers if m is module), "") or "<root>"
+    sizes = [n for m, n in calls if m is module]
+    if len(sizes) > 1 and sum(sizes) == expected:
+        shown = sizes if len(sizes) <= 8 else [*sizes[:8], "..."]
+        raise BatchDimensionError(
+            f"Layer {name!r} ({type(module).__name__}) was called on parts of the batch (dimension 0 of its "
+            f"calls: {shown}, together the {expected} examples) instead of once on the whole batch: "
+            "per-example clipping takes the rows of one call as the batch's examples, and parts of a batch "
+            "cannot be matched to the examples they hold. Likely cause: manual gradient accumulation "
+            "(manual_backward once per part of a batch, then one optimizer step): call manual_backward once "
+            "on the whole batch's loss, or let DPStrategy(max_physical_batch_size=...) split the batch under "
+            "automatic optimization; or a forward that calls the layer row by row or chunk by chunk "
+            "(fc(h[i:i+1]) in a loop, then torch.cat): call it once on the whole batch (fc(h))."
+        )
     if size == 1:
         cause = (
             "an input of batch 1 broadcast over the batch (e.g. position embeddings looked up with batch 1): "
             "one gradient would stand for every example, which clipping cannot bound. Look it up per example "
-            "(expand the input to the batch size before the layer)."
+            "(expand the input to the batch size before the layer). A layer called on one row of the batch "
+            "(fc(h[i:i+1])) or on the batch as one set (h.unsqueeze(0)) must be called on the whole batch "
+            "with the examples on dimension 0."
+        )
+    elif size < expected:
+        cause = (
+            "a forward over a subset of the batch's rows (the model run on x[mask], e.g. the labelled "
+            "examples only): run the model on the whole batch and zero the loss of the rows not used "
+            "(per-example losses multiplied by the mask, summed, divided by the batch size). Or "
+            "sequence-first (time-major) tensors or a reshaped batch: keep the batch on dimension 0 and build "
+            "recurrent and attention layers with batch_first=True."
         )
     else:
         cause = (
@@ -632,6 +719,21 @@ def check_batch_dimension(
     raise BatchDimensionError(
         f"Layer {name!r} ({type(module).__name__}) has {size} on its batch dimension (dim 0), but this batch "
         f"has {expected} examples. Likely cause: {cause}"
+    )
+
+
+def missed_use_message(names: list[str], gap: float | None = None) -> str:
+    """The refusal for parameters whose gradient the per-example capture misses in part."""
+    measured = "" if gap is None else f" (relative gap up to {gap:.2g})"
+    return (
+        f"The per-example gradients of the parameters {names} do not add up to their ordinary gradient"
+        f"{measured}: part of their gradient comes from a use outside the forward of the module that holds "
+        "them (a tied output projection h @ emb.weight.T, a temperature or scale read in the loss, a weight "
+        "penalty added to the loss), which per-example clipping cannot bound, so the private step would miss "
+        "it. This step releases nothing. Use the parameter only through its module's call (tie the weight to an nn.Linear "
+        "and call it; put a temperature in a module the forward calls), move weight penalties into the "
+        "optimizer's weight_decay, or freeze the parameter. A loss summed over the batch needs "
+        "DPStrategy(loss_reduction='sum')."
     )
 
 
