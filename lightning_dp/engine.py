@@ -345,7 +345,12 @@ class PrivateStepEngine:
                 "on it, a SAM-style inner step, or two backward/step pairs in one training_step). The ledger "
                 "prices one subsampled Gaussian per sampled batch; releases of one batch are not independent "
                 "steps, so ε would be understated. Use one optimizer over all parameters (parameter groups "
-                "give each part its own learning rate), or add the losses and call backward once per batch."
+                "give each part its own learning rate), or add the losses and call backward once per batch. A "
+                "second step that reads no example of the batch (a DP-GAN generator step through the "
+                "discriminator just released) would cost nothing, but lightning-dp cannot show that a backward "
+                "reads no private row, so it counts as a release: alternate the two steps over batches instead "
+                "(the discriminator on even batch_idx, the generator on odd ones, with as many generated rows as "
+                "the batch has examples), so that each sampled batch makes one release, priced as one step."
             )
         self.releases_this_batch += 1
 

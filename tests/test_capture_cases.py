@@ -307,3 +307,52 @@ def test_attention_across_the_batch_is_refused_not_broadcast():
 
 def test_a_forward_over_the_labelled_rows_gets_the_subset_message_with_the_fix():
     assert_refused_before_release(LabelledOnly(), "subset of the batch", "zero the loss")
+
+
+class GAN(TinyModule):
+    """A DP-GAN: the discriminator steps on the private batch, the generator through the discriminator on
+    generated rows only. ``alternate``: one of the two per batch (what the refusal advises), else both."""
+
+    def __init__(self, alternate: bool) -> None:
+        super().__init__(n=32, batch_size=8)
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.generator = nn.Linear(4, 10)
+        self.alternate = alternate
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        opt_d, opt_g = self.optimizers()
+        z = torch.randn(len(x), 4)
+        if not self.alternate or batch_idx % 2 == 0:
+            fake = self.generator(z).detach()
+            real_loss = F.binary_cross_entropy_with_logits(self.net(x), torch.ones(len(x), 1))
+            fake_loss = F.binary_cross_entropy_with_logits(self.net(fake), torch.zeros(len(x), 1))
+            opt_d.zero_grad()
+            self.manual_backward(real_loss + fake_loss)
+            opt_d.step()
+        if not self.alternate or batch_idx % 2 == 1:
+            opt_g.zero_grad()
+            self.manual_backward(
+                F.binary_cross_entropy_with_logits(self.net(self.generator(z)), torch.ones(len(x), 1))
+            )
+            opt_g.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.SGD(self.net.parameters(), lr=0.1),
+            torch.optim.SGD(self.generator.parameters(), lr=0.1),
+        ]
+
+
+def test_a_generator_step_on_the_same_batch_is_refused_with_what_makes_it_trainable():
+    assert_refused_before_release(GAN(alternate=False), "DP-GAN", "alternate the two steps", released=1)
+
+
+def test_the_alternating_gan_the_refusal_advises_trains_one_release_per_batch():
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    module = GAN(alternate=True)
+    before = module.generator.weight.detach().clone()
+    make_trainer(strategy, max_steps=4).fit(module)
+    assert strategy.engine.ledger.steps == 4
+    assert not torch.equal(before, module.generator.weight)
