@@ -213,14 +213,46 @@ class SparseEmbedding(Tokens):
 
 
 class PerRowLoop(TinyModule):
-    """The head called one row at a time (``fc(h[i:i+1])``), the rows concatenated."""
+    """A layer called one row at a time, the rows concatenated: the head on ``h[i:i+1]`` (rows of a hidden
+    state), or the first layer on ``x[i:i+1]`` (rows of the batch itself)."""
+
+    def __init__(self, first: bool = False) -> None:
+        super().__init__(n=32, batch_size=8)
+        self.first = first
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.first:
+            h = torch.cat([self.net[0](x[i : i + 1]) for i in range(len(x))])
+            return self.net[2](torch.tanh(h))
+        h = torch.tanh(self.net[0](x))
+        return torch.cat([self.net[2](h[i : i + 1]) for i in range(len(h))])
+
+
+class ReversedRows(TinyModule):
+    """The head on the hidden rows in reverse order, one at a time, put back in order: rows are traced by
+    index, never assumed to come in call order."""
 
     def __init__(self) -> None:
         super().__init__(n=32, batch_size=8)
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.tanh(self.net[0](x))
-        return torch.cat([self.net[2](h[i : i + 1]) for i in range(len(h))])
+        out = [self.net[2](h[i].unsqueeze(0)) for i in reversed(range(len(h)))]
+        return torch.cat(out[::-1])
+
+
+class LabelledHidden(TinyModule):
+    """The head on the labelled rows of the hidden state only, the loss summed and divided by the batch size:
+    the unlabelled examples contribute 0 to the head."""
+
+    def __init__(self) -> None:
+        super().__init__(n=32, batch_size=8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        labelled = y != 0
+        h = torch.tanh(self.net[0](x))
+        return F.cross_entropy(self.net[2](h[labelled]), y[labelled], reduction="sum") / len(x)
 
 
 class SetAttention(TinyModule):
@@ -273,6 +305,16 @@ def test_embedding_bag_is_exact_with_repeated_tokens(mode, offsets, padding_idx,
     assert_exact_clipped_sum(Bags(mode, offsets, padding_idx), 0.05, neighbour)
 
 
+@pytest.mark.parametrize(
+    "build",
+    [PerRowLoop, lambda: PerRowLoop(first=True), ReversedRows, LabelledHidden],
+    ids=["hidden-rows", "batch-rows", "reversed-rows", "labelled-hidden-rows"],
+)
+def test_a_layer_called_on_rows_of_the_batch_gives_each_row_to_its_example(build, neighbour):
+    seed_everything(0, verbose=False)
+    assert_exact_clipped_sum(build(), 0.05, neighbour)
+
+
 def test_a_sparse_embedding_with_a_dense_optimizer_is_exact(neighbour):
     seed_everything(0, verbose=False)
     assert_exact_clipped_sum(SparseEmbedding("sgd"), 0.05, neighbour)
@@ -295,10 +337,6 @@ def test_a_functional_use_that_starts_after_the_first_batch_is_refused_before_it
 
 def test_sparse_adam_is_refused_up_front_with_the_fix():
     assert_refused_before_release(SparseEmbedding("sparse_adam"), "sparse=False", "dense optimizer")
-
-
-def test_a_layer_called_row_by_row_is_refused_by_name_not_crashed():
-    assert_refused_before_release(PerRowLoop(), "parts of the batch", "fc(h)")
 
 
 def test_attention_across_the_batch_is_refused_not_broadcast():
@@ -356,3 +394,18 @@ def test_the_alternating_gan_the_refusal_advises_trains_one_release_per_batch():
     make_trainer(strategy, max_steps=4).fit(module)
     assert strategy.engine.ledger.steps == 4
     assert not torch.equal(before, module.generator.weight)
+
+
+class UntracedRows(TinyModule):
+    """Rows taken through a reshape (``h[i].view(1, -1)``): which example a call holds is not traced."""
+
+    def __init__(self) -> None:
+        super().__init__(n=32, batch_size=8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.net[0](x))
+        return torch.cat([self.net[2](h[i].view(1, -1)) for i in range(len(h))])
+
+
+def test_a_layer_called_on_rows_that_cannot_be_traced_is_refused_by_name_not_crashed():
+    assert_refused_before_release(UntracedRows(), "parts of the batch", "fc(h)")

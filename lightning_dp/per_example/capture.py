@@ -15,6 +15,7 @@ import functools
 import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -340,6 +341,24 @@ class GradientCapture:
             return True
         return self.classified
 
+    def _call_rows(self, inputs: tuple[Any, ...], output: Tensor) -> RowMap | None:
+        """The batch rows of a call on fewer rows than the batch, when its first input is provably made of
+        them (``_rows_of``); None for an ordinary call, or rows that cannot be traced (refused later)."""
+        batch = self._batch_hint
+        first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+        if batch is None or first is None or first.dim() == 0 or output.dim() == 0:
+            return None
+        size = first.shape[0]
+        if size >= batch or output.shape[0] != size:
+            return None
+        rows = _rows_of(first, batch, self._batched_nodes)
+        if rows is None or rows.numel() != size or rows.unique().numel() != size:
+            return None  # untraced, or a row taken twice in one call (its terms are not a product of sums)
+        for x in inputs[1:]:  # every other batch-sized input must be indexed the same way: not known here
+            if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size and size > 1:
+                return None
+        return RowMap(rows, batch)
+
     def _note_output(self, output: Tensor) -> None:
         """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it)."""
         batch = self._batch_hint
@@ -397,22 +416,28 @@ class GradientCapture:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
         inputs, output = self._broadcast(module, inputs, output)
+        rows = self._call_rows(inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
         # shares this list and empties it when it releases or spends its inputs, so they are freed.
         activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
         count = len(activations)
-        output.register_hook(lambda grad: self._accumulate(module, activations, grad, count))
+        output.register_hook(lambda grad: self._accumulate(module, activations, grad, count, rows))
         self._note_output(output)
         return output
 
-    def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor, count: int) -> None:
+    def _accumulate(
+        self, module: nn.Module, activations: list[Any], grad: Tensor, count: int, rows: RowMap | None = None
+    ) -> None:
         if len(activations) < count:  # freed by an earlier backward through the same forward
             raise RuntimeError(
                 f"A second backward through the same forward reached {type(module).__name__}, whose inputs "
                 "the first one already freed; private training needs one backward per forward "
                 "(no retain_graph=True)."
             )
+        if rows is not None:  # a call on rows of the batch: each row goes back to its example
+            activations[:] = [_to_batch(a, rows) for a in activations]
+            grad = _to_batch(grad, rows)
         batch = grad.shape[0]
         self.calls.append((module, batch))
         if self.path_of(module) == "fast":
@@ -628,6 +653,100 @@ class GradientCapture:
         self.clear()
 
 
+@dataclass(frozen=True)
+class RowMap:
+    """Which batch rows a layer call's rows are (``rows[j]`` for the call's row j), in a batch of ``batch``."""
+
+    rows: Tensor
+    batch: int
+
+
+ROW_WISE = frozenset(
+    f"{name}Backward{version}"
+    for name in (
+        *("Tanh", "Relu", "Sigmoid", "Gelu", "Silu", "Elu", "LeakyRelu", "Hardtanh", "Clone", "ToCopy"),
+        *("Mul", "Div", "Add", "Sub", "Neg", "Exp", "Log", "Pow", "Sqrt", "Rsqrt", "Abs"),
+    )
+    for version in (0, 1)
+)
+"""Element-wise autograd nodes: with one input that carries a gradient, each row of the output comes from the
+same row of that input alone (broadcasting may only add rows, never take one row's place with another's)."""
+
+
+def _row_wise_input(node: Any) -> Any:
+    """The one gradient-carrying input of an element-wise node, or None (another kind, or several inputs)."""
+    if type(node).__name__ not in ROW_WISE:
+        return None
+    nexts = [n for n, _ in node.next_functions if n is not None]
+    return nexts[0] if len(nexts) == 1 else None
+
+
+_SIGNED = 2**63
+
+
+def _signed(value: int) -> int:
+    return value - 2 * _SIGNED if value >= _SIGNED else value
+
+
+def _rows_of(t: Tensor, batch: int, batched: set[Any]) -> Tensor | None:
+    """The batch rows ``t``'s rows are, when provably so: ``t`` is a dim-0 slice, row or index of a tensor
+    that is a layer output over the whole batch (through element-wise activations only), or a row slice
+    of a batch-sized tensor with no history (the batch itself). None when it cannot be shown."""
+    node = t.grad_fn
+    while node is not None and _row_wise_input(node) is not None:  # element-wise ops after the selection
+        node = _row_wise_input(node)
+    if node is None:
+        base = t._base
+        if base is None or base.grad_fn is not None or base.dim() != t.dim() or base.shape[0] != batch:
+            return None
+        if base.shape[1:] != t.shape[1:] or base.stride()[1:] != t.stride()[1:] or base.stride(0) == 0:
+            return None
+        offset = t.storage_offset() - base.storage_offset()
+        if offset % base.stride(0) or t.stride(0) % base.stride(0):
+            return None
+        start, step = offset // base.stride(0), t.stride(0) // base.stride(0)
+        return torch.arange(t.shape[0], device=t.device) * step + start
+    name = type(node).__name__
+    if name == "UnsqueezeBackward0" and node._saved_dim == 0:
+        inner = node.next_functions[0][0]
+        if type(inner).__name__ != "SelectBackward0" or inner._saved_dim != 0:
+            return None
+        size = inner._saved_self_sym_sizes[0]
+        rows = torch.tensor([_signed(inner._saved_index) % size], device=t.device)
+        source = inner.next_functions[0][0]
+    elif name == "SliceBackward0" and node._saved_dim == 0:
+        size = node._saved_self_sym_sizes[0]
+        start, end, step = _signed(node._saved_start), _signed(node._saved_end), node._saved_step
+        rows = torch.arange(size, device=t.device)[slice(start, end, step)]
+        source = node.next_functions[0][0]
+    elif name == "IndexBackward0":
+        indices = node._saved_indices
+        if len(indices) != 1 or indices[0] is None:
+            return None
+        size = node._saved_self_sym_sizes[0]
+        index = indices[0].to(t.device)
+        rows = index.nonzero().squeeze(1) if index.dtype == torch.bool else index.reshape(-1) % size
+        source = node.next_functions[0][0]
+    else:
+        return None
+    if size != batch:
+        return None
+    while (
+        source is not None and source not in batched
+    ):  # element-wise ops between the batch and the selection
+        source = _row_wise_input(source)
+    return None if source is None else rows
+
+
+def _to_batch(value: Any, rows: RowMap) -> Any:
+    """A call's tensor on its rows, placed at its batch rows of a zero tensor over the whole batch."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != rows.rows.numel():
+        return value
+    out = value.new_zeros((rows.batch, *value.shape[1:]))
+    out[rows.rows.to(value.device)] = value
+    return out
+
+
 def _written_buffers(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> list[str]:
     """The buffers replaced or changed since they were saved as (owner, name, object, values)."""
     written = []
@@ -690,8 +809,9 @@ def check_batch_dimension(
             "cannot be matched to the examples they hold. Likely cause: manual gradient accumulation "
             "(manual_backward once per part of a batch, then one optimizer step): call manual_backward once "
             "on the whole batch's loss, or let DPStrategy(max_physical_batch_size=...) split the batch under "
-            "automatic optimization; or a forward that calls the layer row by row or chunk by chunk "
-            "(fc(h[i:i+1]) in a loop, then torch.cat): call it once on the whole batch (fc(h))."
+            "automatic optimization; or a forward that calls the layer on rows whose examples cannot be "
+            "traced (taken through a reshape, h[i].view(1, -1)): take them as slices, h[i:i+1] (traced, "
+            "exact), or call the layer once on the whole batch (fc(h))."
         )
     if size == 1:
         cause = (
@@ -704,8 +824,10 @@ def check_batch_dimension(
     elif size < expected:
         cause = (
             "a forward over a subset of the batch's rows (the model run on x[mask], e.g. the labelled "
-            "examples only): run the model on the whole batch and zero the loss of the rows not used "
-            "(per-example losses multiplied by the mask, summed, divided by the batch size). Or "
+            "examples only: a copy whose rows cannot be traced to the examples): run the model on the whole "
+            "batch and zero the loss of the rows not used (per-example losses multiplied by the mask, "
+            "summed, divided by the batch size), or select rows of a hidden state (head(body(x)[mask]), "
+            "traced and exact). Or "
             "sequence-first (time-major) tensors or a reshaped batch: keep the batch on dimension 0 and build "
             "recurrent and attention layers with batch_first=True."
         )
