@@ -422,22 +422,23 @@ class GradientCapture:
         # shares this list and empties it when it releases or spends its inputs, so they are freed.
         activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
         count = len(activations)
-        output.register_hook(lambda grad: self._accumulate(module, activations, grad, count, rows))
+        if rows is None:
+            output.register_hook(lambda grad: self._accumulate(module, activations, grad, count))
+        else:  # a call on rows of the batch: each row is placed at its example's row of the whole batch
+            activations = [_to_batch(a, rows) for a in activations]
+            output.register_hook(
+                lambda grad: self._accumulate(module, activations, _to_batch(grad, rows), count)
+            )
         self._note_output(output)
         return output
 
-    def _accumulate(
-        self, module: nn.Module, activations: list[Any], grad: Tensor, count: int, rows: RowMap | None = None
-    ) -> None:
+    def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor, count: int) -> None:
         if len(activations) < count:  # freed by an earlier backward through the same forward
             raise RuntimeError(
                 f"A second backward through the same forward reached {type(module).__name__}, whose inputs "
                 "the first one already freed; private training needs one backward per forward "
                 "(no retain_graph=True)."
             )
-        if rows is not None:  # a call on rows of the batch: each row goes back to its example
-            activations[:] = [_to_batch(a, rows) for a in activations]
-            grad = _to_batch(grad, rows)
         batch = grad.shape[0]
         self.calls.append((module, batch))
         if self.path_of(module) == "fast":
