@@ -351,6 +351,9 @@ class GradientCapture:
         size = first.shape[0]
         if size >= batch or output.shape[0] != size:
             return None
+        base = first._base
+        if base is not None and any(base is b for b in self.root.buffers()):
+            return None  # rows of a model constant, not of the batch
         rows = _rows_of(first, batch, self._batched_nodes)
         if rows is None or rows.numel() != size or rows.unique().numel() != size:
             return None  # untraced, or a row taken twice in one call (its terms are not a product of sums)
@@ -693,12 +696,12 @@ def _rows_of(t: Tensor, batch: int, batched: set[Any]) -> Tensor | None:
     """The batch rows ``t``'s rows are, when provably so: ``t`` is a dim-0 slice, row or index of a tensor
     that is a layer output over the whole batch (through element-wise activations only), or a row slice
     of a batch-sized tensor with no history (the batch itself). None when it cannot be shown."""
-    node = t.grad_fn
+    node: Any = t.grad_fn  # autograd nodes expose their saved arguments as untyped attributes
     while node is not None and _row_wise_input(node) is not None:  # element-wise ops after the selection
         node = _row_wise_input(node)
     if node is None:
         base = t._base
-        if base is None or base.grad_fn is not None or base.dim() != t.dim() or base.shape[0] != batch:
+        if base is None or base.requires_grad or base.dim() != t.dim() or base.shape[0] != batch:
             return None
         if base.shape[1:] != t.shape[1:] or base.stride()[1:] != t.stride()[1:] or base.stride(0) == 0:
             return None
@@ -706,7 +709,8 @@ def _rows_of(t: Tensor, batch: int, batched: set[Any]) -> Tensor | None:
         if offset % base.stride(0) or t.stride(0) % base.stride(0):
             return None
         start, step = offset // base.stride(0), t.stride(0) // base.stride(0)
-        return torch.arange(t.shape[0], device=t.device) * step + start
+        rows = torch.arange(t.shape[0], device=t.device) * step + start
+        return rows if rows.numel() == 0 or (int(rows.min()) >= 0 and int(rows.max()) < batch) else None
     name = type(node).__name__
     if name == "UnsqueezeBackward0" and node._saved_dim == 0:
         inner = node.next_functions[0][0]
