@@ -114,15 +114,13 @@ def virtual_batch_step(
     kwargs.pop("batch", None)
     units = engine.units
     parts = split_batch(batch, chunk_size, units)
-    unit_maps = (
-        [u for _, _, u in unit_chunks(units, chunk_size)] if units is not None and len(parts) > 1 else [units]
-    )
+    unit_maps: list[UnitInfo | None] = [units] * len(parts)
+    if units is not None and len(parts) > 1:
+        unit_maps = [chunk_units for _, _, chunk_units in unit_chunks(units, chunk_size)]
     *chunks, last = parts
-    for chunk, chunk_units in zip(chunks, unit_maps, strict=False):
+    for chunk, chunk_units in zip(chunks, unit_maps[:-1], strict=True):
         engine.chunk_batch = batch_length(chunk)
-        engine.units = (
-            chunk_units  # each chunk holds whole units: each unit is clipped once, over all its rows
-        )
+        engine.units = chunk_units  # whole units: each is clipped once, over all its rows
         output = user_step(chunk, *args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, Tensor):
