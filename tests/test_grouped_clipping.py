@@ -164,6 +164,80 @@ def test_cancelling_rows_of_one_unit_never_understate_and_stay_within_c():
         assert float(got[0]) >= float(exact.double().square().sum()) * (1 - 1e-6)
 
 
+# -- every fast-path layer family and the fallback ----------------------------------------------------------
+
+FAMILIES = {
+    "linear-materialise": (lambda: nn.Linear(6, 5), lambda g, n: torch.randn(n, 4, 6, generator=g)),
+    "linear-gram": (lambda: nn.Linear(64, 64), lambda g, n: torch.randn(n, 3, 64, generator=g)),
+    "embedding-padding": (
+        lambda: nn.Embedding(11, 4, padding_idx=0),
+        lambda g, n: torch.randint(0, 11, (n, 5), generator=g),
+    ),
+    "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1), lambda g, n: torch.randn(n, 3, 8, generator=g)),
+    "conv2d-groups": (
+        lambda: nn.Conv2d(4, 6, 3, groups=2),
+        lambda g, n: torch.randn(n, 4, 6, 6, generator=g),
+    ),
+    "layernorm-fallback": (lambda: nn.LayerNorm(6), lambda g, n: torch.randn(n, 2, 6, generator=g)),
+}
+CRAFTED_UNITS = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+"""Unit 1 is crafted: three identical rows (per-row clipping would let it count 3C)."""
+
+
+def _family_grads(
+    name: str, x: Tensor, units: Tensor, mode: str, dtype: torch.dtype = torch.float32
+) -> PerExampleGradients:
+    torch.manual_seed(0)
+    layer = FAMILIES[name][0]().to(dtype)
+    x = x.to(dtype) if x.is_floating_point() else x
+    capture = GradientCapture(layer, loss_reduction="sum", mode=mode)  # type: ignore[arg-type]
+    try:
+        out = layer(x)
+        weights = torch.randn(out.shape[1:], generator=torch.Generator().manual_seed(1)).to(dtype)
+        (out * weights).sum().backward()
+        grads, _ = capture.collect()
+    finally:
+        capture.remove()
+    return grads.grouped(units, "mean")
+
+
+def _crafted_batch(name: str, scale: float) -> Tensor:
+    x = FAMILIES[name][1](torch.Generator().manual_seed(2), 7)
+    x[3] = x[4] = x[2]
+    if x.is_floating_point():
+        x[2:5] *= scale
+    return x
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fast_unit_norms_equal_the_materialised_ones(name):
+    x = _crafted_batch(name, 1.0)
+    fast = _family_grads(name, x, CRAFTED_UNITS, "auto").sq_norms()
+    exact = _family_grads(name, x, CRAFTED_UNITS, "materialize", torch.float64)
+    want = exact.sq_norms().double()
+    assert torch.all(fast.double() >= want * (1 - 1e-6)), (fast, want)
+    assert torch.allclose(fast.double(), want, rtol=1e-4), (fast, want)
+
+
+@pytest.mark.parametrize("mode", ["auto", "materialize"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_removing_a_unit_of_identical_huge_rows_moves_the_clipped_sum_by_c(name, mode):
+    small_c = 1e-3
+    x = _crafted_batch(name, 1e3)
+    kept = CRAFTED_UNITS != 1
+    ctx = _ctx(3)
+    ctx.max_grad_norm = small_c
+    full = FlatClipping().clip_and_sum(_family_grads(name, x, CRAFTED_UNITS, mode), ctx)
+    ctx = _ctx(2)
+    ctx.max_grad_norm = small_c
+    rest = FlatClipping().clip_and_sum(_family_grads(name, x[kept], torch.tensor([0, 0, 1, 1]), mode), ctx)
+    move = math.sqrt(
+        sum(float((a.double() - b.double()).square().sum()) for a, b in zip(full, rest, strict=True))
+    )
+    assert move <= small_c * (1 + 1e-5)
+    assert move >= small_c * (1 - 1e-3)  # exactly C: the unit's three rows count once
+
+
 # -- the unit-norm oracle over zoo models (spec §5.7-3) ------------------------------------------------------
 
 ORACLE_ZOO = [
