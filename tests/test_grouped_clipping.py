@@ -305,6 +305,18 @@ def test_augmentation_multiplicity_larger_than_a_chunk_is_refused_at_constructio
         DPStrategy(augmentation_multiplicity=4, max_physical_batch_size=3)
     with pytest.raises(DPConfigurationError, match="augmentation_multiplicity"):
         DPStrategy(augmentation_multiplicity=0)
+    with pytest.raises(DPConfigurationError, match="isolate_examples"):
+        DPStrategy(augmentation_multiplicity=2, isolate_examples=True)
+
+
+@pytest.mark.parametrize("slot", ["DPIS", "LineSearch", "AdaptiveGD"])
+def test_slots_that_bound_rows_not_units_are_refused_with_augmentation_multiplicity(slot):
+    import lightning_dp
+
+    mechanism = getattr(lightning_dp, slot)()
+    kind = "sampler" if slot == "DPIS" else "step"
+    with pytest.raises(DPConfigurationError, match=f"augmentation_multiplicity=2 with {slot}"):
+        DPStrategy(augmentation_multiplicity=2, **{kind: mechanism})
 
 
 # -- through the Trainer ----------------------------------------------------------------------------------------

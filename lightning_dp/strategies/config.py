@@ -24,6 +24,8 @@ from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.sampling import Poisson
 from lightning_dp.sampling.dpis import DPIS
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
+from lightning_dp.steps.dp_agd import AdaptiveGD
+from lightning_dp.steps.line_search import LineSearch
 from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
@@ -171,6 +173,13 @@ def _validate_augmentation(config: PrivacyConfig) -> None:
             f"{owner}: augmentation_multiplicity={views} with {setting}: an example's {views} views are clipped "
             "as one unit, so they must go through one physical chunk (clipped in two chunks, the example would "
             f"count 2C). Set max_physical_batch_size to at least {views} (and leave isolate_examples off)."
+        )
+    if isinstance(config.step, AdaptiveGD | LineSearch):
+        raise DPConfigurationError(
+            f"{owner}: augmentation_multiplicity={views} with {config.step.name}: its step-size search sums "
+            "clipped per-row losses, and an example's views are several rows, so one example would move that "
+            f"sum by {views} times its bound. Use the default step or HeavyBall/Nesterov with augmentation "
+            f"multiplicity, or augmentation_multiplicity=1 with {config.step.name}."
         )
     if isinstance(config.sampler, DPIS):
         raise DPConfigurationError(
