@@ -123,6 +123,18 @@ class UnitInfo:
         keep = (self.unit_of_row >= first) & (self.unit_of_row < stop)
         return UnitInfo(self.unit_of_row[keep] - first, self.reduction, self.views)
 
+    def without(self, removed: list[int]) -> tuple[list[int], UnitInfo, Tensor]:
+        """The batch with whole units ``removed``: (their rows, the unit map of the rows left, renumbered
+        from 0, and the original ids of the units left). A leave-one-unit-out check (units may mix their
+        own rows, never another unit's) compares the units left, grouped, in both passes."""
+        gone = torch.zeros(self.num_units, dtype=torch.bool)
+        gone[torch.as_tensor(removed, dtype=torch.long)] = True
+        gone_rows = gone.to(self.unit_of_row.device)[self.unit_of_row]
+        kept_units = (~gone).nonzero().squeeze(1)
+        renumber = (~gone).long().cumsum(0) - 1
+        rest = renumber.to(self.unit_of_row.device)[self.unit_of_row[~gone_rows]]
+        return gone_rows.nonzero().squeeze(1).tolist(), UnitInfo(rest, self.reduction, self.views), kept_units
+
 
 @dataclass(frozen=True)
 class WithUnits:

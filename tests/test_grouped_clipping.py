@@ -300,6 +300,20 @@ def test_chunks_hold_whole_units_and_a_unit_larger_than_a_chunk_is_refused():
         split_batch(batch, 2, units)
 
 
+def test_leaving_whole_units_out_keeps_the_other_units_grouped_as_before():
+    """UnitInfo.without: what a unit-aware mixing check removes (the rows of whole units) and compares."""
+    units = UnitInfo(torch.tensor([0, 0, 1, 2, 2, 2, 3]))
+    rows, rest, kept = units.without([0, 2])
+    assert rows == [0, 1, 3, 4, 5]
+    assert rest.unit_of_row.tolist() == [0, 1]
+    assert kept.tolist() == [1, 3]
+    g = torch.randn(7, 3, generator=torch.Generator().manual_seed(0))
+    before = PerExampleGradients.from_tensors([g]).grouped(units.unit_of_row).sq_norms()
+    keep = [r for r in range(7) if r not in rows]
+    after = PerExampleGradients.from_tensors([g[keep]]).grouped(rest.unit_of_row).sq_norms()
+    assert torch.equal(before[kept], after)
+
+
 def test_augmentation_multiplicity_larger_than_a_chunk_is_refused_at_construction():
     with pytest.raises(DPConfigurationError, match="max_physical_batch_size to at least 4"):
         DPStrategy(augmentation_multiplicity=4, max_physical_batch_size=3)
