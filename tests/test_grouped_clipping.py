@@ -17,6 +17,8 @@ from lightning_dp import DPConfigurationError, DPStrategy, FlatClipping
 from lightning_dp.batches import UnitInfo, split_batch, unit_chunks
 from lightning_dp.clipping import clip_factors
 from lightning_dp.per_example import GradientCapture, PerExampleGradients
+from lightning_dp.per_example.kernels import units as unit_kernels
+from lightning_dp.per_example.materialized import grad_sampler
 from lightning_dp.sampling.units import flatten_views, with_views
 from lightning_dp.slots import StepContext
 from tests.per_example.zoo import ZOO, ZooModel
@@ -217,6 +219,30 @@ def test_fast_unit_norms_equal_the_materialised_ones(name):
     want = exact.sq_norms().double()
     assert torch.all(fast.double() >= want * (1 - 1e-6)), (fast, want)
     assert torch.allclose(fast.double(), want, rtol=1e-4), (fast, want)
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILIES if "fallback" not in n])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_regrouped_kernels_equal_per_row_gradients_summed_per_unit(name, reduction):
+    """The regrouped-sequence kernels themselves (a layer whose per-row gradients were materialised on the
+    way takes the index-add route in the engine, so the kernels are called directly here)."""
+    torch.manual_seed(0)
+    layer = FAMILIES[name][0]()
+    x = _crafted_batch(name, 1.0)
+    delta = torch.randn(layer(x).shape, generator=torch.Generator().manual_seed(3))
+    info = UnitInfo(CRAFTED_UNITS, reduction)
+    weights = info.row_weights()
+    got = sum(unit_kernels.unit_sq_norms(layer, [x], delta, CRAFTED_UNITS, weights, 3).values())
+    exact64 = layer.double()
+    rows = grad_sampler(exact64)(exact64, [x.double() if x.is_floating_point() else x], delta.double())
+    want = torch.zeros(3, dtype=torch.float64)
+    for g in rows.values():
+        sums = g.new_zeros(3, *g.shape[1:]).index_add_(
+            0, CRAFTED_UNITS, g * weights.double().view(-1, *[1] * (g.dim() - 1))
+        )
+        want += sums.flatten(1).square().sum(1)
+    assert torch.all(got.double() >= want * (1 - 1e-6)), (got, want)
+    assert torch.allclose(got.double(), want, rtol=1e-4), (got, want)
 
 
 @pytest.mark.parametrize("mode", ["auto", "materialize"])
