@@ -435,10 +435,10 @@ def test_table_a_through_the_engine_never_clips_per_view(neighbour):
     _close(capture.sums[0].flatten(), [0.907099210199799, 0.7070992101997989])
 
 
-@pytest.mark.parametrize("chunk", [None, 8])
-def test_removing_one_example_with_all_its_views_moves_the_sum_by_at_most_c(neighbour, chunk):
+@pytest.mark.parametrize(("chunk", "precision"), [(None, "32-true"), (8, "32-true"), (None, "bf16-mixed")])
+def test_removing_one_example_with_all_its_views_moves_the_sum_by_at_most_c(neighbour, chunk, precision):
     """Identical huge views (no random transform): per-view clipping would move the sum by K·C; grouped
-    clipping moves it by exactly C. Also under virtual batching (chunks of whole units)."""
+    clipping moves it by exactly C. Also under virtual batching (chunks of whole units) and in bf16."""
     small_c = 1e-3
     module = TinyModule(n=6)
     x = torch.randn(6, 10, generator=torch.Generator().manual_seed(0)) * 1e3
@@ -452,6 +452,7 @@ def test_removing_one_example_with_all_its_views_moves_the_sum_by_at_most_c(neig
             augmentation_multiplicity=4,
             max_physical_batch_size=chunk,
         ),
+        precision=precision,
     )
     assert move.l2 <= small_c * (1 + 1e-5)
     assert move.l2 >= small_c * (1 - 1e-3)  # a whole unit of raw norm ≫ C counts exactly C, not 4C
