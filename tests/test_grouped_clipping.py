@@ -379,6 +379,10 @@ class JitteredModule(TinyModule):
     def train_dataloader(self):
         return DataLoader(Jittered(self.x, self.y), batch_size=self.batch_size)
 
+    def training_step(self, batch, batch_idx):
+        self.last_batch = batch
+        return super().training_step(batch, batch_idx)
+
 
 def test_an_augmented_run_sees_k_views_per_example_and_spends_the_epsilon_of_k_equals_1():
     runs = {}
@@ -389,6 +393,10 @@ def test_an_augmented_run_sees_k_views_per_example_and_spends_the_epsilon_of_k_e
         assert strategy.engine.steps == 4
         assert all(size % views == 0 for size in module.seen_batch_sizes)
         runs[views] = (strategy.epsilon, module.seen_batch_sizes)
+        x, y = module.last_batch
+        if views > 1:  # each example's views are consecutive rows: one label, K different draws
+            assert torch.equal(y[0::views], y[1::views])
+            assert not torch.equal(x[0::views], x[1::views])
     assert runs[3][0] == runs[1][0]
     assert sum(runs[3][1]) > sum(runs[1][1])  # three rows per drawn example
 
