@@ -196,10 +196,9 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
             key: getattr(engine, key)
             for key in ("target_epsilon", "delta", "max_grad_norm", "accountant", "loss_reduction")
         }
+        common.update(per_device_batch_size=self.per_device_batch_size)
         common.update(
-            per_device_batch_size=self.per_device_batch_size,
-            data_changes=self.config.data_changes,
-            augmentation_multiplicity=self.config.augmentation_multiplicity,
+            {key: getattr(self.config, key) for key in ("data_changes", "augmentation_multiplicity")}
         )
         slots = iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot)
         for name, slot in slots:
