@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
 from lightning_dp.accounting.budget import affordable_after
+from lightning_dp.batches import UnitInfo
 from lightning_dp.compatibility import check_mechanisms
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError, GradientCapture, GradMode, PerExampleGradients
@@ -120,6 +121,10 @@ class PrivateStepEngine:
         self._checked_consistency = False
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
+        self._partial_rows = 0
+        self.units: UnitInfo | None = None
+        """The privacy units of the rows about to be backpropagated (the chunk's under virtual batching),
+        set by the strategy from the batch's info; None: every row is its own unit."""
         self.module: nn.Module | None = None
         """The module the hooks are attached to (steps that probe the loss evaluate it)."""
         self.batch: Any = None
@@ -342,7 +347,7 @@ class PrivateStepEngine:
         if self.releases_this_batch >= 1:
             assert self.grads is not None
             self.grads.clear()
-            self._partial, self._partial_batch = None, 0
+            self._partial, self._partial_batch, self._partial_rows = None, 0, 0
             raise DPConfigurationError(
                 "A second noisy gradient release from the same sampled batch (two optimizers that each step "
                 "on it, a SAM-style inner step, or two backward/step pairs in one training_step). The ledger "
@@ -372,7 +377,7 @@ class PrivateStepEngine:
             return
         assert self.grads is not None
         self.grads.clear()
-        self._partial, self._partial_batch = None, 0
+        self._partial, self._partial_batch, self._partial_rows = None, 0, 0
         raise BatchDimensionError(
             f"The per-example gradients of this batch number {batch}, but the sampler drew "
             f"{self.realised_batch} examples: the batch is not on dimension 0 of the collated tensors or "
@@ -395,7 +400,10 @@ class PrivateStepEngine:
 
     def _clipped_sums(self, expected: int | None = None) -> tuple[list[Tensor], StepContext]:
         """Clip the per-example gradients just backpropagated and sum them (releases nothing);
-        ``expected``: the examples every layer must see on its batch dimension (None: unchecked)."""
+        ``expected``: the examples every layer must see on its batch dimension (None: unchecked).
+
+        When the rows carry privacy units (``units``), the clipping bounds each unit's gradient: the rows
+        are grouped first, ``ctx.batch_size`` counts units and ``ctx.extras["rows"]`` the rows."""
         assert self.grads is not None, "attach() first"
         grad_samples, batch = self.grads.collect(expected)
         if batch and not self._checked_consistency:
@@ -403,7 +411,18 @@ class PrivateStepEngine:
             # Checked once against autograd's gradient; from now on that gradient is never computed
             # (it would be discarded anyway: privatize builds p.grad from per-example terms alone).
             self.grads.skip_param_grads = True
-        ctx = self._context(batch)
+        units = self.units if batch else None
+        if units is not None:
+            if units.unit_of_row.numel() != batch:
+                self.grads.clear()
+                self._partial, self._partial_batch, self._partial_rows = None, 0, 0
+                raise BatchDimensionError(
+                    f"The batch carries privacy units for {units.unit_of_row.numel()} rows, but its per-example "
+                    f"gradients number {batch}: keep every row of the collated batch on dimension 0."
+                )
+            grad_samples = grad_samples.grouped(units.unit_of_row, units.reduction, units.views)
+        ctx = self._context(grad_samples.batch)
+        ctx.extras["rows"] = batch
         weighed = self.sampler.weigh(grad_samples, ctx)
         if weighed is None:
             grad_samples.release_on_sum = self.clipping.sums_once  # free each layer as it is summed
@@ -427,6 +446,7 @@ class PrivateStepEngine:
         else:
             self._partial = [a + b for a, b in zip(self._partial, sums, strict=True)]
             self._partial_batch += ctx.batch_size
+        self._partial_rows += ctx.extras["rows"]
         for p in self.params:
             p.grad = None
 
@@ -450,8 +470,9 @@ class PrivateStepEngine:
         if self._partial is not None:
             sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
             ctx.batch_size += self._partial_batch
-            self._partial, self._partial_batch = None, 0
-        self._check_realised_total(ctx.batch_size)
+            ctx.extras["rows"] += self._partial_rows
+            self._partial, self._partial_batch, self._partial_rows = None, 0, 0
+        self._check_realised_total(ctx.extras["rows"])
         for p, g in zip(self.params, self._release(sums, ctx, None if covered else event), strict=True):
             p.grad = g.to(p.dtype)
         self.steps += 1
@@ -497,7 +518,7 @@ class PrivateStepEngine:
         except BudgetExceededError:
             assert self.grads is not None
             self.grads.clear()
-            self._partial, self._partial_batch = None, 0
+            self._partial, self._partial_batch, self._partial_rows = None, 0, 0
             raise
 
     def _check_consistency(

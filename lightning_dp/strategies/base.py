@@ -180,9 +180,10 @@ class DPStrategyBase(Strategy):
         num_batches = self._bind_sampler(loader)
         self._plan_noise(trainer, loader, num_batches)
         sampler = self.engine.sampler
-        self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches))
+        views = self.config.augmentation_multiplicity
+        self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches), views)
         return loaders.private_loader(
-            loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity
+            loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity, views
         )
 
     def _bind_sampler(self, loader: DataLoader) -> int:
@@ -272,7 +273,7 @@ class DPStrategyBase(Strategy):
         module = self.lightning_module
         assert module is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        check_batch = routing.first_chunk(batch, self.max_physical_batch_size)
+        check_batch = routing.first_chunk(batch, self.max_physical_batch_size, self.engine.units)
         self._refuse_together(
             lambda: self.checks.before_user_code(
                 self.engine, module, self._trainer(), batch, batch_idx, check_batch,

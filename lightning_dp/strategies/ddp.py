@@ -157,6 +157,7 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         isolate_examples: bool = False,
         public_buffers: Sequence[str] = (),
         data_changes: DataChanges = "refuse",
+        augmentation_multiplicity: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -208,7 +209,10 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
             key: getattr(engine, key)
             for key in ("target_epsilon", "delta", "max_grad_norm", "accountant", "loss_reduction")
         }
-        common.update(per_device_batch_size=self.per_device_batch_size, data_changes=self.config.data_changes)
+        common.update(per_device_batch_size=self.per_device_batch_size)
+        common.update(
+            {key: getattr(self.config, key) for key in ("data_changes", "augmentation_multiplicity")}
+        )
         slots = iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot)
         for name, slot in slots:
             common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})

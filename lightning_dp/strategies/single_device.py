@@ -59,6 +59,9 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             changes between epochs (``reload_dataloaders_every_n_epochs``, a curriculum), before the next
             release: such a change read from private data is released without noise. ``"public"``
             declares that no private data decides the change (a fixed schedule); each epoch's q is priced.
+        augmentation_multiplicity: K (default 1): the train ``Dataset`` is called K times per sampled
+            index (its random transforms draw K views), ``training_step`` sees the K views as consecutive
+            rows, and their gradients are averaged before the clip (De et al. 2022); ε does not change.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
 
     The privacy arguments are those of :class:`~lightning_dp.strategies.PrivacyConfig` (validated there);
@@ -88,6 +91,7 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         isolate_examples: bool = False,
         public_buffers: Sequence[str] = (),
         data_changes: DataChanges = "refuse",
+        augmentation_multiplicity: int = 1,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,
