@@ -45,12 +45,16 @@ class ModelHistory:
     def events(self) -> list[tuple[PrivacyEvent, int]]:
         return [(PrivacyEvent.from_dict(e["event"]), int(e["count"])) for e in self.ledger["history"]]
 
-    def epsilon(self) -> float:
-        """ε of these releases at their δ, with their accountant."""
+    def ledger_of_events(self) -> PrivacyLedger:
+        """These releases in a ledger of their δ and accountant."""
         ledger = PrivacyLedger(delta=self.delta, accountant=self.ledger["accountant"])
         for event, count in self.events():
             ledger.record(event, count)
-        return float(ledger.epsilon())
+        return ledger
+
+    def epsilon(self) -> float:
+        """ε of these releases at their δ, with their accountant."""
+        return float(self.ledger_of_events().epsilon())
 
     @classmethod
     def from_checkpoint(cls, checkpoint: dict[str, Any]) -> ModelHistory | None:
@@ -78,6 +82,8 @@ def continue_model_history(engine: PrivateStepEngine, module: Any) -> None:
         history = ModelHistory.from_checkpoint({CHECKPOINT_KEY: history})
     if not isinstance(history, ModelHistory) or history.owner == id(engine) or not history.ledger["history"]:
         return
+    if engine.prior_events and history.ledger_of_events().continues(engine.ledger.history):
+        return  # this engine already opened its ledger with them (an earlier fit of it released nothing)
     earlier = f"This model was trained privately before ({history.epsilon():.4g} ε at δ={history.delta:g})"
     if engine.ledger.steps:
         raise DPConfigurationError(
@@ -101,7 +107,7 @@ def continue_model_history(engine: PrivateStepEngine, module: Any) -> None:
     engine.prior_events = engine.ledger.steps
     engine.prior_num_samples = history.num_samples
     warnings.warn(
-        f"lightning-dp: {earlier.removeprefix('This model')}: {engine.prior_events} ledger events. Its ledger "
+        f"lightning-dp: t{earlier[1:]}: {engine.prior_events} ledger events. Its ledger "
         f"continues from them, so ε and the report count every release the model has had"
         + (
             f", and target_epsilon={engine.target_epsilon:g} includes them." if engine.target_epsilon else "."
