@@ -69,3 +69,18 @@ def test_a_continuation_that_cannot_add_up_is_refused_by_name():
     strategy = DPStrategy(noise_multiplier=SIGMA)  # the refusals left the model's history as it was
     make_trainer(strategy, max_epochs=1).fit(module)
     assert strategy.epsilon == pytest.approx(_eps(16), rel=1e-9)
+
+
+def test_a_resume_continues_the_checkpoints_ledger_which_belongs_to_its_weights(tmp_path):
+    """ckpt_path replaces the module's weights, so the checkpoint's ledger replaces the module's history."""
+    module = TinyModule()
+    first = make_trainer(DPStrategy(noise_multiplier=SIGMA), max_epochs=1)
+    first.fit(module)
+    first.save_checkpoint(tmp_path / "one.ckpt")
+    with pytest.warns(UserWarning, match="trained privately before"):
+        make_trainer(DPStrategy(noise_multiplier=SIGMA), max_epochs=2).fit(module)  # the model now has 24
+    resumed = DPStrategy(noise_multiplier=SIGMA)
+    make_trainer(resumed, max_epochs=2).fit(module, ckpt_path=tmp_path / "one.ckpt")
+    assert resumed.engine.steps == 16
+    assert resumed.epsilon == pytest.approx(_eps(16), rel=1e-9)
+    assert module.lightning_dp_history.epsilon() == pytest.approx(_eps(16), rel=1e-9)

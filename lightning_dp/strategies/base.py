@@ -105,7 +105,7 @@ class DPStrategyBase(Strategy):
             self._train_loader_pass = refusals.NO_PASS
             self.step_counts.start_fit(self.engine, trainer)
             assert self.lightning_module is not None
-            checkpoints.continue_model_history(self.engine, self.lightning_module)
+            self.step_counts.model_history = checkpoints.model_history(self.engine, self.lightning_module)
             self.setup_notes = prepare_module(self.lightning_module, self.on_batchnorm)
             for note in self.setup_notes:
                 rank_zero_info(f"lightning-dp: {note}")

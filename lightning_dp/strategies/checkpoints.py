@@ -74,14 +74,19 @@ def record_model_history(engine: PrivateStepEngine, module: Any) -> None:
         setattr(module, MODEL_HISTORY_ATTR, ModelHistory(engine.ledger.state_dict(), n, owner=id(engine)))
 
 
-def continue_model_history(engine: PrivateStepEngine, module: Any) -> None:
-    """A model privately trained before (by another strategy): its releases open this engine's ledger, or
-    the fit is refused naming why the two cannot be added up."""
+def model_history(engine: PrivateStepEngine, module: Any) -> ModelHistory | None:
+    """The privacy history ``module`` carries from another strategy (None: none, or this engine's own)."""
     history = getattr(module, MODEL_HISTORY_ATTR, None)
     if isinstance(history, dict):  # a checkpoint's privacy state (lightning_dp.load_from_checkpoint)
         history = ModelHistory.from_checkpoint({CHECKPOINT_KEY: history})
     if not isinstance(history, ModelHistory) or history.owner == id(engine) or not history.ledger["history"]:
-        return
+        return None
+    return history
+
+
+def _continue_model_history(engine: PrivateStepEngine, history: ModelHistory) -> None:
+    """A model privately trained before (by another strategy): its releases open this engine's ledger, or
+    the fit is refused naming why the two cannot be added up."""
     if engine.prior_events and history.ledger_of_events().continues(engine.ledger.history):
         return  # this engine already opened its ledger with them (an earlier fit of it released nothing)
     earlier = f"This model was trained privately before ({history.epsilon():.4g} ε at δ={history.delta:g})"
@@ -143,6 +148,9 @@ class StepCounts:
     optimization (the user's optimizer steps are not called), and steps of earlier fits on another Trainer."""
     resumed_from: Any = None
     """The checkpoint this fit resumed from (None: a fresh fit)."""
+    model_history: Any = None
+    """The fitted module's privacy history from another strategy (a :class:`ModelHistory`), continued at
+    the first bind unless a checkpoint's weights and ledger replace it (``ckpt_path``)."""
 
     def start_fit(self, engine: PrivateStepEngine, trainer: Trainer) -> None:
         """A fit starts: steps this engine took before it (an earlier fit, another Trainer) are outside its loop."""
@@ -217,6 +225,7 @@ def restore_dp_state(
     except ValueError as err:
         raise DPConfigurationError(str(err)) from err
     counts.load_state_dict(rank_state, path)
+    counts.model_history = None  # the checkpoint's weights replace the module's, and its ledger is theirs
     check_resumed_counts(engine, rank_state, checkpoint, path, counts.silent_steps, counts.steps_outside_loop)
 
 
@@ -232,6 +241,9 @@ def check_resumed_data(engine: PrivateStepEngine, counts: StepCounts, public_cha
     """Once the sampler is bound: a resumed run must sample from the same N with the same q as the run it
     continues (unless the user declared data changes public), and its ledger must hold the events the
     restored slots make."""
+    if counts.model_history is not None:
+        _continue_model_history(engine, counts.model_history)
+        counts.model_history = None
     _check_prior_data(engine, public_changes)
     path, counts.resumed_from = counts.resumed_from, None  # checked at the first bind after the resume
     if path is None:
