@@ -164,3 +164,30 @@ def test_a_seeded_run_warns_keeps_its_states_and_resumes_bit_for_bit(tmp_path):
     _, straight = run(4)
     for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_unseeded_dpis_saves_no_envelope_and_its_resume_recomputes_them_releasing_nothing():
+    """DPIS's ghat/gstar are un-noised per-example norms: out of an unseeded state; one norm pass rebuilds them."""
+    from test_dpis import _harness, _run_steps
+
+    grads = torch.randn(100, 3, generator=torch.Generator().manual_seed(3))
+    sampler, ledger = _harness(grads, b=5, k=3, seed=None)
+    steps = _run_steps(sampler, grads, 8)
+    for _ in range(3):
+        next(steps)
+    state = sampler.state_dict()
+    assert not {"ghat", "gstar"} & set(state)
+    assert state["generators"] == {}
+    released = len(ledger)
+    fresh, fresh_ledger = _harness(grads, b=5, k=3, seed=None)
+    fresh.load_state_dict(state)
+    fresh.bind(100, 5)
+    fresh.attach_runtime(sampler.runtime)
+    batches = iter(fresh.batch_sampler(8))
+    next(batches)  # the resumed epoch's first draw: the envelopes are rebuilt from the norms at these weights
+    clip = fresh.current.clip
+    norms = grads.norm(dim=1).double()
+    torch.testing.assert_close(fresh.ghat, 3 * norms.clamp(max=clip).clamp(min=fresh.g_L * clip))
+    assert len(list(batches)) == 4  # the epoch continues after the 3 steps taken (8 in all)
+    assert len(fresh_ledger) == 0  # nothing released for it
+    assert len(ledger) == released
