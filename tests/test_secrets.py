@@ -191,3 +191,53 @@ def test_unseeded_dpis_saves_no_envelope_and_its_resume_recomputes_them_releasin
     assert len(list(batches)) == 4  # the epoch continues after the 3 steps taken (8 in all)
     assert len(fresh_ledger) == 0  # nothing released for it
     assert len(ledger) == released
+
+
+def test_a_lightning_cli_runs_config_yaml_checkpoints_and_logs_hold_no_seed(
+    tmp_path, monkeypatch, caplog, capsys
+):
+    """`lightning-dp fit`: the saved config.yaml, hparams.yaml, checkpoints and report of an unseeded run."""
+    import json
+
+    from lightning_dp.cli import main
+
+    draws = UrandomDraws()
+    monkeypatch.setattr(os, "urandom", draws)
+    caplog.set_level(logging.INFO)
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"""
+trainer:
+  accelerator: cpu
+  max_steps: 3
+  default_root_dir: {tmp_path / "cli"}
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning_dp.DPStrategy
+    init_args:
+      target_epsilon: 3.0
+model:
+  class_path: recipes.ImageClassifier
+  init_args:
+    arch: logreg
+    in_features: 64
+data:
+  class_path: recipes.DigitsDataModule
+  init_args:
+    batch_size: 128
+    flatten: true
+"""
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main(["fit", "--config", str(config)])
+    assert draws.draws, "the run drew no os.urandom seed: the scan would prove nothing"
+    reports = list((tmp_path / "cli").rglob("privacy_report.json"))
+    assert len(reports) == 1
+    n = json.loads(reports[0].read_text())["dataset_size"]
+    found, files = scan_files(tmp_path / "cli", Secrets(draws, n, public_ints={n, 128, 3}))
+    assert {"config.yaml", "hparams.yaml"} <= {p.name for p in files}
+    assert any(p.suffix == ".ckpt" for p in files)
+    said = "\n".join([*(r.getMessage() for r in caplog.records), capsys.readouterr().out])
+    found += [f"log/stdout: {what}" for what in search_text(said, Secrets(draws, n))]
+    assert not found, "\n".join(found)
