@@ -241,3 +241,23 @@ data:
     said = "\n".join([*(r.getMessage() for r in caplog.records), capsys.readouterr().out])
     found += [f"log/stdout: {what}" for what in search_text(said, Secrets(draws, n))]
     assert not found, "\n".join(found)
+
+
+def test_an_unseeded_audit_writes_no_canary_draw(tmp_path, monkeypatch):
+    """lightning_dp.audit: which canaries were included (its os.urandom streams) stays in the process."""
+    from lightning_dp import audit
+
+    draws = UrandomDraws()
+    monkeypatch.setattr(os, "urandom", draws)
+    root = tmp_path / "audit"
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=1.0), root, max_steps=4, max_epochs=5, logger=CSVLogger(root),
+        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=root / "checkpoints"), PrivacyCallback()],
+    )  # fmt: skip
+    result = audit(trainer, Logged(n=N, batch_size=BATCH), num_canaries=64)
+    trainer.save_checkpoint(root / "saved.ckpt")
+    assert len(draws.draws) >= 4  # the canaries' streams, the sampler's and the noise's
+    found, files = scan_files(root, Secrets(draws, N, public_ints={N, BATCH, 4, 64}))
+    assert {"privacy_audit.png", "privacy_report.json", "saved.ckpt"} <= {p.name for p in files}
+    found += [f"audit result: {what}" for what in search_text(repr(result.summary()), Secrets(draws, N))]
+    assert not found, "\n".join(found)
