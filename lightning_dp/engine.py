@@ -114,6 +114,11 @@ class PrivateStepEngine:
         self.releases.prefetch_slice = NOISE_SLICE
         sampler.use_releases(self.releases)
         self.steps = 0
+        self.prior_events = 0
+        """Ledger events of releases the model had before this engine trained it (an earlier strategy's
+        fits, carried on the module): they count in ε, and are not this engine's steps."""
+        self.prior_num_samples: int | None = None
+        """N of the data set those earlier releases were made on."""
         self.grads: GradientCapture | None = None
         self.generator: torch.Generator | None = None
         self._pending_generator_state: Tensor | None = None
@@ -560,20 +565,37 @@ class PrivateStepEngine:
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        slots = {name: {"name": slot.name, "state": slot.state_dict()} for name, slot in self._slots()}
+        """The privacy state a checkpoint holds: the ledger, the step count, the slots' states and, only in
+        a seeded run, the generator states (an unseeded run's would let the file's holder regenerate its noise)."""
+        slots = {name: {"name": slot.name, "state": self._slot_state(slot)} for name, slot in self._slots()}
         return {
             "version": 1,
             "steps": self.steps,
             "ledger": self.ledger.state_dict(),
             "ledger_events": self.ledger.steps,
+            "prior_events": self.prior_events,
             "noise_generator": self._noise_generator_state(),
             "slots": slots,
             "max_grad_norm": self.max_grad_norm,
         }
 
+    def seeded(self) -> list[str]:
+        """Who draws from a user-given seed (the strategy, a slot): their states stay in checkpoints."""
+        owners = ["seed"] if self.seed is not None else []
+        return owners + [
+            f"{name}={slot.name}(seed=...)" for name, slot in self._slots() if slot.seed is not None
+        ]
+
+    @staticmethod
+    def _slot_state(slot: Any) -> Any:
+        """A slot's saved state; an unseeded slot's generator states are dropped even if it saved them."""
+        state = slot.state_dict()
+        return without_generator_states(state) if slot.seed is None and isinstance(state, dict) else state
+
     def _noise_generator_state(self) -> Tensor | None:
-        """The noise generator's state as of the last release (before any draws made ahead for the next)."""
-        if self.generator is None:
+        """The noise generator's state as of the last release (before any draws made ahead for the next);
+        None in an unseeded run (:func:`~lightning_dp.rng.saved_state`)."""
+        if self.generator is None or self.seed is None:
             return None
         before = self.releases.prefetch.state_before(self.generator)
         return before if before is not None else self.generator.get_state()
@@ -598,6 +620,7 @@ class PrivateStepEngine:
             slot.load_state_dict(slot_state)
         self.ledger.load_state_dict(state["ledger"])
         self.steps = int(state["steps"])
+        self.prior_events = int(state.get("prior_events", 0))
         self.generator = None
         self._pending_generator_state = state.get("noise_generator") if self.seed is not None else None
 

@@ -45,6 +45,8 @@ def privacy_report(
     if isinstance(checks, RunChecks):
         data["checks"] = checks.summary()
     data["ledger_events"] = engine.ledger.steps
+    if engine.prior_events:  # the model's releases before this strategy: counted in ε above
+        data["earlier_ledger_events"] = engine.prior_events
     correlated = engine.noise.report()
     if correlated is not None:  # BandMF / BLT: the strategy matrix, its accounting and its predicted error
         data["correlated_noise"] = correlated

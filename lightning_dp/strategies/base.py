@@ -105,6 +105,7 @@ class DPStrategyBase(Strategy):
             self._train_loader_pass = refusals.NO_PASS
             self.step_counts.start_fit(self.engine, trainer)
             assert self.lightning_module is not None
+            self.step_counts.model_history = checkpoints.model_history(self.engine, self.lightning_module)
             self.setup_notes = prepare_module(self.lightning_module, self.on_batchnorm)
             for note in self.setup_notes:
                 rank_zero_info(f"lightning-dp: {note}")
@@ -112,6 +113,7 @@ class DPStrategyBase(Strategy):
             self.checks.setup(self.lightning_module, self.precision_plugin.convert_input)
             self._describe_clipping_paths()
             refusals.warn_on_non_private_gradient_hooks(trainer, self.engine)
+            refusals.warn_if_seeded(self.engine)
             _ensure_privacy_callback(trainer)
         super().setup(trainer)
 
@@ -322,6 +324,7 @@ class DPStrategyBase(Strategy):
     # -- teardown --------------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        checkpoints.record_model_history(self.engine, self.lightning_module)
         self.engine.detach()
         self.optimizers = [o.original_optimizer if isinstance(o, DPOptimizer) else o for o in self.optimizers]
         super().teardown()

@@ -32,7 +32,7 @@ from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.draws import poisson_share
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.rng import make_generator
+from lightning_dp.rng import make_generator, saved_states
 from lightning_dp.slots import Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.line_search.advice import warn_if_capped_by_eta0
 from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
@@ -622,7 +622,7 @@ class LineSearch(Step):
             "d_prev": None if self.d_prev is None else [g.detach().cpu().clone() for g in self.d_prev],
             "stats": dict(self.stats),
             "last": dict(self.last),
-            "generators": {name: gen.get_state() for name, gen in self._generators.items()},
+            "generators": saved_states(self._generators, self.seed),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
