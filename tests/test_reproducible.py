@@ -44,7 +44,11 @@ def _seeded_run(step_kind: str, schedule, monkeypatch, setting=True):
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the model's initial weights are the user's to seed (seed= covers the DP draws)
         module = DropoutModule()
-        step = LineSearch(mode="nn", seed=1) if step_kind == "line_search" else None
+        step = {
+            "dp_sgd": None,
+            "line_search": LineSearch(mode="nn", seed=1),
+            "adaptive": LineSearch(mode="adaptive", max_it=2, adapt_clip=True, seed=2, planned_iterations=6),
+        }[step_kind]
         strategy = DPStrategy(
             target_epsilon=8.0, delta=1e-5, seed=0, max_grad_norm=1.0, check_sensitivity=setting, step=step
         )
@@ -75,12 +79,11 @@ def _assert_same(a, b):
     assert torch.equal(a["rng"], b["rng"])
 
 
-@pytest.mark.parametrize("step_kind", ["dp_sgd", "line_search"])
+@pytest.mark.parametrize("step_kind", ["dp_sgd", "line_search", "adaptive"])
 def test_seeded_run_repeats_whichever_steps_the_checks_dry_run(step_kind, monkeypatch):
-    early = _seeded_run(step_kind, {0, 1}, monkeypatch)
-    late = _seeded_run(step_kind, {2, 4}, monkeypatch)
-    assert early["checked"] != late["checked"]  # the checks did run at different moments
-    assert len(early["checked"]) >= 2
-    assert len(late["checked"]) >= 2
-    _assert_same(early, late)
-    _assert_same(early, _seeded_run(step_kind, set(), monkeypatch, setting=False))  # as without the checks
+    every = _seeded_run(step_kind, set(range(100)), monkeypatch)
+    sparse = _seeded_run(step_kind, {1, 3}, monkeypatch)
+    assert len(every["checked"]) == every["steps"]  # every step's batch was dry-run before its release
+    assert sparse["checked"] != every["checked"]  # ... and here only some: the checks ran at other moments
+    _assert_same(every, sparse)
+    _assert_same(every, _seeded_run(step_kind, set(), monkeypatch, setting=False))  # as without the checks
