@@ -227,9 +227,10 @@ def norm_extremes(norms: Tensor) -> list[int]:
 
 def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> tuple[int, ...]:
     """The rows pass B changes: one drawn at random, the first and the last, the gradient norms' extremes,
-    the rarest label values, every field's extremes, then a random half of the others; at least a quarter
-    of the batch (and one row) is kept. A record that holds an extreme is changed on every check (while
-    those fit), any other record with probability at least 1/2."""
+    the rarest label values, every field's extremes, then a random half of the others. A record that holds
+    an extreme is changed on every check, any other record with probability at least 1/2. At least a
+    quarter of the batch (and one row) is kept: where the extremes and half the others do not fit (a small
+    batch with many columns), a random three quarters of the batch is changed instead."""
     keep_at_least = max(1, rows // 4)
     limit = rows - keep_at_least
     extremes = field_extremes(batch, rows)
@@ -242,14 +243,14 @@ def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator
         *rare_values(batch, rows),
         *(extremes[i] for i in order),
     ]
-    chosen = list(dict.fromkeys(special))[:limit]
+    chosen = list(dict.fromkeys(special))
     taken = set(chosen)
     rest = [i for i in range(rows) if i not in taken]
-    half = min(limit - len(chosen), (len(rest) + 1) // 2)
-    if half > 0:
-        picked = torch.randperm(len(rest), generator=generator)[:half].tolist()
-        chosen += [rest[i] for i in picked]
-    return tuple(sorted(chosen))
+    half = (len(rest) + 1) // 2
+    if len(chosen) + half > limit:  # a small batch, mostly extremes: a random three quarters of it
+        return tuple(sorted(torch.randperm(rows, generator=generator)[:limit].tolist()))
+    picked = torch.randperm(len(rest), generator=generator)[:half].tolist()
+    return tuple(sorted(chosen + [rest[i] for i in picked]))
 
 
 @dataclass
