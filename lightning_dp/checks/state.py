@@ -31,14 +31,14 @@ from torch import Tensor, nn
 from lightning_dp.checks.user_step import _owner, same_values
 from lightning_dp.errors import DPConfigurationError
 
-Entry = tuple[int, int, int, float]
-"""(object id, storage address, in-place version, value checksum) of one tensor."""
+Entry = tuple[int, int, int, float | None]
+"""(object id, storage address, in-place version, value checksum or None where not read) of one tensor."""
 
 
 def checksums(tensors: list[Tensor]) -> list[float]:
-    """One number per tensor computed from every value it holds (its L1 norm, in one fused call for the
-    floating tensors): a write that bypasses the version counter (``p.data.copy_``, ``p.data[...] = ...``)
-    still moves it. NaN where a value is NaN or infinite (compared as equal to itself)."""
+    """One number per tensor computed from every value it holds (its L2 norm, in one fused call for the
+    floating tensors; about one read of the weights): a write that bypasses the version counter
+    (``p.data.copy_``, ``p.data[...] = ...``) still moves it. NaN where a value is NaN (equal to itself)."""
     if not tensors:
         return []
     floating = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
@@ -46,27 +46,32 @@ def checksums(tensors: list[Tensor]) -> list[float]:
     chosen = set(floating)
     with torch.no_grad():
         if floating:
-            norms = torch._foreach_norm([tensors[i].detach() for i in floating], 1)
+            norms = torch._foreach_norm([tensors[i].detach() for i in floating], 2)
             for i, v in zip(floating, torch.stack([n.double().cpu() for n in norms]).tolist(), strict=True):
                 out[i] = v
         for i, t in enumerate(tensors):
             if i not in chosen and t.numel():
-                out[i] = float(t.detach().double().abs().sum())
+                out[i] = float(t.detach().double().square().sum())
     return out
 
 
-def entries(tensors: Iterable[Tensor | None]) -> list[Entry]:
-    """The :data:`Entry` of each tensor (``(0, 0, 0, 0.0)`` for a missing one)."""
+def entries(tensors: Iterable[Tensor | None], values: bool = True) -> list[Entry]:
+    """The :data:`Entry` of each tensor (``(0, 0, 0, 0.0)`` for a missing one); checksums only if
+    ``values``."""
     listed = list(tensors)
     present = [t for t in listed if t is not None]
-    sums = iter(checksums(present))
+    sums = iter(checksums(present) if values else [None] * len(present))
     return [
         (id(t), t.data_ptr(), t._version, next(sums)) if t is not None else (0, 0, 0, 0.0) for t in listed
     ]
 
 
 def _same(a: Entry | None, b: Entry) -> bool:
-    return a is not None and (a == b or (a[:3] == b[:3] and a[3] != a[3] and b[3] != b[3]))  # NaN == NaN
+    """The same object, storage and version, and the same checksum where both were read (NaN == NaN)."""
+    if a is None or a[:3] != b[:3]:
+        return False
+    x, y = a[3], b[3]
+    return x is None or y is None or x == y or (x != x and y != y)
 
 
 @dataclass
@@ -131,13 +136,12 @@ class StateWatch:
             self._layout = (count, slots, names, buffer_slots, buffer_names)
         return self._layout[1:]
 
-    def _now(self) -> _Snapshot:
+    def _now(self, parameter_values: bool = True) -> _Snapshot:
+        """Every entry; the parameters' checksums only if ``parameter_values`` (a read of the weights,
+        taken where a parameter write is refused: at entry and before the release)."""
         slots, names, buffer_slots, buffer_names = self._where()
-
-        def read(where: list[tuple[dict[str, Any], str]]) -> list[Entry]:
-            return entries(d.get(k) for d, k in where)
-
-        return _Snapshot(names, read(slots), buffer_names, read(buffer_slots))
+        params = entries((d.get(k) for d, k in slots), parameter_values)
+        return _Snapshot(names, params, buffer_names, entries(d.get(k) for d, k in buffer_slots))
 
     def _public(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.public_buffers)
@@ -145,14 +149,14 @@ class StateWatch:
     def after_step(self) -> None:
         """After the optimizer step (and at fit start): the state every later write is measured against
         (under manual optimization the step may come inside training_step, before another release)."""
-        self._after_step = self._at_entry = self._now()
+        self._after_step = self._at_entry = self._now(parameter_values=False)
 
     def between_steps(self) -> None:
         """Before user code runs on a batch: refuse buffers written since the last step (hooks, callbacks)."""
         if self._after_step is None:  # the first batch of the fit: the baseline
-            self._after_step = self._now()
+            self._after_step = self._now(parameter_values=False)
             return
-        now = self._now()
+        now = self._now(parameter_values=False)
         before = self._after_step
         changed = _changed(before.buffer_names, before.buffers, now.buffer_names, now.buffers)
         written = [n for n in changed if not self._public(n)]
