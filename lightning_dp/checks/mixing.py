@@ -100,8 +100,9 @@ def relative_tolerance(precision: str, device: torch.device) -> float:
 
 def example_rounding(precision: str, device: torch.device) -> float:
     """ρ: how much one example's gradient may differ, relatively, between two passes over different rows
-    when nothing mixes (:data:`FP32_EXAMPLE_ROUNDING` in fp32, 16 ulps of a reduced compute dtype)."""
-    return max(FP32_EXAMPLE_ROUNDING, 16 * _compute_eps(precision, device))
+    when nothing mixes (:data:`FP32_EXAMPLE_ROUNDING` in fp32, 4 ulps of a reduced compute dtype: each
+    entry of a reduced-precision result rounds to one of its two neighbours, rarely differently)."""
+    return max(FP32_EXAMPLE_ROUNDING, 4 * _compute_eps(precision, device))
 
 
 def move_tolerance(clipped_norms: Tensor, max_grad_norm: float, rho: float) -> float:

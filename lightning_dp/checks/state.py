@@ -3,9 +3,12 @@
 The released gradient moves the weights only through the optimizer. Anything else that writes the model
 from a private batch is a release with no noise: a layer that renormalises its own rows in forward
 (``nn.Embedding(max_norm=...)``), a running mean or a queue of the batch's features kept in a buffer and
-saved with the model. Every step, each parameter and buffer is read by identity, storage address, in-place
-version counter and value (a checksum of all its values, one fused reduction: a write through ``.data``
-or ``set_``, which no version counter sees, still moves it; no copies):
+saved with the model. Every step, each parameter and buffer is read by identity, storage address and
+in-place version counter (``set_`` and ``p.data = ...`` move the address), and each buffer also by value
+(a checksum of all its values, one fused reduction: a write through ``.data``, which no version counter
+sees, still moves it). Parameters are compared value by value, against a full copy, wherever lightning-dp
+runs user code on a batch itself: the structure probe (the first code to see a training record, so a
+data-dependent initialisation is caught there) and both passes of every mixing check:
 
 * a parameter written during the step (from the batch reaching user code to the release) is refused;
   parameters written between steps (an EMA teacher, weight clamping in ``on_train_batch_end``) are
@@ -136,11 +139,12 @@ class StateWatch:
             self._layout = (count, slots, names, buffer_slots, buffer_names)
         return self._layout[1:]
 
-    def _now(self, parameter_values: bool = True) -> _Snapshot:
-        """Every entry; the parameters' checksums only if ``parameter_values`` (a read of the weights,
-        taken where a parameter write is refused: at entry and before the release)."""
+    def _now(self) -> _Snapshot:
+        """Every entry: parameters by identity, storage and version (their values are compared where user
+        code runs on a batch inside the checks: the structure probe and every checked batch's passes, by
+        a full copy), buffers also by a checksum of their values."""
         slots, names, buffer_slots, buffer_names = self._where()
-        params = entries((d.get(k) for d, k in slots), parameter_values)
+        params = entries((d.get(k) for d, k in slots), values=False)
         return _Snapshot(names, params, buffer_names, entries(d.get(k) for d, k in buffer_slots))
 
     def _public(self, name: str) -> bool:
@@ -149,14 +153,14 @@ class StateWatch:
     def after_step(self) -> None:
         """After the optimizer step (and at fit start): the state every later write is measured against
         (under manual optimization the step may come inside training_step, before another release)."""
-        self._after_step = self._at_entry = self._now(parameter_values=False)
+        self._after_step = self._at_entry = self._now()
 
     def between_steps(self) -> None:
         """Before user code runs on a batch: refuse buffers written since the last step (hooks, callbacks)."""
         if self._after_step is None:  # the first batch of the fit: the baseline
-            self._after_step = self._now(parameter_values=False)
+            self._after_step = self._now()
             return
-        now = self._now(parameter_values=False)
+        now = self._now()
         before = self._after_step
         changed = _changed(before.buffer_names, before.buffers, now.buffer_names, now.buffers)
         written = [n for n in changed if not self._public(n)]
