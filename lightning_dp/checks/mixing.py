@@ -231,24 +231,22 @@ def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator
     the rarest label values, every field's extremes, then a random half of the others. A record that holds
     an extreme is changed on every check, any other record with probability at least 1/2. At least a
     quarter of the batch (and one row) is kept: where the extremes and half the others do not fit (a small
-    batch with many columns), a random three quarters of the batch is changed instead."""
+    batch with many columns), all but a random quarter of the batch is changed instead."""
     keep_at_least = max(1, rows // 4)
     limit = rows - keep_at_least
-    extremes = field_extremes(batch, rows)
-    order = torch.randperm(len(extremes), generator=generator).tolist()
     special = [
         int(torch.randint(rows, (), generator=generator)),
         0,
         rows - 1,
         *norm_extremes(norms),
         *rare_values(batch, rows),
-        *(extremes[i] for i in order),
+        *field_extremes(batch, rows),
     ]
     chosen = list(dict.fromkeys(special))
     taken = set(chosen)
     rest = [i for i in range(rows) if i not in taken]
     half = (len(rest) + 1) // 2
-    if len(chosen) + half > limit:  # a small batch, mostly extremes: a random three quarters of it
+    if len(chosen) + half > limit:  # a small batch, mostly extremes: all but a random quarter of it
         return tuple(sorted(torch.randperm(rows, generator=generator)[:limit].tolist()))
     picked = torch.randperm(len(rest), generator=generator)[:half].tolist()
     return tuple(sorted(chosen + [rest[i] for i in picked]))
