@@ -229,9 +229,12 @@ def norm_extremes(norms: Tensor) -> list[int]:
 def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> tuple[int, ...]:
     """The rows pass B changes: one drawn at random, the first and the last, the gradient norms' extremes,
     the rarest label values, every field's extremes, then a random half of the others. A record that holds
-    an extreme is changed on every check, any other record with probability at least 1/2. At least a
-    quarter of the batch (and one row) is kept: where the extremes and half the others do not fit (a small
-    batch with many columns), all but a random quarter of the batch is changed instead."""
+    an extreme is changed on every check, any other record with probability at least 1/2. About half the
+    batch is kept (at least one row): where the extremes and half the others do not fit (a small
+    batch with many columns), the first, the last and all but a random quarter of the others are changed. The number of rows
+    kept is coprime with the batch size (a few more rows are changed, or kept in a small batch, until it
+    is): then no share of the batch (of labelled rows, of a class) is the same in both passes, since
+    n'/K = n/B has no solution with 0 < n < B."""
     keep_at_least = max(1, rows // 4)
     limit = rows - keep_at_least
     special = [
@@ -247,9 +250,16 @@ def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator
     rest = [i for i in range(rows) if i not in taken]
     half = (len(rest) + 1) // 2
     if len(chosen) + half > limit:  # a small batch, mostly extremes: all but a random quarter of it
-        return tuple(sorted(torch.randperm(rows, generator=generator)[:limit].tolist()))
-    picked = torch.randperm(len(rest), generator=generator)[:half].tolist()
-    return tuple(sorted(chosen + [rest[i] for i in picked]))
+        size = next(k for k in range(keep_at_least, rows) if math.gcd(k, rows) == 1)
+        inner = rows > 3  # keep neither the first nor the last (mixing along the rows) unless too few
+        drawn = torch.randperm(rows - 2 if inner else rows, generator=generator)[:size]
+        kept = (drawn + 1 if inner else drawn).tolist()
+    else:
+        order = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
+        size = next(k for k in range(len(rest) - half, 0, -1) if math.gcd(k, rows) == 1)
+        kept = order[:size]
+    taken = set(kept)
+    return tuple(i for i in range(rows) if i not in taken)
 
 
 @dataclass
