@@ -723,8 +723,9 @@ def test_changes_far_below_c_on_near_zero_gradients_are_rounding_not_mixing():
     strategy = DPStrategy(noise_multiplier=1.0, seed=0, check_sensitivity="every_step")
     make_trainer(strategy, max_steps=4).fit(model)
     assert len(strategy.checks.mixing.checked_steps) == 4
-    # The same dependence on the batch's size at a scale that matters is refused.
-    loud = _RoundingOnly(n=64, batch_size=16)
+    # The same dependence on the batch's size at a scale that matters is refused (a batch large enough that
+    # the rows the check keeps, beside every column's extremes, include some with y = 0).
+    loud = _RoundingOnly(n=256, batch_size=64)
     loud.training_step = lambda batch, i: _RoundingOnly.training_step(loud, batch, i) * 1e20  # type: ignore[method-assign]
     with pytest.raises(DPConfigurationError, match=MIXING):
         make_trainer(

@@ -383,9 +383,11 @@ class MixingCheck:
             full_sum = _kept_sum(full, factors, kept_full, rows)
             grads.clear()
             # Random draws (dropout): replace only, so every shape and every draw stays the same. Else remove
-            # them: the batch's size and its content both move, so a dependence on either shows.
-            removed: tuple[int, ...] = changed_rows
-            replaced: tuple[int, ...] = ()
+            # one changed example and replace the others by copies of kept ones: the batch's content moves,
+            # and its size moves by exactly one, as between neighbours (a function of the size alone, such as
+            # its parity, can stay put when many rows go at once).
+            removed: tuple[int, ...] = changed_rows[:1]
+            replaced: tuple[int, ...] = changed_rows[1:]
             if state.drew_random_numbers():
                 removed, replaced = (), changed_rows
             edit = run_on_changed_batch(  # removal falls back to replacement where the step cannot run on it
