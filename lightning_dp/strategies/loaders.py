@@ -91,10 +91,13 @@ def private_loader(
     batches: RealisedSizes,
     carries_batch_info: bool,
     integrity: BatchIntegrity | None = None,
+    dataset: Any = None,
 ) -> DataLoader:
-    """The user's loader with the sampler slot's ``batches``; its workers and memory settings kept."""
+    """The user's loader with the sampler slot's ``batches``; its workers and memory settings kept.
+    ``dataset``: what the batches index, when not the loader's own (a run's contribution-bounded subset)."""
+    dataset = loader.dataset if dataset is None else dataset
     private = PrivateLoader(
-        InfoDataset(loader.dataset) if carries_batch_info else loader.dataset,
+        InfoDataset(dataset) if carries_batch_info else dataset,
         batch_sampler=batches,
         collate_fn=CollateWithEmpty(loader.collate_fn),
         num_workers=loader.num_workers,
