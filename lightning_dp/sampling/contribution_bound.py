@@ -35,11 +35,11 @@ def user_index(user_of_example: Tensor, num_users: int) -> tuple[Tensor, Tensor]
     return order, offsets
 
 
-def segment_positions(counts: Tensor) -> tuple[Tensor, Tensor]:
+def segment_positions(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For segments of the given lengths laid end to end: each entry's segment and its position in it."""
-    segment = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    return segment, torch.arange(int(counts.sum())) - starts[segment]
+    segment = np.repeat(np.arange(len(counts)), counts)
+    starts = np.cumsum(counts) - counts
+    return segment, np.arange(int(counts.sum())) - starts[segment]
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -68,15 +68,20 @@ def bounded_examples(users: UserIds, k: int, seed: int | None = None) -> Tensor:
     counts = offsets[1:] - offsets[:-1]
     if len(counts) == 0 or int(counts.max()) <= k:
         return torch.arange(len(users.user_of_example))
-    segment, position = segment_positions(counts)
+    segment, position = segment_positions(counts.numpy())
     user_hashes = np.array([_user_hash(raw, seed) for raw in users.raw_ids], dtype=np.uint64)
     with np.errstate(over="ignore"):
-        keys = _mix(user_hashes[segment.numpy()] + position.numpy().astype(np.uint64) * _GOLDEN)
-    by_key = torch.from_numpy(np.argsort(keys, kind="stable"))
-    by_user = by_key[torch.argsort(segment[by_key], stable=True)]  # grouped by user, each by key
-    _, rank_in_user = segment_positions(counts)
-    kept = order[by_user[rank_in_user < k]]
-    return torch.sort(kept).values
+        keys = _mix(user_hashes[segment] + position.astype(np.uint64) * _GOLDEN)
+    chosen = first_per_segment(segment, position, keys, k)
+    return torch.sort(order[torch.from_numpy(chosen)]).values
+
+
+def first_per_segment(segment: np.ndarray, position: np.ndarray, keys: np.ndarray, k: int) -> np.ndarray:
+    """Entries (of segments laid end to end) with one of the k smallest keys of their segment, grouped by
+    segment: the one way every choice of "k of a user's examples" is made."""
+    by_key = np.argsort(keys, kind="stable")
+    grouped = by_key[np.argsort(segment[by_key], kind="stable")]  # by segment, each segment by key
+    return grouped[position < k]  # the i-th entry of ``grouped`` is the position[i]-th of its segment
 
 
 class ContributionBound:

@@ -18,13 +18,18 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
 from lightning_dp.batches import IndicesWithInfo, UnitInfo
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.sampling.contribution_bound import bounded_examples, segment_positions, user_index
+from lightning_dp.sampling.contribution_bound import (
+    bounded_examples,
+    first_per_segment,
+    segment_positions,
+    user_index,
+)
 from lightning_dp.sampling.draw import poisson_subset
 from lightning_dp.sampling.seeded import SeededSampler
 from lightning_dp.sampling.user_ids import UserIds, UserKey, resolve_user_ids
@@ -101,8 +106,8 @@ class UserPoisson(SeededSampler):
         self.rank, self.world_size = 0, 1
         self._dataset: Any = None
         self.users: UserIds | None = None
-        self._order = self._offsets = self._counts = self._mine = torch.zeros(0, dtype=torch.long)
-        self._cursor: Tensor | None = None  # "cycle": each user's next position (memory only)
+        self._order = self._offsets = self._counts = self._mine = np.zeros(0, dtype=np.int64)
+        self._cursor: np.ndarray | None = None  # "cycle": each user's next position (memory only)
         self._warned_batch = False
 
     # -- set-up ---------------------------------------------------------------------------------------
@@ -119,11 +124,11 @@ class UserPoisson(SeededSampler):
         if self.max_examples_per_user is not None:  # cap n_u before sampling; the dropped count stays private
             kept = bounded_examples(users, self.max_examples_per_user, self.seed)
             order, offsets = user_index(user_of_example[kept], users.num_users)
-            self._order = kept[order]
+            order = kept[order]
         else:
-            self._order, offsets = user_index(user_of_example, users.num_users)
-        self._offsets = offsets
-        self._counts = offsets[1:] - offsets[:-1]
+            order, offsets = user_index(user_of_example, users.num_users)
+        self._order, self._offsets = order.numpy(), offsets.numpy()
+        self._counts = self._offsets[1:] - self._offsets[:-1]
         self._cursor = None
 
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
@@ -160,13 +165,12 @@ class UserPoisson(SeededSampler):
         self.num_samples = num_users  # the privacy unit is the user: U is the N of the ledger and checkpoint
         self.sample_rate = self.users_per_step / num_users
         self.rank, self.world_size = rank, world_size
-        self._mine = torch.arange(rank, num_users, world_size)
+        self._mine = np.arange(rank, num_users, world_size)
         generator = self._start_stream(f"user_poisson/{rank}")
         if self.selection == "cycle" and (self._cursor is None or len(self._cursor) != num_users):
             # a random starting point per user, from this run's stream: nothing about past steps is kept
-            self._cursor = (
-                torch.rand(num_users, generator=generator, dtype=torch.float64) * self._counts
-            ).long()
+            uniform = torch.rand(num_users, generator=generator, dtype=torch.float64).numpy()
+            self._cursor = (uniform * self._counts).astype(np.int64)
 
     @property
     def expected_batch_size(self) -> float:
@@ -182,38 +186,33 @@ class UserPoisson(SeededSampler):
     def draw(self) -> IndicesWithInfo:
         """One step: this rank's users, each w.p. q_u; min(n_u, k) rows of each, grouped by user."""
         assert self.generator is not None, "bind() first"
-        users = self._mine[poisson_subset(len(self._mine), self.sample_rate, self.generator)]
+        users = self._mine[poisson_subset(len(self._mine), self.sample_rate, self.generator).numpy()]
         counts = self._counts[users]
-        k = self.examples_per_user
         if self.selection == "cycle":
-            rows, unit_of_row = self._cycle(users, counts, k)
+            rows, unit_of_row = self._cycle(users, counts)
         else:
-            rows, unit_of_row = self._random(users, counts, k)
-        return IndicesWithInfo(rows.tolist(), UnitInfo(unit_of_row, self.reduction))
+            rows, unit_of_row = self._random(users, counts)
+        return IndicesWithInfo(rows.tolist(), UnitInfo(torch.from_numpy(unit_of_row), self.reduction))
 
-    def _random(self, users: Tensor, counts: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def _random(self, users: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A uniform min(n_u, k)-subset of each user's rows: one uniform key per row, the k smallest kept."""
         segment, position = segment_positions(counts)
         rows = self._order[self._offsets[users][segment] + position]
-        if len(counts) == 0 or int(counts.max()) <= k:
+        if len(counts) == 0 or int(counts.max()) <= self.examples_per_user:
             return rows, segment
-        keys = torch.rand(len(rows), generator=self.generator)
-        by_key = torch.argsort(keys)
-        grouped = by_key[torch.argsort(segment[by_key], stable=True)]  # by user, each user's rows by key
-        chosen = grouped[position < k]
-        rows, segment = rows[chosen], segment[chosen]
-        tidy = torch.argsort(segment * (int(rows.max()) + 1) + rows)  # each user's rows in dataset order
-        return rows[tidy], segment[tidy]
+        keys = torch.rand(len(rows), generator=self.generator, dtype=torch.float64).numpy()
+        chosen = np.sort(first_per_segment(segment, position, keys, self.examples_per_user))
+        return rows[chosen], segment[chosen]  # each user's rows in dataset order
 
-    def _cycle(self, users: Tensor, counts: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def _cycle(self, users: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The next min(n_u, k) of each user's rows in index order, wrapping: no repeat within a step."""
         assert self._cursor is not None
-        taken = counts.clamp(max=k)
+        taken = np.minimum(counts, self.examples_per_user)
         segment, step = segment_positions(taken)
         start = self._cursor[users]
         position = (start[segment] + step) % counts[segment]
         rows = self._order[self._offsets[users][segment] + position]
-        self._cursor[users] = (start + taken) % counts.clamp(min=1)
+        self._cursor[users] = (start + taken) % np.maximum(counts, 1)
         return rows, segment
 
     def batch_sampler(self, num_batches: int) -> UserBatchSampler:
