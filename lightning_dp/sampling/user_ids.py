@@ -83,7 +83,11 @@ def _read(dataset: Any, key: UserKey, num_examples: int, owner: str) -> Sequence
 def _read_named(dataset: Any, key: str, num_examples: int, owner: str) -> Sequence[Any] | Tensor | np.ndarray:
     """A Hugging Face column, else an attribute of the dataset, else the key of every item (one pass)."""
     columns = getattr(dataset, "column_names", None)
-    if type(dataset).__module__.startswith("datasets") and isinstance(columns, list) and key in columns:
+    if (
+        type(dataset).__module__.startswith("datasets")
+        and isinstance(columns, (list, tuple))
+        and key in columns
+    ):
         return list(dataset[key])
     if hasattr(dataset, key):
         value = getattr(dataset, key)
