@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import IO, Any
 
@@ -150,7 +151,8 @@ def els_statement(strategy: Any, k: int) -> dict[str, Any]:
             mog = mog_user_epsilon(float(sigma), float(rate), k, int(ledger.steps), engine.delta)
     group = float(group_rdp_user_epsilon(ledger, k, engine.delta))
     best = min(value for value in (mog, group) if value is not None)
-    parts = ([f"{mog:.4g} (MoG PLD)"] if mog is not None else []) + [f"{group:.4g} (RDP group privacy)"]
+    parts = [f"{_number(mog)} (MoG PLD)"] if mog is not None else []
+    parts.append(f"{_number(group)} (RDP group privacy)")
     data = {
         "max_examples_per_user": k,
         "epsilon": best,
@@ -165,6 +167,10 @@ def els_statement(strategy: Any, k: int) -> dict[str, Any]:
     }
     strategy._els_cache = (key, data)
     return dict(data)
+
+
+def _number(value: float) -> str:
+    return "∞" if math.isinf(value) else f"{value:.4g}"
 
 
 def write_report(data: dict[str, Any], ledger: Any, directory: str) -> str:

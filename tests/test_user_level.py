@@ -256,6 +256,9 @@ def test_user_key_is_read_from_ids_a_function_a_column_an_attribute_or_the_items
         assert users.user_of_example.tolist() == expected
         assert users.raw_ids == ["alice", "bob", "carol"]
     assert resolve_user_ids(Columns(owners), "author").user_of_example.tolist() == expected
+    subset = torch.utils.data.Subset(records, [5, 1, 2])  # a Subset reads its dataset's ids, then selects
+    assert resolve_user_ids(subset, "authors").raw_ids == ["alice", "bob", "carol"]
+    assert resolve_user_ids(subset, "authors").user_of_example.tolist() == [2, 0, 1]
     with pytest.warns(UserWarning, match="loads each example once"):
         assert resolve_user_ids(Records(owners), "author").user_of_example.tolist() == expected
     assert resolve_user_ids(range(4), torch.tensor([30, 10, 30, 20])).user_of_example.tolist() == [2, 0, 2, 1]

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import Subset
 
 from lightning_dp.errors import DPConfigurationError
 
@@ -81,18 +82,17 @@ def _read(dataset: Any, key: UserKey, num_examples: int, owner: str) -> Sequence
 
 
 def _read_named(dataset: Any, key: str, num_examples: int, owner: str) -> Sequence[Any] | Tensor | np.ndarray:
-    """A Hugging Face column, else an attribute of the dataset, else the key of every item (one pass)."""
-    columns = getattr(dataset, "column_names", None)
-    if (
-        type(dataset).__module__.startswith("datasets")
-        and isinstance(columns, (list, tuple))
-        and key in columns
-    ):
+    """A Hugging Face column, else an attribute of the dataset, else the key of every item (one pass).
+    A ``torch.utils.data.Subset`` reads the column or attribute of the dataset it selects from."""
+    if _is_column(dataset, key):
         return list(dataset[key])
-    if hasattr(dataset, key):
-        value = getattr(dataset, key)
-        if isinstance(value, (Tensor, np.ndarray, Sequence)) and not isinstance(value, str):
-            return value
+    if _is_attribute(dataset, key):
+        return getattr(dataset, key)
+    if isinstance(dataset, Subset) and (
+        _is_column(dataset.dataset, key) or _is_attribute(dataset.dataset, key)
+    ):
+        whole = _read_named(dataset.dataset, key, len(dataset.dataset), owner)
+        return [whole[i] for i in dataset.indices]
     warnings.warn(
         f"{owner}: user_key={key!r} is neither a column nor an attribute of {type(dataset).__name__}: reading "
         "it from every item loads each example once. Pass the ids directly (user_key=<sequence>) to skip this.",
@@ -111,6 +111,22 @@ def _read_named(dataset: Any, key: str, num_examples: int, owner: str) -> Sequen
                 f"({type(item).__name__}). Name a column, a dataset attribute or an item key, or pass the ids."
             )
     return ids
+
+
+def _is_column(dataset: Any, key: str) -> bool:
+    """Whether ``key`` is a column of a Hugging Face ``datasets.Dataset`` (read whole, cheaply)."""
+    columns = getattr(dataset, "column_names", None)
+    return (
+        type(dataset).__module__.startswith("datasets")
+        and isinstance(columns, (list, tuple))
+        and key in columns
+    )
+
+
+def _is_attribute(dataset: Any, key: str) -> bool:
+    """Whether ``dataset.<key>`` is a sequence of ids (a tensor, an array or a list)."""
+    value = getattr(dataset, key, None)
+    return isinstance(value, (Tensor, np.ndarray, Sequence)) and not isinstance(value, str)
 
 
 def _missing(value: Any) -> bool:
