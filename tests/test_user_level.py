@@ -452,3 +452,19 @@ def test_table_e_user_level_statement_of_an_example_level_run(tmp_path):
     mog = group.mog_user_epsilon(1.0, 4 / 16, 2, 2, 1e-5)
     assert user_level["epsilon_pld_mog"] == mog
     assert user_level["epsilon"] == min(v for v in (mog, user_level["epsilon_rdp_group"]) if v is not None)
+
+
+def test_the_digits_recipe_has_126_synthetic_users_of_consecutive_train_examples():
+    """Spec §5.8: runs of 10 train indices, after a stable sort by label or a seeded shuffle."""
+    from recipes import DigitsDataModule
+
+    for users in ("label_sorted", "shuffled"):
+        data = DigitsDataModule(flatten=True, users=users)
+        data.setup("fit")
+        assert data.train_set is not None
+        ids = resolve_user_ids(data.train_set, "user_id")  # the attribute user_key="user_id" reads
+        assert ids.num_users == 126
+        assert sorted(torch.bincount(ids.user_of_example).tolist()) == [7] + [10] * 125
+        labels = data.train_set.tensors[1]
+        if users == "label_sorted":
+            assert torch.all(labels[1:] >= labels[:-1])  # non-iid: mostly one digit per user
