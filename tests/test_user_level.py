@@ -332,6 +332,7 @@ USERS = dict(privacy_unit="user", user_key="user_id", examples_per_user=4, users
         ({**USERS, "max_physical_batch_size": 3}, "Set max_physical_batch_size ≥ 4"),
         (dict(sampler=UserPoisson("u", 4, 2), max_physical_batch_size=2), "clipped once per part"),
         (dict(privacy_unit="user", user_key="u", sampler=UserPoisson("u", 4, 2)), "not both"),
+        (dict(sampler=UserPoisson("u", 4, 2), max_examples_per_user=3), "not both"),  # never silently ignored
     ],
 )
 def test_user_level_refusals_name_the_fix(kwargs, match):

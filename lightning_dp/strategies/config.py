@@ -163,17 +163,17 @@ def _validate_unit(config: PrivacyConfig) -> None:
         "unit_reduction": None if config.unit_reduction == "mean" else config.unit_reduction,
     }
     given = [name for name, value in keywords.items() if value is not None]
-    if config.privacy_unit == "user" and config.sampler is not None:
-        if config.sampler.unit != "user":
-            raise DPConfigurationError(
-                f"{owner}: privacy_unit='user' samples users, but sampler={config.sampler.name} samples "
-                f"examples: {config.sampler.name} with users is not priced in this version. Leave sampler unset "
-                "(the keywords build UserPoisson), or pass sampler=UserPoisson(...)."
-            )
-        if given or config.user_key is not None:
+    if config.privacy_unit == "user" and config.sampler is not None and config.sampler.unit != "user":
+        raise DPConfigurationError(
+            f"{owner}: privacy_unit='user' samples users, but sampler={config.sampler.name} samples "
+            f"examples: {config.sampler.name} with users is not priced in this version. Leave sampler unset "
+            "(the keywords build UserPoisson), or pass sampler=UserPoisson(...)."
+        )
+    if config.sampler is not None and config.sampler.unit == "user":
+        if given or config.user_key is not None or config.max_examples_per_user is not None:
             raise DPConfigurationError(
                 f"{owner}: give the user sampling either as keywords (user_key, examples_per_user, users_per_step, "
-                "unit_selection, unit_reduction) or as sampler=UserPoisson(...), not both."
+                "unit_selection, unit_reduction, max_examples_per_user) or as sampler=UserPoisson(...), not both."
             )
     elif config.privacy_unit == "user":
         missing = [
