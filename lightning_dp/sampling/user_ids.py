@@ -91,7 +91,8 @@ def _read_named(dataset: Any, key: str, num_examples: int, owner: str) -> Sequen
     if isinstance(dataset, Subset) and (
         _is_column(dataset.dataset, key) or _is_attribute(dataset.dataset, key)
     ):
-        whole = _read_named(dataset.dataset, key, len(dataset.dataset), owner)
+        inner: Any = dataset.dataset
+        whole = _read_named(inner, key, len(inner), owner)
         return [whole[i] for i in dataset.indices]
     warnings.warn(
         f"{owner}: user_key={key!r} is neither a column nor an attribute of {type(dataset).__name__}: reading "
