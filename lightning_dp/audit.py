@@ -98,7 +98,24 @@ def default_guesses(m: int) -> list[tuple[int, int]]:
 
 @dataclass
 class AuditResult:
-    """What the audit found; ``epsilon_lower_bound`` holds at ``confidence`` (Bonferroni over guesses)."""
+    """What the audit found; ``epsilon_lower_bound`` holds at ``confidence`` (Bonferroni over guesses).
+
+    Attributes:
+        claimed_epsilon: the ε the run's ledger reports.
+        epsilon_lower_bound: the empirical lower bound on ε; above ``claimed_epsilon`` means a bug (or, with
+            probability at most 1 − ``confidence``, bad luck).
+        confidence: the probability with which the lower bound holds.
+        delta: the run's δ.
+        canary: ``"gradient"`` or ``"input"``, the kind of canary audited.
+        num_canaries: r, the number of canaries; ``num_included`` of them were in the training set.
+        num_included: how many canaries were included (each with probability 1/2).
+        num_guesses: how many canaries the best (k₊, k₋) guessed (the rest abstained).
+        num_correct: how many of those guesses were correct.
+        guesses_tried: every (k₊, k₋) tried; the confidence is split between them.
+        steps: the private steps the run took.
+        scores: each canary's score (higher: more likely included).
+        included: whether each canary was included.
+    """
 
     claimed_epsilon: float
     epsilon_lower_bound: float
@@ -279,6 +296,22 @@ def audit(
     ``seed`` fixes which canaries are included (and the canaries themselves); by default it comes
     from ``os.urandom``. The result is also written into ``privacy_report.json`` (field ``"audit"``)
     next to a ``privacy_audit.png`` score plot, when the run writes a report.
+
+    Args:
+        trainer: a ``Trainer`` whose strategy is a DP strategy; it runs the fit.
+        model: the LightningModule to train.
+        datamodule: its data, when ``model`` does not bring its own train loader (default None).
+        canary: ``"gradient"`` (default, white-box: a vector of norm equal to the clipping sensitivity added
+            to the released sum when the canary is sampled) or ``"input"`` (black-box: an out-of-distribution
+            example appended to the training set, scored on the final model).
+        num_canaries: r, the number of canaries (≥ 2, default 256); each is included with probability 1/2.
+        confidence: the probability with which the lower bound holds (default 0.95).
+        guesses: the (k₊, k₋) pairs to try: guess the k₊ highest scores included and the k₋ lowest excluded;
+            None (default): 8 choices, the confidence split between them.
+        placement: gradient canaries only: ``"isolated"`` (default: each owns a coordinate of an extra
+            released block) or ``"model"`` (each owns a random coordinate of the model's gradient; weaker).
+        seed: fixes the canaries and which are included (default None: ``os.urandom``).
+        write_report: add the result to ``privacy_report.json`` and plot ``privacy_audit.png`` (default True).
     """
     from lightning_dp.callbacks import PrivacyCallback, dp_strategy_of
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from lightning_dp.errors import DPConfigurationError
 
 
 class EmptyBatch:
@@ -37,19 +40,52 @@ def batch_length(batch: Any) -> int | None:
     return found[0] if found else None
 
 
-def split_batch(batch: Any, size: int) -> list[Any]:
-    """Chunks of at most ``size`` examples; tensors without the batch dimension are passed whole."""
+def split_batch(batch: Any, size: int, units: UnitInfo | None = None) -> list[Any]:
+    """Chunks of at most ``size`` examples; tensors without the batch dimension are passed whole.
+
+    With ``units`` the cuts fall between units only (:func:`unit_chunks`): a unit's rows are clipped as
+    one, so a unit cut in two would be clipped twice and count twice against the sensitivity.
+    """
     length = batch_length(batch)
     if length is None or length <= size:
         return [batch]
-    starts = range(0, length, size)
+    bounds = (
+        [(start, min(start + size, length)) for start in range(0, length, size)]
+        if units is None
+        else [(start, stop) for start, stop, _ in unit_chunks(units, size)]
+    )
 
-    def part(start: int) -> Any:
+    def part(start: int, stop: int) -> Any:
         return apply_to_collection(
-            batch, Tensor, lambda t: t[start : start + size] if t.dim() > 0 and t.shape[0] == length else t
+            batch, Tensor, lambda t: t[start:stop] if t.dim() > 0 and t.shape[0] == length else t
         )
 
-    return [part(start) for start in starts]
+    return [part(start, stop) for start, stop in bounds]
+
+
+def unit_chunks(units: UnitInfo, size: int) -> list[tuple[int, int, UnitInfo]]:
+    """Row ranges [start, stop) of at most ``size`` rows that hold whole units, packed in order, with each
+    chunk's own :class:`UnitInfo` (units renumbered from 0). A unit of more than ``size`` rows is refused:
+    clipping its two halves separately would let it move the released sum by 2C."""
+    counts = units.rows_per_unit().tolist()
+    largest = max(counts, default=0)
+    if largest > size:
+        raise DPConfigurationError(
+            f"A privacy unit (a user's rows, or an example's augmented views) has {largest} rows, more than "
+            f"max_physical_batch_size={size}. A unit is clipped as one, so it must fit one physical chunk: "
+            "split across two chunks, each half would be clipped to C and the unit would count 2C. Raise "
+            "max_physical_batch_size to at least the largest unit (examples_per_user × augmentation_multiplicity)."
+        )
+    chunks: list[tuple[int, int, UnitInfo]] = []
+    start = stop = first = 0
+    for unit, count in enumerate(counts):
+        if stop + count - start > size:
+            chunks.append((start, stop, units.slice(first, unit)))
+            start, first = stop, unit
+        stop += count
+    if stop > start or not chunks:
+        chunks.append((start, stop, units.slice(first, len(counts))))
+    return chunks
 
 
 @dataclass(frozen=True)
@@ -59,10 +95,13 @@ class UnitInfo:
     Rows of one unit are contiguous and clipped as one: the unit's ``reduction`` ("mean" or "sum") of its
     rows' gradients is clipped to C, so adding or removing a whole unit moves the released sum by at most C.
     ``unit_of_row`` is int64 of length R (rows), non-decreasing, with values 0 .. num_units - 1.
+    ``views``: each example's rows are this many augmented views of it (augmentation multiplicity), which
+    are averaged before the reduction ("sum" then sums the examples' view means; "mean" is unchanged).
     """
 
     unit_of_row: Tensor
     reduction: Literal["mean", "sum"] = "mean"
+    views: int = 1
 
     @property
     def num_units(self) -> int:
@@ -71,6 +110,51 @@ class UnitInfo:
     def rows_per_unit(self) -> Tensor:
         """How many rows each unit has in this batch (int64, length ``num_units``)."""
         return self.unit_of_row.bincount(minlength=self.num_units)
+
+    def row_weights(self) -> Tensor:
+        """w_r of each row (fp32): h_u = Σ_{r∈u} w_r g_r is the unit's gradient that is clipped; 1/n_u under
+        "mean" (n_u: the unit's rows in this batch), 1/views under "sum"."""
+        if self.reduction == "mean":
+            return 1.0 / self.rows_per_unit().float()[self.unit_of_row]
+        return torch.full(self.unit_of_row.shape, 1.0 / self.views, device=self.unit_of_row.device)
+
+    def slice(self, first: int, stop: int) -> UnitInfo:
+        """Units ``first`` .. ``stop - 1`` (renumbered from 0): the unit map of a chunk holding exactly them."""
+        keep = (self.unit_of_row >= first) & (self.unit_of_row < stop)
+        return UnitInfo(self.unit_of_row[keep] - first, self.reduction, self.views)
+
+    def without(self, removed: list[int]) -> tuple[list[int], UnitInfo, Tensor]:
+        """The batch with whole units ``removed``: (their rows, the unit map of the rows left, renumbered
+        from 0, and the original ids of the units left). A leave-one-unit-out check (units may mix their
+        own rows, never another unit's) compares the units left, grouped, in both passes."""
+        gone = torch.zeros(self.num_units, dtype=torch.bool)
+        gone[torch.as_tensor(removed, dtype=torch.long)] = True
+        gone_rows = gone.to(self.unit_of_row.device)[self.unit_of_row]
+        kept_units = (~gone).nonzero().squeeze(1)
+        renumber = (~gone).long().cumsum(0) - 1
+        rest = renumber.to(self.unit_of_row.device)[self.unit_of_row[~gone_rows]]
+        return gone_rows.nonzero().squeeze(1).tolist(), UnitInfo(rest, self.reduction, self.views), kept_units
+
+
+@dataclass(frozen=True)
+class WithUnits:
+    """A batch's info when it carries both the sampler's own snapshot and a unit map (augmented views of a
+    sampler's batch): the sampler gets ``sampler_info``, the engine ``units``."""
+
+    sampler_info: Any
+    units: UnitInfo
+
+
+def units_of(info: Any) -> UnitInfo | None:
+    """The unit map a batch's info carries (None: every row is its own unit)."""
+    if isinstance(info, UnitInfo):
+        return info
+    return info.units if isinstance(info, WithUnits) else None
+
+
+def sampler_info_of(info: Any) -> Any:
+    """What the sampler itself put in a batch's info (``begin_step`` gets exactly that)."""
+    return info.sampler_info if isinstance(info, WithUnits) else info
 
 
 class IndicesWithInfo(list[int]):

@@ -24,7 +24,9 @@ class StepContext:
     expected_batch_size: float
     """Public expected batch size q·N: the divisor of the noisy sum."""
     max_grad_norm: float
+    """C, the clipping bound of this step (an L2 norm in the gradient's units)."""
     noise_multiplier: float
+    """σ of this step, relative to the clipping's sensitivity: the noise std is σ·sensitivity."""
     generator: torch.Generator
     """The noise generator: seeded from ``os.urandom`` unless the user asked for a seed."""
     sensitivity: float | None = None

@@ -17,6 +17,15 @@ def per_example_token_loss(
     models: ``logits[:, :-1]`` against ``labels[:, 1:]``). Return ``.mean()`` of the result from
     ``training_step``: unlike a mean over all the batch's tokens, it never weighs one example by the
     others' lengths, so the privacy guarantee holds.
+
+    Args:
+        logits: [B, T, V], batch first.
+        labels: [B, T] token ids; ``ignore_index`` marks tokens that count for nothing.
+        ignore_index: the label of ignored tokens (default -100, Hugging Face's).
+        shift: predict token t+1 from position t (causal language models; default False).
+
+    Returns:
+        [B], each example's mean loss over its own labelled tokens (0 for an example with none).
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(

@@ -48,6 +48,9 @@ def replace_batchnorm(module: nn.Module) -> list[str]:
 
     This is exactly what ``DPStrategy(on_batchnorm="replace")`` does at fit start; call it on a fresh
     instance (or use :func:`load_from_checkpoint`) to load the weights of a model trained that way.
+
+    Args:
+        module: the model, changed in place.
     """
     replaced = []
     for name, parent in list(module.named_modules()):
@@ -89,15 +92,27 @@ def check_stateful_layers(module: nn.Module) -> None:
 M = TypeVar("M", bound=nn.Module)
 
 
+MODEL_HISTORY_ATTR = "lightning_dp_history"
+"""The LightningModule attribute that carries the model's privacy history (its ledger) between strategies."""
+
+
 def load_from_checkpoint(cls: type[M], checkpoint_path: str | PathLike[str] | IO[bytes], **kwargs: Any) -> M:
     """``cls.load_from_checkpoint(checkpoint_path, **kwargs)`` for a model trained with
     ``DPStrategy(on_batchnorm="replace")``: its BatchNorm layers are swapped for the same GroupNorm
     (:func:`replace_batchnorm`) after construction and before the weights load, through Lightning's
-    ``on_load_checkpoint`` hook. Returns an instance of ``cls`` itself.
+    ``on_load_checkpoint`` hook. The model carries the checkpoint's privacy ledger, so a later private fit
+    continues it (ε counts every release the weights have had). Returns an instance of ``cls`` itself.
+
+    Args:
+        cls: the LightningModule class that was trained.
+        checkpoint_path: the checkpoint file (a path or an open binary file).
+        **kwargs: passed to ``cls.load_from_checkpoint`` (``map_location``, hyperparameter overrides).
     """
 
     def on_load_checkpoint(self: Any, checkpoint: dict[str, Any]) -> None:
         replace_batchnorm(self)
+        if isinstance(checkpoint.get("lightning_dp"), dict):  # the ledger a later private fit continues
+            setattr(self, MODEL_HISTORY_ATTR, checkpoint["lightning_dp"])
         cls.on_load_checkpoint(self, checkpoint)  # type: ignore[attr-defined]
 
     loading = type(

@@ -47,6 +47,8 @@ def privacy_report(
     if isinstance(checks, RunChecks):
         data["checks"] = checks.summary()
     data["ledger_events"] = engine.ledger.steps
+    if engine.prior_events:  # the model's releases before this strategy: counted in ε above
+        data["earlier_ledger_events"] = engine.prior_events
     correlated = engine.noise.report()
     if correlated is not None:  # BandMF / BLT: the strategy matrix, its accounting and its predicted error
         data["correlated_noise"] = correlated
@@ -130,10 +132,10 @@ def _key_name(key: Any) -> str | None:
 
 def els_statement(strategy: Any, k: int) -> dict[str, Any]:
     """The user-level ε of an example-level run whose users own at most k examples each (enforced): the tight
-    mixture-of-Gaussians PLD (None without dp-accounting, or for a ledger that is not one Poisson-subsampled
-    Gaussian) and the RDP group-privacy bound (∞ where it has no solution). Slow (seconds to a minute): computed
+    mixture-of-Gaussians PLD (None without dp-accounting, or for a ledger with events other than
+    Poisson-subsampled Gaussians) and the RDP group-privacy bound (∞ where it has no solution). Slow (seconds to a minute): computed
     once per ledger state, at the end of fit, never per step."""
-    from lightning_dp.accounting.group import group_rdp_user_epsilon, mog_user_epsilon
+    from lightning_dp.accounting.group import group_rdp_user_epsilon, mog_user_epsilon_of_history
 
     engine = strategy.engine
     ledger = engine.ledger
@@ -141,14 +143,10 @@ def els_statement(strategy: Any, k: int) -> dict[str, Any]:
     cached = getattr(strategy, "_els_cache", None)
     if cached is not None and cached[0] == key:
         return dict(cached[1])
-    events = {event for event, _ in ledger.history}
-    mog = None
-    if len(events) == 1:
-        (event,) = events
-        params = event.poisson_gaussian_params()
-        if params is not None:
-            sigma, rate = params
-            mog = mog_user_epsilon(float(sigma), float(rate), k, int(ledger.steps), engine.delta)
+    try:  # one mixture-of-Gaussians event per (σ, q) segment of the ledger
+        mog = mog_user_epsilon_of_history(ledger.history, k, engine.delta)
+    except ValueError:  # an event other than a subsampled Gaussian: the RDP group bound alone
+        mog = None
     group = float(group_rdp_user_epsilon(ledger, k, engine.delta))
     best = min(value for value in (mog, group) if value is not None)
     parts = [f"{_number(mog)} (MoG PLD)"] if mog is not None else []

@@ -29,6 +29,28 @@ def make_generator(seed: int | None, stream: str, device: torch.device | str = "
 #: Keys under which a slot's ``state_dict`` stores generator states (one state, or a dict of named ones).
 GENERATOR_KEYS = ("generator", "generators")
 
+SEEDED_RUN_WARNING = (
+    "lightning-dp: this run is seeded ({owners}), so its sampling and noise are reproducible: its checkpoints "
+    "keep the generator states (and, for DPIS, its per-example norms), and whoever holds a checkpoint or the "
+    "seed can regenerate every noise vector and every batch, then read the exact clipped gradient sums off "
+    "the weights. Use seeds for tests and debugging only; leave seed unset (os.urandom) for a run whose files "
+    "leave your hands."
+)
+
+
+def saved_state(generator: torch.Generator | None, seed: int | None) -> torch.Tensor | None:
+    """``generator``'s state for a checkpoint: only where ``seed`` was given (then it repeats the run).
+
+    An unseeded generator's state holds its ``os.urandom`` seed (a CPU state's first 8 bytes): whoever
+    holds the file could regenerate every draw, and a resume ignores it anyway (fresh streams).
+    """
+    return None if seed is None or generator is None else generator.get_state()
+
+
+def saved_states(generators: dict[str, torch.Generator], seed: int | None) -> dict[str, torch.Tensor]:
+    """The named generators' states for a checkpoint; empty unless ``seed`` was given (:func:`saved_state`)."""
+    return {} if seed is None else {name: g.get_state() for name, g in generators.items()}
+
 
 def without_generator_states(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` minus its saved generator states, so a resume draws from fresh ``os.urandom`` streams.

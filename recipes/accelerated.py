@@ -53,7 +53,15 @@ class LogRegProblem:
 def paper_logreg_problem(
     n: int = 100_000, d: int = 20, seed: int = 1, lam: float = 0.01, reference_steps: int = 1000
 ) -> LogRegProblem:
-    """Generate the data and F* (full-batch NAG with α = 1/L, β = (√κ − 1)/(√κ + 1), from x_0 = 10·𝟙)."""
+    """Generate the data and F* (full-batch NAG with α = 1/L, β = (√κ − 1)/(√κ + 1), from x_0 = 10·𝟙).
+
+    Args:
+        n: the number of examples (default 100,000).
+        d: the dimension (default 20).
+        seed: seeds the data (default 1).
+        lam: λ of the regulariser λ‖x‖² (default 0.01).
+        reference_steps: the full-batch NAG steps that compute F* (default 1000).
+    """
     g = torch.Generator().manual_seed(seed)
     u = torch.rand(n, d, generator=g, dtype=torch.float64)
     l1 = u.abs().sum(1, keepdim=True)
@@ -75,7 +83,14 @@ def paper_logreg_problem(
 
 
 class SyntheticLogRegDataModule(L.LightningDataModule):
-    """The paper's synthetic data: train on all n examples; test reports F(x) − F* on the same set."""
+    """The paper's synthetic data: train on all n examples; test reports F(x) − F* on the same set.
+
+    Args:
+        n: the number of examples (default 100,000).
+        d: the dimension (default 20).
+        seed: seeds the data (default 1).
+        batch_size: the train loader's batch size, in examples (default 1000).
+    """
 
     def __init__(self, n: int = 100_000, d: int = 20, seed: int = 1, batch_size: int = 1000) -> None:
         super().__init__()
@@ -102,6 +117,11 @@ class PaperLogisticRegression(L.LightningModule):
 
     ``lr`` is α = c/L. The optimizer is plain SGD: with a DP step slot (HeavyBall, Nesterov,
     MultiStageNesterov) it only supplies the parameters, α and the weight decay.
+
+    Args:
+        d: the dimension of x (default 20).
+        lr: α = c/L, the step size (default 0.196).
+        lam: λ of the regulariser λ‖x‖² (default 0.01).
     """
 
     def __init__(self, d: int = 20, lr: float = 0.196, lam: float = 0.01) -> None:

@@ -21,7 +21,17 @@ def build_model(
     hidden: list[int] | None = None,
     activation: str = "relu",
 ) -> nn.Module:
-    """Build one of :data:`ARCHITECTURES` (``hidden`` defaults to ``[128]`` for ``mlp``)."""
+    """Build one of :data:`ARCHITECTURES` (``hidden`` defaults to ``[128]`` for ``mlp``).
+
+    Args:
+        arch: ``"mlp"``, ``"logreg"``, ``"tramer_boneh_cnn"``, ``"digits_cnn"`` or ``"scatternet_cnn"``.
+        num_classes: the number of classes (default 10).
+        in_features: the flattened input size for ``mlp``/``logreg``, the ScatterNet channels for
+            ``scatternet_cnn`` (default 64, the digits).
+        hidden: the MLP's hidden widths (default [128]).
+        activation: one of relu, tanh, sigmoid, elu, gelu, silu, leaky_relu (default relu; ``digits_cnn``
+            keeps tanh).
+    """
     if arch == "mlp":
         return mlp(in_features, [128] if hidden is None else list(hidden), num_classes, activation)
     if arch == "logreg":
@@ -42,6 +52,17 @@ class ImageClassifier(L.LightningModule):
 
     Logs ``train_loss`` (mean over the batch), ``val_loss``/``val_acc`` and ``test_loss``/``test_acc``.
     ``dp_per_sample_loss`` returns the unreduced per-example losses for algorithms that need them.
+
+    Args:
+        arch: the network (:func:`build_model`; default ``"mlp"``).
+        num_classes: the number of classes (default 10).
+        in_features: the flattened input size, or the ScatterNet channels (default 64).
+        hidden: the MLP's hidden widths (default [128]).
+        activation: one of relu, tanh, sigmoid, elu, gelu, silu, leaky_relu (default relu).
+        lr: the learning rate (default 0.1).
+        momentum: SGD's momentum (default 0).
+        optimizer: ``"sgd"`` (default) or ``"adam"``.
+        weight_decay: L2 weight decay (default 0).
     """
 
     def __init__(

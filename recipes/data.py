@@ -78,9 +78,19 @@ class DigitsDataModule(_SplitDataModule):
       Those statistics are computed from the *private* training data and are not covered by the DP
       guarantee of training; only use it for non-private baselines.
 
-    ``users`` (``"shuffled"`` or ``"label_sorted"``) gives the train set synthetic users, consecutive runs of
-    ``examples_per_synthetic_user`` train examples (1,257 → 126 users), as a ``user_id`` attribute for
-    user-level DP (``configs/digits_users.yaml``).
+    Args:
+        batch_size: the train loader's batch size, in examples: the expected Poisson batch under a DP
+            strategy (default 64).
+        val_fraction: share of the 1,797 images held out for validation (default 0.1).
+        test_fraction: share held out for testing (default 0.2).
+        seed: seeds the split (default 0).
+        num_workers: DataLoader workers (default 0).
+        flatten: give each image as a 64-vector instead of ``(1, 8, 8)`` (default False).
+        normalization: ``"public"`` (default) or ``"train_stats"``, as above.
+        users: ``"shuffled"`` or ``"label_sorted"`` gives the train set synthetic users, consecutive runs of
+            ``examples_per_synthetic_user`` train examples (1,257 → 126 users), as a ``user_id`` attribute
+            for user-level DP (``configs/digits_users.yaml``); default None (no user ids).
+        examples_per_synthetic_user: examples per synthetic user (default 10).
     """
 
     num_classes = 10
@@ -218,6 +228,11 @@ def resolve_mnist_root(root: str | os.PathLike, cache_dir: str | os.PathLike | N
     need not match torchvision's) into ``<cache_dir>/MNIST/raw`` (default ``~/.cache/lightning_dp``, or
     ``$LIGHTNING_DP_CACHE``) and that cache root is returned; nothing is written into ``root``.
     Otherwise ``root`` is returned unchanged (torchvision's own download then applies).
+
+    Args:
+        root: the folder given as MNIST's root.
+        cache_dir: where decompressed archives go (default None: ``$LIGHTNING_DP_CACHE`` or
+            ``~/.cache/lightning_dp``).
     """
     root_p = Path(root)
     if _mnist_extracted(root_p):
@@ -277,6 +292,15 @@ class MNISTDataModule(_SplitDataModule):
     Images are float ``(1, 28, 28)`` in ``[0, 1]``, standardised with the public constants
     (0.1307, 0.3081) when ``normalize=True``. ``root`` may also be a folder holding only the
     ``MNIST/raw/*.gz`` archives (see :func:`resolve_mnist_root`).
+
+    Args:
+        root: the folder with torchvision's ``MNIST/`` (default ``"data"``).
+        batch_size: the train loader's batch size, in examples (default 256).
+        download: let torchvision download MNIST into ``root`` when it is absent (default True).
+        val_size: training images held out for validation, in examples (default 5000).
+        seed: seeds the train/val split (default 0).
+        num_workers: DataLoader workers (default 0).
+        normalize: standardise with the public constants (0.1307, 0.3081) (default True).
     """
 
     num_classes = 10
@@ -381,6 +405,18 @@ class TabularDataModule(_SplitDataModule):
     ``normalize_rows=False`` keeps min-max scaling only (DP-AGD's preprocessing). ``full_batch=True``: the
     train loader's batch is the whole training split (DP-AGD's full-batch gradient descent; ``batch_size``
     then only sets the evaluation batches).
+
+    Args:
+        path: the ``.dat.gz`` file.
+        batch_size: the train loader's batch size, in examples (default 256).
+        test_fraction: share of the rows held out for testing when ``fold`` is None (default 0.2).
+        seed: seeds the split (default 0).
+        fold: the test fold k, or None (default) for one split.
+        num_folds: the number of folds (default 5).
+        val_fraction: share of the training part held out for validation (default 0).
+        num_workers: DataLoader workers (default 0).
+        normalize_rows: after min-max scaling per column, scale each row to unit L2 norm (default True).
+        full_batch: the train batch is the whole training split (default False).
     """
 
     num_classes = 2

@@ -34,6 +34,12 @@ def dp_pca_projection(x: Tensor, k: int, noise_multiplier: float, generator: tor
 
     Noise: one N(0, σ²) draw per upper-triangle entry (diagonal included), mirrored, so the release is
     a Gaussian mechanism with L2 sensitivity 1 under adding or removing one row.
+
+    Args:
+        x: [N, d] data; each row is scaled to L2 norm 1 first.
+        k: the number of eigenvectors kept.
+        noise_multiplier: σ of the noise on each covariance entry (sensitivity 1).
+        generator: the generator the noise is drawn from.
     """
     x = x.double().flatten(1)
     x = x / x.norm(dim=1, keepdim=True).clamp(min=1.0e-12)  # ‖x‖ ≤ 1 (zero rows stay zero)
@@ -47,7 +53,12 @@ def dp_pca_projection(x: Tensor, k: int, noise_multiplier: float, generator: tor
 
 class ComposedNoise(ConstantNoise):
     """Constant σ, calibrated so that the releases already made (``preceding``, e.g. DP-PCA) plus the
-    planned training steps stay within the target ε."""
+    planned training steps stay within the target ε.
+
+    Args:
+        noise_multiplier: σ given directly (then no calibration); None (default): calibrated from the
+            strategy's ``target_epsilon`` for the budget the preceding releases leave.
+    """
 
     def __init__(self, noise_multiplier: float | None = None) -> None:
         super().__init__(noise_multiplier)
@@ -88,6 +99,20 @@ class DPPCAClassifier(ImageClassifier):
     goes into the ledger first. The strategy's noise slot must then be :class:`ComposedNoise` (so σ is
     calibrated for the remaining budget) or a given ``noise_multiplier`` (``target_epsilon`` is then
     the budget stop, which counts the PCA release too).
+
+    Args:
+        pca_components: k, the dimension the projection keeps (default 60).
+        pca_noise_multiplier: σ of the DP-PCA release (a Gaussian mechanism with L2 sensitivity 1, rows
+            scaled to norm 1; default 8.0).
+        in_features: d, the flattened input size (default 784, MNIST).
+        hidden: the MLP's hidden widths (default [1000]).
+        num_classes: the number of classes (default 10).
+        activation: the MLP's activation (one of relu, tanh, sigmoid, elu, gelu, silu, leaky_relu;
+            default relu).
+        lr: the learning rate (default 0.1).
+        momentum: SGD's momentum (default 0).
+        optimizer: ``"sgd"`` (default) or ``"adam"``.
+        weight_decay: L2 weight decay (default 0).
     """
 
     def __init__(

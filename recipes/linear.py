@@ -21,6 +21,11 @@ class LinearClassifier(L.LightningModule):
 
     Logs ``val_acc``/``test_acc`` (and ``val_loss``/``test_loss``); the training loss on the private
     batch is not logged. The optimizer (SGD, ``lr``) is used by DP-SGD and ignored by AdaptiveGD.
+
+    Args:
+        in_features: the input size (default 32).
+        loss: ``"logistic"`` (default) or ``"hinge"``.
+        lr: SGD's learning rate (default 0.1).
     """
 
     def __init__(self, in_features: int = 32, loss: str = "logistic", lr: float = 0.1) -> None:

@@ -36,6 +36,10 @@ def tramer_boneh_cnn(num_classes: int = 10, activation: str = "relu") -> nn.Sequ
 
     Input ``(B, 1, 28, 28)``: Conv(1→16, 8×8, stride 2, pad 2) → 13×13 → MaxPool(2, 1) → 12×12 →
     Conv(16→32, 4×4, stride 2) → 5×5 → MaxPool(2, 1) → 4×4 → flatten 512 → Linear(512→32) → Linear(32→C).
+
+    Args:
+        num_classes: the number of classes (default 10).
+        activation: one of relu, tanh, sigmoid, elu, gelu, silu, leaky_relu (default relu).
     """
     return nn.Sequential(
         nn.Conv2d(1, 16, kernel_size=8, stride=2, padding=2),
@@ -56,6 +60,12 @@ def mlp(in_features: int, hidden: Sequence[int], num_classes: int, activation: s
 
     The input is flattened first, so image batches ``(B, 1, H, W)`` can be fed directly.
     ``mlp(784, [1000], 10)`` has 795,010 parameters; ``hidden=[]`` is a (multinomial) logistic regression.
+
+    Args:
+        in_features: the flattened input size.
+        hidden: the hidden layers' widths.
+        num_classes: the number of classes.
+        activation: one of relu, tanh, sigmoid, elu, gelu, silu, leaky_relu (default relu).
     """
     layers: list[nn.Module] = [nn.Flatten()]
     width = in_features
@@ -67,7 +77,12 @@ def mlp(in_features: int, hidden: Sequence[int], num_classes: int, activation: s
 
 
 def logistic_regression(in_features: int, num_classes: int) -> nn.Sequential:
-    """Multinomial logistic regression (flatten + one linear layer); use with cross-entropy."""
+    """Multinomial logistic regression (flatten + one linear layer); use with cross-entropy.
+
+    Args:
+        in_features: the flattened input size.
+        num_classes: the number of classes.
+    """
     return mlp(in_features, [], num_classes)
 
 
@@ -76,6 +91,11 @@ def small_cnn_digits(num_classes: int = 10, activation: str = "tanh", groups: in
 
     Conv(1→16, 3, pad 1) → act → MaxPool2 → Conv(16→32, 3, pad 1) → act → MaxPool2 → Linear(128→C).
     ``groups > 0`` inserts GroupNorm(groups, ·) after each convolution (per-example, DP-compatible).
+
+    Args:
+        num_classes: the number of classes (default 10).
+        activation: one of relu, tanh, sigmoid, elu, gelu, silu, leaky_relu (default tanh).
+        groups: GroupNorm's number of groups after each convolution; 0 (default): none.
     """
 
     def norm(channels: int) -> list[nn.Module]:

@@ -59,7 +59,13 @@ def _periodize(filt: np.ndarray, res: int) -> np.ndarray:
 
 
 class Scattering2D(nn.Module):
-    """Second-order 2-D scattering transform: ``(B, C, H, W)`` → ``(B, C·(1 + J L + L² J(J−1)/2), H/2^J, W/2^J)``."""
+    """Second-order 2-D scattering transform: ``(B, C, H, W)`` → ``(B, C·(1 + J L + L² J(J−1)/2), H/2^J, W/2^J)``.
+
+    Args:
+        shape: (H, W) of the input images, in pixels (square only).
+        J: the number of scales; the output is 2^J times smaller on each side (default 2).
+        L: the number of orientations (default 8).
+    """
 
     def __init__(self, shape: tuple[int, int], J: int = 2, L: int = 8) -> None:
         super().__init__()
@@ -135,7 +141,13 @@ def scatternet_cnn(in_channels: int = 81, num_classes: int = 10, activation: str
     """Tramèr & Boneh's CNN on ScatterNet features: GroupNorm(27, affine=False) then, for 81×7×7
     (MNIST/FMNIST), Conv(81→16, 3, s2, p1) → Conv(16→32, 3, p1) → Linear(512→32) → Linear(32→C)
     (33,066 parameters); for 243×8×8 (CIFAR-10) Conv(243→64, 3, p1) → MaxPool 2 → Conv(64→64, 3, p1)
-    → Linear(1024→C) (187,210 parameters)."""
+    → Linear(1024→C) (187,210 parameters).
+
+    Args:
+        in_channels: 81 (MNIST, Fashion-MNIST: 81×7×7 features; default) or 243 (CIFAR-10: 243×8×8).
+        num_classes: the number of classes (default 10).
+        activation: one of relu, tanh, sigmoid, elu, gelu, silu, leaky_relu (default tanh).
+    """
     norm = nn.GroupNorm(27, in_channels, affine=False)
     if in_channels == 81:
         return nn.Sequential(
@@ -207,6 +219,16 @@ class ScatterNetDataModule(_SplitDataModule):
 
     ``val_size`` examples of the training set are held out by a seeded permutation (0: train on
     all of it, as the DPIS paper does, and report test accuracy).
+
+    Args:
+        dataset: ``"mnist"`` (default), ``"fmnist"`` or ``"cifar10"``.
+        root: torchvision's data folder (default ``"data"``); the features are cached under
+            ``$LIGHTNING_DP_CACHE``.
+        download: let torchvision download the images when absent (default True).
+        batch_size: the train loader's batch size, in examples (default 512).
+        val_size: training examples held out for validation (default 0).
+        seed: seeds the train/val split (default 0).
+        num_workers: DataLoader workers (default 0).
     """
 
     num_classes = 10

@@ -8,6 +8,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,35 @@ torch.set_num_threads(1)
 logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LightningModule.*has parameters that were not used.*")
+
+
+# -- real data sets: not in the clone ------------------------------------------------------------------
+DATA_ROOT = Path(
+    os.environ.get("LIGHTNING_DP_DATA") or Path(__file__).resolve().parents[1].parent / "shared" / "data"
+)
+"""Where the real data sets are: ``$LIGHTNING_DP_DATA``, else ``../shared/data`` beside the clone (CI's layout)."""
+MNIST_FILES = tuple(
+    f"MNIST/raw/{split}-{kind}-idx{dims}-ubyte.gz"
+    for split in ("train", "t10k")
+    for kind, dims in (("images", 3), ("labels", 1))
+)
+"""MNIST's four archives in torchvision's layout (``MNISTDataModule(root=DATA_ROOT, download=False)``)."""
+BANK_FILE = "tabular/BANK.dat.gz"
+
+
+def requires_data(*files: str) -> pytest.MarkDecorator:
+    """Skip, naming what is missing and where it was looked for, unless every path exists under DATA_ROOT.
+
+    The clone carries no data sets: a fresh clone skips these tests with the reason; CI, which has
+    ``../shared/data`` (or ``LIGHTNING_DP_DATA``), runs them.
+    """
+    missing = [f for f in files if not (DATA_ROOT / f).exists()]
+    shown = ", ".join(missing[:2]) + (f" and {len(missing) - 2} more" if len(missing) > 2 else "")
+    return pytest.mark.skipif(
+        bool(missing),
+        reason=f"data not in the clone: {shown} not found under {DATA_ROOT} "
+        "(set LIGHTNING_DP_DATA to the folder that holds it)",
+    )
 
 
 class TinyModule(LightningModule):

@@ -173,4 +173,28 @@ except DPConfigurationError as err:
     refusal = str(err)
 dump("mixing_one_rank", t.strategy, refusal=refusal)
 
+
+# 11. Secrets (issue #35): unseeded DP-SGD and DPIS runs write checkpoints (ModelCheckpoint and save_checkpoint),
+# a CSV log and the report under OUT/secrets; every os.urandom draw of each rank is dumped for tests/test_secrets.py's
+# scan (tests/test_ddp.py runs it).
+import os  # noqa: E402
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from secret_scan import UrandomDraws  # noqa: E402
+
+draws = UrandomDraws()
+os.urandom = draws
+for name, slots in (("dpsgd", {}), ("dpis", {"sampler": DPIS(k=2)})):
+    root = OUT / "secrets" / name
+    checkpoints = ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=2, save_top_k=-1)
+    t = trainer(
+        DPDDPStrategy(target_epsilon=3.0, **slots), max_steps=4, max_epochs=5, logger=CSVLogger(root),
+        enable_checkpointing=True, callbacks=[checkpoints],
+    )  # fmt: skip
+    t.fit(TinyModule(n=211, batch_size=40))
+    t.save_checkpoint(root / "saved.ckpt")
+os.urandom = draws.real
+dump("secrets", t.strategy, draws=[d.hex() for d in draws.draws])
+
 _worker.finish_distributed()

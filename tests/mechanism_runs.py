@@ -1,6 +1,6 @@
 """Every mechanism at its defaults on a user's model, one argument swapped into a DP-SGD config.
 
-Shared by ``bench/mechanisms.py`` (the README's table) and ``tests/test_mechanism_accuracy.py`` (the CI
+Shared by ``bench/mechanisms.py`` (docs/results.md's table) and ``tests/test_mechanism_accuracy.py`` (the CI
 check that each mechanism is within 2 points of DP-SGD or says what to change). Models:
 
 * ``digits``: a 64-64-10 tanh MLP on scikit-learn's digits (SGD, batch 128, C = 1);

@@ -64,6 +64,7 @@ def released_sum(
     dataset: Dataset[Any],
     make_strategy: Callable[[], DPStrategy],
     batch_size: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
     **trainer_kwargs: Any,
 ) -> CaptureSum:
     """The first private step's clipped sum (and its sensitivity) for a copy of ``template`` on ``dataset``."""
@@ -72,7 +73,7 @@ def released_sum(
     strategy = make_strategy()
     capture = CaptureSum(strategy)
     strategy.engine.release_hooks.append(capture)
-    loader = DataLoader(dataset, batch_size=batch_size or len(dataset))  # type: ignore[arg-type]
+    loader = DataLoader(dataset, batch_size=batch_size or len(dataset), collate_fn=collate_fn)  # type: ignore[arg-type]
     trainer = make_trainer(strategy, max_steps=1, **trainer_kwargs)
     trainer.fit(module, train_dataloaders=loader)
     assert capture.sums is not None, "no private step ran"
@@ -85,20 +86,21 @@ def neighbour_move(
     make_strategy: Callable[[], DPStrategy],
     batch_size: int | None = None,
     removed: int = -1,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
     **trainer_kwargs: Any,
 ) -> NeighbourMove:
     """One step on ``dataset`` and one on ``dataset`` minus one example; how far the sum moved.
 
     ``batch_size`` defaults to the data set size (q = 1: Poisson takes every example); the smaller data
-    set keeps the same q. By default the removed example is last, so the others keep their rows (and
+    set keeps the same q (``collate_fn``: the loader's, default PyTorch's). By default the removed example is last, so the others keep their rows (and
     dropout masks); ``removed=0`` takes the first (mixing that flows from earlier rows to later ones).
     """
     n = len(dataset)  # type: ignore[arg-type]
-    full = released_sum(template, dataset, make_strategy, batch_size, **trainer_kwargs)
+    full = released_sum(template, dataset, make_strategy, batch_size, collate_fn, **trainer_kwargs)
     smaller = None if batch_size is None else batch_size * (n - 1) // n
     out = removed % n
     rest = Subset(dataset, [i for i in range(n) if i != out])
-    kept = released_sum(template, rest, make_strategy, smaller, **trainer_kwargs)
+    kept = released_sum(template, rest, make_strategy, smaller, collate_fn, **trainer_kwargs)
     assert full.sums is not None
     assert kept.sums is not None
     diffs = [a - b for a, b in zip(full.sums, kept.sums, strict=True)]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import DATA_ROOT, MNIST_FILES, requires_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,12 +45,7 @@ def test_digits_config_trains_privately_to_90_percent(tmp_path):
     assert (reports[0].parent / "privacy_curve.png").exists()
 
 
-SHARED_DATA = ROOT.parent / "shared" / "data"
-
-
-@pytest.mark.skipif(
-    not (SHARED_DATA / "MNIST").exists(), reason="MNIST is only on machines with ../shared/data"
-)
+@requires_data(*MNIST_FILES)
 def test_mnist_config_runs_a_few_private_steps(tmp_path, monkeypatch):
     from lightning_dp.cli import main
 
@@ -60,7 +56,7 @@ def test_mnist_config_runs_a_few_private_steps(tmp_path, monkeypatch):
             "--config",
             str(ROOT / "configs" / "mnist_dpsgd.yaml"),
             "--data.root",
-            str(SHARED_DATA),
+            str(DATA_ROOT),
             "--data.download",
             "false",
             "--trainer.accelerator",

@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import IndexedModule, TinyModule, make_trainer
+from conftest import DATA_ROOT, MNIST_FILES, IndexedModule, TinyModule, make_trainer, requires_data
 from neighbour import MOVE_RTOL, released_sum, tiny_data
 from torch.utils.data import Subset
 
@@ -408,16 +408,14 @@ def test_cli_trains_a_bandmf_config(tmp_path):
 
 
 @pytest.mark.slow
+@requires_data(*MNIST_FILES)
 def test_mnist_bandmf_config_runs_a_few_private_steps(tmp_path, monkeypatch):
     from lightning_dp.cli import main
 
     monkeypatch.setenv("LIGHTNING_DP_CACHE", str(tmp_path / "cache"))
-    shared = ROOT.parent.parent / "shared" / "data"
-    if not (shared / "MNIST").exists():
-        shared = ROOT.parent / "shared" / "data"
     main(
         [
-            "fit", "--config", str(ROOT / "configs" / "mnist_bandmf.yaml"), "--data.root", str(shared),
+            "fit", "--config", str(ROOT / "configs" / "mnist_bandmf.yaml"), "--data.root", str(DATA_ROOT),
             "--data.download", "false", "--trainer.accelerator", "cpu", "--trainer.max_steps", "20",
             "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",

@@ -194,3 +194,24 @@ def test_a_check_refusing_on_one_rank_stops_every_rank_before_the_release(ddp_re
     assert "Sensitivity check failed" in r1["refusal"]
     assert r0["refusal"].startswith("Rank 1 refused this step before its release: Sensitivity check failed")
     assert r0["steps"] == r1["steps"] == 0
+
+
+@pytest.mark.slow
+def test_an_unseeded_ddp_runs_files_hold_no_seed_generator_state_or_private_statistic(ddp_results):
+    """Issue #35 under DPDDPStrategy: both ranks' os.urandom draws, every file the two runs wrote."""
+    from secret_scan import Secrets, UrandomDraws, scan_files
+
+    out, load = ddp_results
+    draws = UrandomDraws()
+    for rank in load("secrets"):
+        draws.add_hex(rank["draws"])
+    assert len(draws.draws) >= 4  # each rank seeded its own sampling and noise streams
+    found, files = scan_files(out / "secrets", Secrets(draws, 211))
+    for name in ("dpsgd", "dpis"):
+        checkpoints = [p for p in files if p.suffix == ".ckpt" and name in p.parts]
+        assert len(checkpoints) >= 3
+        state = torch.load(checkpoints[0], weights_only=True)["lightning_dp"]
+        assert state["world_size"] == 2
+        assert len(state["ranks"]) == 2
+    assert any(p.name == "privacy_report.json" for p in files)
+    assert not found, "\n".join(found)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from _worker import run_worker
-from conftest import TinyModule, make_trainer
+from conftest import DATA_ROOT, MNIST_FILES, TinyModule, make_trainer, requires_data
 from opacus.accountants.analysis.rdp import compute_rdp
 
 from lightning_dp import DPConfigurationError, DPStrategy
@@ -570,12 +570,7 @@ def test_paper_accounting_uses_paper_rules():
     assert {e.accounting for e, _ in strategy.engine.ledger.history} == {"paper"}
 
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-@pytest.mark.skipif(
-    not (SHARED_DATA / "MNIST").exists(), reason="MNIST is only on machines with ../shared/data"
-)
+@requires_data(*MNIST_FILES)
 def test_mnist_line_search_config_from_yaml(tmp_path, monkeypatch):
     import json
 
@@ -583,7 +578,7 @@ def test_mnist_line_search_config_from_yaml(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LIGHTNING_DP_CACHE", str(tmp_path / "cache"))
     config = Path(__file__).resolve().parents[1] / "configs" / "mnist_line_search.yaml"
-    args = ["fit", "--config", str(config), "--data.root", str(SHARED_DATA), "--data.download", "false"]
+    args = ["fit", "--config", str(config), "--data.root", str(DATA_ROOT), "--data.download", "false"]
     args += ["--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"]
     args += ["--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false"]
     args += ["--trainer.enable_checkpointing", "false", "--trainer.logger.init_args.save_dir", str(tmp_path)]

@@ -1,7 +1,7 @@
 """Each mechanism at its defaults, swapped into a DP-SGD config on the digits MLP at ε = 3, is within 2
 points of DP-SGD's test accuracy or tells the user at run time what to change (issue #21).
 
-A small configuration of the README's table (tests/mechanism_runs.py, bench/mechanisms.py): 12 epochs
+A small configuration of docs/results.md's table (tests/mechanism_runs.py, bench/mechanisms.py): 12 epochs
 instead of 20, mean over 3 seeds, every mechanism on the same seeds as DP-SGD, at DP-SGD's tuned lr for
 ε = 3 (0.5). At 20 epochs (2026-11-27) AdaCliP, HeavyBall and Nesterov are within 0.2 points of DP-SGD
 there; LineSearch is 3 points below and warns that its gradients get 1.32× DP-SGD's σ; Nesterov +

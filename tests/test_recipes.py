@@ -2,12 +2,11 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BANK_FILE, DATA_ROOT, MNIST_FILES, requires_data
 from torch import nn
 
 from recipes import (
@@ -23,9 +22,8 @@ from recipes import (
 
 torch.set_num_threads(1)
 
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
-MNIST_RAW = SHARED / "MNIST" / "raw"
-BANK = SHARED / "tabular" / "BANK.dat.gz"
+MNIST_RAW = DATA_ROOT / "MNIST" / "raw"
+BANK = DATA_ROOT / BANK_FILE
 
 
 def n_params(module: nn.Module) -> int:
@@ -81,11 +79,11 @@ def test_digits_flatten_and_stratified():
 # ---------------------------------------------------------------- MNIST
 
 
-@pytest.mark.skipif(not MNIST_RAW.is_dir(), reason=f"shared MNIST files not present at {MNIST_RAW}")
+@requires_data(*MNIST_FILES)
 def test_mnist_from_shared_gz(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_DP_CACHE", str(tmp_path / "cache"))
     before = sorted(p.name for p in MNIST_RAW.iterdir())
-    dm = MNISTDataModule(root=str(SHARED), batch_size=16, download=False)
+    dm = MNISTDataModule(root=str(DATA_ROOT), batch_size=16, download=False)
     dm.prepare_data()
     dm.setup()
     assert sorted(p.name for p in MNIST_RAW.iterdir()) == before  # nothing written to shared data
@@ -102,7 +100,7 @@ def test_mnist_from_shared_gz(tmp_path, monkeypatch):
     assert x0.min().item() == pytest.approx(-0.1307 / 0.3081, abs=1e-5)
     assert x0.max().item() == pytest.approx((1 - 0.1307) / 0.3081, abs=1e-5)
     # A second module reuses the decompressed cache.
-    dm2 = MNISTDataModule(root=str(SHARED), download=False, normalize=False)
+    dm2 = MNISTDataModule(root=str(DATA_ROOT), download=False, normalize=False)
     dm2.setup()
     assert torch.equal(dm2.test_set.images, dm.test_set.images)
 
@@ -117,7 +115,7 @@ def test_mnist_missing_files_without_download(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- tabular
 
 
-@pytest.mark.skipif(not BANK.is_file(), reason=f"shared BANK data not present at {BANK}")
+@requires_data(BANK_FILE)
 def test_tabular_bank_normalised_and_folds_partition():
     folds = []
     for k in range(5):
@@ -141,7 +139,7 @@ def test_tabular_bank_normalised_and_folds_partition():
     assert y.dtype == torch.int64
 
 
-@pytest.mark.skipif(not BANK.is_file(), reason=f"shared BANK data not present at {BANK}")
+@requires_data(BANK_FILE)
 def test_tabular_holdout_split():
     dm = TabularDataModule(str(BANK), test_fraction=0.2, val_fraction=0.1)
     dm.setup()

@@ -28,17 +28,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_dp.batches import batch_length
-from lightning_dp.checks.fingerprint import row_hashes
+from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live there; re-exported here
+    _different_row,  # noqa: F401
+    _example_hashes,  # noqa: F401
+    _rows_of,  # noqa: F401
+    remove_rows,  # noqa: F401
+    replace_rows,  # noqa: F401
+    run_on_changed_batch,
+)
 from lightning_dp.checks.user_step import ModuleState, dry_training_step
 from lightning_dp.clipping import clip_factors
 from lightning_dp.errors import DPConfigurationError
@@ -228,15 +233,18 @@ class MixingCheck:
             removed, replaced = changed_rows[:1], changed_rows[1:]
             if state.drew_random_numbers():
                 removed, replaced = (), changed_rows
-            sources = [_different_row(batch, rows, r, kept_full, self.pick(len(kept_full))) for r in replaced]
-            changed = replace_rows(batch, replaced, sources)
-            if removed:
-                changed = remove_rows(changed, removed, rows)
-            kept_changed = [i - sum(r < i for r in removed) for i in kept_full]
             state.restore()
-            other = self._pass(
-                engine, module, changed, batch_idx, precision, rows - len(removed), kept_changed, state
+            edit = run_on_changed_batch(  # removal falls back to replacement where the step cannot run on it
+                batch,
+                rows,
+                removed,
+                replaced,
+                kept_full,
+                self.pick,
+                lambda b, n, kept: self._pass(engine, module, b, batch_idx, precision, n, kept, state),
+                state.restore,
             )
+            other, removed, replaced, kept_changed = edit.result, edit.removed, edit.replaced, edit.kept
             if other is None:
                 return None
         finally:
@@ -431,73 +439,6 @@ def _change_floor(norms: Tensor, max_grad_norm: float) -> float:
 def _negligible(max_grad_norm: float) -> float:
     """A gradient change too small to matter: ``NEGLIGIBLE_MOVE·C`` (0 without a finite C)."""
     return NEGLIGIBLE_MOVE * max_grad_norm if math.isfinite(max_grad_norm) else 0.0
-
-
-def _different_row(batch: Any, rows: int, row: int, kept: list[int], draw: int) -> int:
-    """A kept row of the batch (``draw``-th), preferring one whose content differs from ``row``'s."""
-    hashes = _example_hashes(batch, rows)
-    if hashes is not None:
-        differing = [i for i in kept if hashes[i] != hashes[row]]
-        if differing:
-            return differing[draw % len(differing)]
-    return kept[draw % len(kept)]
-
-
-def _example_hashes(batch: Any, rows: int) -> list[int] | None:
-    found: list[Tensor] = []
-    apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.dim() and t.shape[0] == rows else None)
-    if not found:
-        return None
-    total = sum(row_hashes(t, rows).cpu() for t in found)
-    assert isinstance(total, Tensor)
-    return total.tolist()
-
-
-def _rows_of(
-    batch: Any, rows: int, pick: Callable[[Tensor], Tensor], pick_list: Callable[[list[Any]], list[Any]]
-) -> Any:
-    def tensor(t: Tensor) -> Tensor:
-        return pick(t) if t.dim() > 0 and t.shape[0] == rows else t
-
-    def sequence(x: list[Any]) -> list[Any]:
-        return pick_list(x) if len(x) == rows and not any(isinstance(v, Tensor) for v in x) else x
-
-    out = apply_to_collection(batch, Tensor, tensor)
-    return apply_to_collection(out, list, sequence) if isinstance(out, dict | list | tuple) else out
-
-
-def replace_rows(batch: Any, rows_changed: tuple[int, ...], sources: list[int]) -> Any:
-    """The batch with each example in ``rows_changed`` replaced by a copy of the matching ``sources`` example
-    (tensors whose dim 0 is the batch, and lists of per-example values such as strings): same shapes."""
-    rows = batch_length(batch)
-    assert rows is not None
-    if not rows_changed:
-        return batch
-    target = torch.tensor(rows_changed, dtype=torch.long)
-    source = torch.tensor(sources, dtype=torch.long)
-
-    def tensor(t: Tensor) -> Tensor:
-        out = t.clone()
-        out[target.to(t.device)] = t[source.to(t.device)]
-        return out
-
-    def values(x: list[Any]) -> list[Any]:
-        out = list(x)
-        for r, s in zip(rows_changed, sources, strict=True):
-            out[r] = x[s]
-        return out
-
-    return _rows_of(batch, rows, tensor, values)
-
-
-def remove_rows(batch: Any, rows_changed: tuple[int, ...], rows: int) -> Any:
-    """The batch without the examples in ``rows_changed``."""
-    keep = [i for i in range(rows) if i not in rows_changed]
-
-    def tensor(t: Tensor) -> Tensor:
-        return t.index_select(0, torch.tensor(keep, device=t.device))
-
-    return _rows_of(batch, rows, tensor, lambda x: [x[i] for i in keep])
 
 
 def parameter_write_message(names: list[str], where: str) -> str:

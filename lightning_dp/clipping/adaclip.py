@@ -140,7 +140,8 @@ class AdaCliP(Clipping):
             with clip C, and a learning rate tuned for DP-SGD at C carries over. (h2 = C²/d, the old
             default, settled at b ≈ 0.55·C, a 0.55× step.) s starts at that level, C/sqrt(d), so step 0
             is that DP-SGD. Tune h2 on a log grid around the default, with the learning rate.
-        beta1, beta2: EMA factors of the mean and of the variance.
+        beta1: EMA factor of the running mean of the gradient (default 0.99).
+        beta2: EMA factor of the running variance (default 0.9).
         h1: lower clamp of the variance sample (> 0).
         gamma: target E‖w‖² of the transformed gradient (scale knob of b).
         variance_mode: ``"per_example"`` estimates each example's variance (what Theorem 1 needs);

@@ -42,8 +42,9 @@ class BLT(CorrelatedNoise):
     Args:
         noise_multiplier: σ relative to unit max column norm (std σ·C·κ·z_t); None: calibrated from
             ``target_epsilon``.
-        buf_decay, output_scale: θ and ω (0 < θ < 1, ω > 0, Σω ≤ 1); None: optimised at fit start for the
-            planned steps and the sampler's bands.
+        buf_decay: θ, one decay per buffer (0 < θ < 1); None (default): optimised at fit start for the
+            planned steps and the sampler's bands, together with ``output_scale``.
+        output_scale: ω, one scale per buffer (ω > 0, Σω ≤ 1); None (default): optimised with ``buf_decay``.
         num_buffers: m when optimising ("auto": add buffers while the error improves by 1 %, up to 4).
 
     BLT claims no amplification by sampling, so at small ε it is predicted to lose to DP-SGD (a warning at

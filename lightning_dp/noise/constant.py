@@ -11,7 +11,12 @@ from lightning_dp.validation import number
 
 
 class ConstantNoise(Noise):
-    """The same σ at every step (DP-SGD). ``calibrate`` picks the smallest σ that stays under target."""
+    """The same σ at every step (DP-SGD). ``calibrate`` picks the smallest σ that stays under target.
+
+    Args:
+        noise_multiplier: σ, the noise std relative to the clipping's sensitivity C (≥ 0); None (default):
+            calibrated from the strategy's ``target_epsilon`` over the planned steps.
+    """
 
     is_constant = True
 

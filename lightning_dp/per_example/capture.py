@@ -15,6 +15,7 @@ import functools
 import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -71,6 +72,9 @@ def expands_params(module: nn.Module, trainable: bool = True) -> bool:
 
 
 GradMode = Literal["auto", "fast", "materialize"]
+
+GRAPH_WALK_LIMIT = 4096
+"""Graph nodes visited at most when deciding whether a one-row layer input derives from the batch."""
 
 
 class _Graft(torch.autograd.Function):
@@ -180,6 +184,17 @@ class GradientCapture:
         self._reach_handles: list[RemovableHandle] = []
         self._unchecked: set[nn.Parameter] = set()
         """Trainable parameters whose per-example path no batch has confirmed yet (``_check_reached``)."""
+        self._froze: set[nn.Parameter] = set()
+        """Parameters :meth:`_freeze` froze during their layer's forward since the last ``collect``."""
+        self._outside: set[nn.Parameter] = set()
+        """Of those, the ones autograd still accumulated a gradient into: used outside their layer's forward."""
+        self._outside_handles: list[RemovableHandle] = []
+        self._batched_nodes: set[Any] = set()
+        """Graph nodes of this forward's layer outputs over the whole batch (``_from_batch``)."""
+        self._freezing: set[nn.Module] = set()
+        """Layers whose parameters :meth:`_freeze` freezes for the length of their forward."""
+        self._thawed: set[nn.Parameter] = set()
+        """Parameters that some holder uses unfrozen (a recomputed layer): their gradient always accumulates."""
         self.refresh()
         parts = {id(part) for module, _ in self._swapped for _, part in recurrent.parts_of(module) or []}
         for module, _ in self._swapped:
@@ -197,6 +212,7 @@ class GradientCapture:
                 self._handles.append(module.register_forward_hook(self._capture_call, with_kwargs=True))
             else:
                 self._handles.append(module.register_forward_hook(self._capture_kwargs, with_kwargs=True))
+        self._thawed = {p for m, ps in self._all.items() if m not in self._freezing for p in ps}
 
     def refresh(self) -> bool:
         """Read which parameters are trainable now (before each step); True when that changed.
@@ -219,10 +235,12 @@ class GradientCapture:
         new = [p for p in params if p not in set(self.params)]
         self._unchecked |= set(new)
         self._reach_handles += [p.register_post_accumulate_grad_hook(self._reached.add) for p in new]
+        self._outside_handles += [p.register_post_accumulate_grad_hook(self._note_outside) for p in new]
         self.params = params
         return True
 
     def _hook_freeze(self, module: nn.Module) -> None:
+        self._freezing.add(module)
         self._handles.append(module.register_forward_pre_hook(self._freeze))
         self._handles.append(module.register_forward_hook(self._thaw, always_call=True))
 
@@ -247,6 +265,13 @@ class GradientCapture:
             for p in frozen:
                 p.requires_grad_(False)
             self._frozen.setdefault(module, []).extend(frozen)
+            self._froze.update(frozen)
+
+    def _note_outside(self, param: Tensor) -> None:
+        """A gradient accumulated into a parameter its layer's forward had frozen: another use reached it
+        (``h @ emb.weight.T``, the loss reading it), which no per-example path covers."""
+        if param in self._froze and param not in self._thawed:
+            self._outside.add(param)  # type: ignore[arg-type]
 
     def _thaw(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Undo :meth:`_freeze` (also when the forward raised)."""
@@ -277,7 +302,10 @@ class GradientCapture:
         if module in self.batched:  # its inputs scale with the batch: never a broadcast, whatever the size
             return inputs, output
         shared = module in self.shared
-        if batch > 1 and first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1:
+        one_row = batch > 1 and first.dim() > 0 and first.shape[0] == 1 and output.shape[0] == 1
+        if one_row and self._from_batch(first, batch, shared):
+            return inputs, output  # a row of the batch, or the batch as one set: never a broadcast
+        if one_row:
             expanded = tuple(
                 x.expand(batch, *x.shape[1:])
                 if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == 1
@@ -289,6 +317,56 @@ class GradientCapture:
         if lookup and (shared or (first.shape[0] != batch and not self.classified)):
             return (first.expand(batch, -1), *inputs[1:]), output.expand(batch, *output.shape)
         return inputs, output
+
+    def _from_batch(self, first: Tensor, batch: int, shared: bool) -> bool:
+        """Whether a layer input of one row derives from the batch's rows (``h[i:i+1]``, ``h.unsqueeze(0)``)
+        rather than being shared by every example (positions, a learned query): its autograd graph reaches
+        the output of a layer call over the batch, or it is a view of a batch-sized tensor with no
+        history, or the structure probe ran and did not find the layer shared."""
+        if first.grad_fn is not None and self._batched_nodes:
+            seen: set[Any] = set()
+            todo = [first.grad_fn]
+            while todo and len(seen) < GRAPH_WALK_LIMIT:
+                node = todo.pop()
+                if node in self._batched_nodes:
+                    return True
+                if node in seen:
+                    continue
+                seen.add(node)
+                todo.extend(n for n, _ in node.next_functions if n is not None)
+        if shared:
+            return False
+        base = first._base
+        if base is not None and base.dim() > 0 and base.shape[0] == batch and base.grad_fn is None:
+            return True
+        return self.classified
+
+    def _call_rows(self, inputs: tuple[Any, ...], output: Tensor) -> RowMap | None:
+        """The batch rows of a call on fewer rows than the batch, when its first input is provably made of
+        them (``_rows_of``); None for an ordinary call, or rows that cannot be traced (refused later)."""
+        batch = self._batch_hint
+        first = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
+        if batch is None or first is None or first.dim() == 0 or output.dim() == 0:
+            return None
+        size = first.shape[0]
+        if size >= batch or output.shape[0] != size:
+            return None
+        base = first._base
+        if base is not None and any(base is b for b in self.root.buffers()):
+            return None  # rows of a model constant, not of the batch
+        rows = _rows_of(first, batch, self._batched_nodes)
+        if rows is None or rows.numel() != size or rows.unique().numel() != size:
+            return None  # untraced, or a row taken twice in one call (its terms are not a product of sums)
+        for x in inputs[1:]:  # every other batch-sized input must be indexed the same way: not known here
+            if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size and size > 1:
+                return None
+        return RowMap(rows, batch)
+
+    def _note_output(self, output: Tensor) -> None:
+        """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it)."""
+        batch = self._batch_hint
+        if output.grad_fn is not None and output.dim() > 0 and batch is not None and output.shape[0] == batch:
+            self._batched_nodes.add(output.grad_fn)
 
     # -- which layer calls are shared by the batch: decided by structure, not by a size -----------------
     @contextlib.contextmanager
@@ -341,12 +419,20 @@ class GradientCapture:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
         inputs, output = self._broadcast(module, inputs, output)
+        rows = self._call_rows(inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
         # shares this list and empties it when it releases or spends its inputs, so they are freed.
         activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
         count = len(activations)
-        output.register_hook(lambda grad: self._accumulate(module, activations, grad, count))
+        if rows is None:
+            output.register_hook(lambda grad: self._accumulate(module, activations, grad, count))
+        else:  # a call on rows of the batch: each row is placed at its example's row of the whole batch
+            activations = [_to_batch(a, rows) for a in activations]
+            output.register_hook(
+                lambda grad: self._accumulate(module, activations, _to_batch(grad, rows), count)
+            )
+        self._note_output(output)
         return output
 
     def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor, count: int) -> None:
@@ -401,10 +487,12 @@ class GradientCapture:
 
         if isinstance(output, Tensor):  # one output: a hook on it, no copy
             output.register_hook(lambda grad: on_grads((grad,)))
+            self._note_output(output)
             return output
         flat, spec = tree_flatten(output)
         for i, tapped in zip(positions, _Tap.apply(on_grads, *(t for _, t in taps)), strict=True):
             flat[i] = tapped
+            self._note_output(tapped)
         return tree_unflatten(flat, spec)
 
     def _recomputed(
@@ -440,7 +528,7 @@ class GradientCapture:
                     random_state,
                 )
         except RuntimeError as error:
-            written = _written_buffers(buffers)
+            written = _written_buffers(buffers) or _written_in_recompute(error, buffers)
             if not written:
                 raise
             raise DPConfigurationError(
@@ -490,6 +578,11 @@ class GradientCapture:
         have it on dimension 0 (else :class:`BatchDimensionError`, before anything is released).
         """
         batch = self.batch_size or 0
+        outside, self._outside, self._froze = self._outside, set(), set()
+        self._batched_nodes = set()
+        if outside:
+            self.clear()
+            raise DPConfigurationError(missed_use_message([self._names.get(p, "?") for p in outside]))
         check_batch_dimension(self.calls, batch if expected is None else expected, self.layers)
         for sample in self.grad_samples.values():
             if sample.shape[0] != batch:
@@ -556,12 +649,107 @@ class GradientCapture:
 
     def remove(self) -> None:
         """Remove the hooks and give swapped layers back their original classes."""
-        for handle in [*self._handles, *self._reach_handles]:
+        for handle in [*self._handles, *self._reach_handles, *self._outside_handles]:
             handle.remove()
-        self._handles, self._reach_handles = [], []
+        self._handles, self._reach_handles, self._outside_handles = [], [], []
         recurrent.unswap(self._swapped)
         self._swapped = []
         self.clear()
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """Which batch rows a layer call's rows are (``rows[j]`` for the call's row j), in a batch of ``batch``."""
+
+    rows: Tensor
+    batch: int
+
+
+ROW_WISE = frozenset(
+    f"{name}Backward{version}"
+    for name in (
+        *("Tanh", "Relu", "Sigmoid", "Gelu", "Silu", "Elu", "LeakyRelu", "Hardtanh", "Clone", "ToCopy"),
+        *("Mul", "Div", "Add", "Sub", "Neg", "Exp", "Log", "Pow", "Sqrt", "Rsqrt", "Abs"),
+    )
+    for version in (0, 1)
+)
+"""Element-wise autograd nodes: with one input that carries a gradient, each row of the output comes from the
+same row of that input alone (broadcasting may only add rows, never take one row's place with another's)."""
+
+
+def _row_wise_input(node: Any) -> Any:
+    """The one gradient-carrying input of an element-wise node, or None (another kind, or several inputs)."""
+    if type(node).__name__ not in ROW_WISE:
+        return None
+    nexts = [n for n, _ in node.next_functions if n is not None]
+    return nexts[0] if len(nexts) == 1 else None
+
+
+_SIGNED = 2**63
+
+
+def _signed(value: int) -> int:
+    return value - 2 * _SIGNED if value >= _SIGNED else value
+
+
+def _rows_of(t: Tensor, batch: int, batched: set[Any]) -> Tensor | None:
+    """The batch rows ``t``'s rows are, when provably so: ``t`` is a dim-0 slice, row or index of a tensor
+    that is a layer output over the whole batch (through element-wise activations only), or a row slice
+    of a batch-sized tensor with no history (the batch itself). None when it cannot be shown."""
+    node: Any = t.grad_fn  # autograd nodes expose their saved arguments as untyped attributes
+    while node is not None and _row_wise_input(node) is not None:  # element-wise ops after the selection
+        node = _row_wise_input(node)
+    if node is None:
+        base = t._base
+        if base is None or base.requires_grad or base.dim() != t.dim() or base.shape[0] != batch:
+            return None
+        if base.shape[1:] != t.shape[1:] or base.stride()[1:] != t.stride()[1:] or base.stride(0) == 0:
+            return None
+        offset = t.storage_offset() - base.storage_offset()
+        if offset % base.stride(0) or t.stride(0) % base.stride(0):
+            return None
+        start, step = offset // base.stride(0), t.stride(0) // base.stride(0)
+        rows = torch.arange(t.shape[0], device=t.device) * step + start
+        return rows if rows.numel() == 0 or (int(rows.min()) >= 0 and int(rows.max()) < batch) else None
+    name = type(node).__name__
+    if name == "UnsqueezeBackward0" and node._saved_dim == 0:
+        inner = node.next_functions[0][0]
+        if type(inner).__name__ != "SelectBackward0" or inner._saved_dim != 0:
+            return None
+        size = inner._saved_self_sym_sizes[0]
+        rows = torch.tensor([_signed(inner._saved_index) % size], device=t.device)
+        source = inner.next_functions[0][0]
+    elif name == "SliceBackward0" and node._saved_dim == 0:
+        size = node._saved_self_sym_sizes[0]
+        start, end, step = _signed(node._saved_start), _signed(node._saved_end), node._saved_step
+        rows = torch.arange(size, device=t.device)[slice(start, end, step)]
+        source = node.next_functions[0][0]
+    elif name == "IndexBackward0":
+        indices = node._saved_indices
+        if len(indices) != 1 or indices[0] is None:
+            return None
+        size = node._saved_self_sym_sizes[0]
+        index = indices[0].to(t.device)
+        rows = index.nonzero().squeeze(1) if index.dtype == torch.bool else index.reshape(-1) % size
+        source = node.next_functions[0][0]
+    else:
+        return None
+    if size != batch:
+        return None
+    while (
+        source is not None and source not in batched
+    ):  # element-wise ops between the batch and the selection
+        source = _row_wise_input(source)
+    return None if source is None else rows
+
+
+def _to_batch(value: Any, rows: RowMap) -> Any:
+    """A call's tensor on its rows, placed at its batch rows of a zero tensor over the whole batch."""
+    if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] != rows.rows.numel():
+        return value
+    out = value.new_zeros((rows.batch, *value.shape[1:]))
+    out[rows.rows.to(value.device)] = value
+    return out
 
 
 def _written_buffers(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> list[str]:
@@ -578,6 +766,17 @@ def _written_buffers(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> li
         except RuntimeError:  # a batched value left in place by the recomputation
             written.append(name)
     return written
+
+
+def _written_in_recompute(
+    error: RuntimeError, buffers: list[tuple[nn.Module, str, Tensor, Tensor]]
+) -> list[str]:
+    """The layer's buffers, when torch.func refused the recomputation for writing a tensor the layer holds in
+    place (a running mean updated under ``no_grad`` in its forward): the write itself never happened."""
+    text = str(error)
+    if "captured Tensor" not in text and not ("vmap" in text and "inplace" in text.lower()):
+        return []
+    return [name for _, name, _, _ in buffers] or ["(a tensor attribute that is not a registered buffer)"]
 
 
 def _put_back(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> None:
@@ -616,11 +815,37 @@ def check_batch_dimension(
         return
     module, size = bad
     name = next((n for n, m in layers if m is module), "") or "<root>"
+    sizes = [n for m, n in calls if m is module]
+    if len(sizes) > 1 and sum(sizes) == expected:
+        shown = sizes if len(sizes) <= 8 else [*sizes[:8], "..."]
+        raise BatchDimensionError(
+            f"Layer {name!r} ({type(module).__name__}) was called on parts of the batch (dimension 0 of its "
+            f"calls: {shown}, together the {expected} examples) instead of once on the whole batch: "
+            "per-example clipping takes the rows of one call as the batch's examples, and parts of a batch "
+            "cannot be matched to the examples they hold. Likely cause: manual gradient accumulation "
+            "(manual_backward once per part of a batch, then one optimizer step): call manual_backward once "
+            "on the whole batch's loss, or let DPStrategy(max_physical_batch_size=...) split the batch under "
+            "automatic optimization; or a forward that calls the layer on rows whose examples cannot be "
+            "traced (taken through a reshape, h[i].view(1, -1)): take them as slices, h[i:i+1] (traced, "
+            "exact), or call the layer once on the whole batch (fc(h))."
+        )
     if size == 1:
         cause = (
             "an input of batch 1 broadcast over the batch (e.g. position embeddings looked up with batch 1): "
             "one gradient would stand for every example, which clipping cannot bound. Look it up per example "
-            "(expand the input to the batch size before the layer)."
+            "(expand the input to the batch size before the layer). A layer called on one row of the batch "
+            "(fc(h[i:i+1])) or on the batch as one set (h.unsqueeze(0)) must be called on the whole batch "
+            "with the examples on dimension 0."
+        )
+    elif size < expected:
+        cause = (
+            "a forward over a subset of the batch's rows (the model run on x[mask], e.g. the labelled "
+            "examples only: a copy whose rows cannot be traced to the examples): run the model on the whole "
+            "batch and zero the loss of the rows not used (per-example losses multiplied by the mask, "
+            "summed, divided by the batch size), or select rows of a hidden state (head(body(x)[mask]), "
+            "traced and exact). Or "
+            "sequence-first (time-major) tensors or a reshaped batch: keep the batch on dimension 0 and build "
+            "recurrent and attention layers with batch_first=True."
         )
     else:
         cause = (
@@ -632,6 +857,21 @@ def check_batch_dimension(
     raise BatchDimensionError(
         f"Layer {name!r} ({type(module).__name__}) has {size} on its batch dimension (dim 0), but this batch "
         f"has {expected} examples. Likely cause: {cause}"
+    )
+
+
+def missed_use_message(names: list[str], gap: float | None = None) -> str:
+    """The refusal for parameters whose gradient the per-example capture misses in part."""
+    measured = "" if gap is None else f" (relative gap up to {gap:.2g})"
+    return (
+        f"The per-example gradients of the parameters {names} do not add up to their ordinary gradient"
+        f"{measured}: part of their gradient comes from a use outside the forward of the module that holds "
+        "them (a tied output projection h @ emb.weight.T, a temperature or scale read in the loss, a weight "
+        "penalty added to the loss), which per-example clipping cannot bound, so the private step would miss "
+        "it. This step releases nothing. Use the parameter only through its module's call (tie the weight to an nn.Linear "
+        "and call it; put a temperature in a module the forward calls), move weight penalties into the "
+        "optimizer's weight_decay, or freeze the parameter. A loss summed over the batch needs "
+        "DPStrategy(loss_reduction='sum')."
     )
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.batches import UnitInfo
 from lightning_dp.per_example import kernels
+from lightning_dp.per_example.kernels import units as unit_kernels
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.kernels.tied import tied_sq_norms, tied_weighted
 from lightning_dp.per_example.materialized import (
@@ -339,6 +341,110 @@ class PerExampleGradients(Sequence[Tensor]):
             sums[p] if p in sums else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
             for p in self.params
         ]
+
+    def grouped(
+        self, unit_of_row: Tensor, reduction: Literal["mean", "sum"] = "mean", views: int = 1
+    ) -> UnitGradients:
+        """These rows grouped into privacy units (rows of one unit contiguous, ``unit_of_row``
+        non-decreasing from 0): the clipping then bounds each unit's ``reduction`` of its rows'
+        gradients, so adding or removing a whole unit moves the clipped sum by at most C."""
+        return UnitGradients(self, unit_of_row, reduction, views)
+
+
+class UnitGradients(PerExampleGradients):
+    """The gradients of a batch's privacy units h_u = Σ_{r∈u} w_r g_r (w_r = 1/n_u under "mean", 1 under
+    "sum", divided by ``views`` for augmented views), as a clipping reads per-example gradients: ``batch``
+    is the number of units, :meth:`sq_norms` gives ‖h_u‖², and :meth:`weighted_sum` expands unit weights
+    to rows (Σ_u c_u h_u = Σ_r c_{π(r)} w_r g_r), so every row kernel computes the clipped sum unchanged.
+
+    Unit norms come from each fast-path layer's inputs regrouped by unit (:mod:`.kernels.units`), from the
+    row norms for units of one row (the same digits as example-level clipping), and otherwise from the
+    per-row gradients index-added per unit (one layer at a time). :meth:`materialize` gives [U, *shape].
+    """
+
+    def __init__(
+        self,
+        rows: PerExampleGradients,
+        unit_of_row: Tensor,
+        reduction: Literal["mean", "sum"],
+        views: int = 1,
+    ) -> None:
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        device = rows.params[0].device if rows.params else unit_of_row.device
+        self.unit_of_row = unit_of_row.to(device=device, dtype=torch.int64)
+        if self.unit_of_row.numel() != rows.batch:
+            raise ValueError(
+                f"The unit map has {self.unit_of_row.numel()} rows, the per-example gradients {rows.batch}."
+            )
+        self.info = UnitInfo(self.unit_of_row, reduction, views)
+        super().__init__(rows.params, self.info.num_units, {}, [], rows.scale)
+        self.rows = rows
+        self.row_weights = self.info.row_weights()
+        """w_r: the weight of row r in its unit's gradient."""
+
+    def layers(self) -> list[LayerGradients]:
+        """One materialised entry: every parameter's per-unit gradients [U, *shape]."""
+        return [LayerGradients(None, 1.0, dict(zip(self.params, self.materialize(), strict=True)))]
+
+    def materialize(self) -> list[Tensor]:
+        """Every parameter's per-unit gradients [U, *shape] (Σ_{r∈u} w_r g_r, in the rows' dtype)."""
+        if self._full is None:
+            index = self.unit_of_row
+            self._full = [
+                g.new_zeros((self.batch, *g.shape[1:])).index_add_(
+                    0, index.to(g.device), g * self.row_weights.to(g).view(-1, *([1] * (g.dim() - 1)))
+                )
+                for g in self.rows.materialize()
+            ]
+        return self._full
+
+    def sq_norms(self) -> Tensor:
+        """Each unit's squared gradient norm ‖h_u‖² over all parameters, in fp32, never understated."""
+        rows, index, weights, units = self.rows, self.unit_of_row, self.row_weights, self.batch
+        total = torch.zeros(units, dtype=torch.float32, device=index.device)
+        single, first = unit_kernels.single_row_units(index, units)
+        if bool(single.all()):  # every unit one row: exactly the example-level norms
+            return rows.sq_norms()[first] * weights[first].square()
+        if rows._full is not None:
+            for g in rows._full:
+                total += unit_kernels.unit_sums_sq_norms(g, index, weights, units).to(total.device)
+        else:
+            for g in rows._materialized.values():
+                total += unit_kernels.unit_sums_sq_norms(g, index, weights, units).to(total.device)
+            for record in rows._records:
+                total += self._record_sq_norms(record)
+        if bool(single.any()):
+            total = torch.where(single, rows.sq_norms()[first] * weights[first].square(), total)
+        return total
+
+    def _record_sq_norms(self, record: LayerCall | TiedCalls) -> Tensor:
+        """One layer call's share of the unit norms (regrouped inputs, else materialised per row)."""
+        rows, index, weights, units = self.rows, self.unit_of_row, self.row_weights, self.batch
+        total = torch.zeros(units, dtype=torch.float32, device=index.device)
+        if (
+            isinstance(record, LayerCall)
+            and not record.released
+            and unit_kernels.has_unit_kernel(record.module)
+        ):
+            record._check_unspent()
+            assert record.backprops is not None
+            with record.tuner.active() if record.tuner is not None else contextlib.nullcontext():
+                norms = unit_kernels.unit_sq_norms(
+                    record.module, record.activations, record.backprops, index, weights, units
+                )
+            for value in norms.values():
+                total += value.to(total.device) * rows.scale**2
+            return total
+        for g in record.samples(rows.scale).values():
+            total += unit_kernels.unit_sums_sq_norms(g, index, weights, units).to(total.device)
+        return total
+
+    def weighted_sum(self, weights: Tensor) -> list[Tensor]:
+        """Σ_u c_u h_u per parameter in fp32, computed over rows as Σ_r c_{π(r)} w_r g_r."""
+        self.rows.release_on_sum = self.release_on_sum
+        row_weights = weights.to(self.unit_of_row.device)[self.unit_of_row] * self.row_weights
+        return self.rows.weighted_sum(row_weights)
 
 
 def _layer_weighted_sum(

@@ -100,6 +100,8 @@ def materialized_weighted_grad(
 def grad_sampler(module: nn.Module) -> GradSampler:
     if isinstance(module, nn.Embedding) and module.padding_idx is not None:
         return _embedding_with_padding
+    if type(module) is nn.EmbeddingBag:
+        return _embedding_bag
     formula = GradSampleHooks.GRAD_SAMPLERS.get(type(module))
     return _recompute if formula is None else functools.partial(_dense, formula)
 
@@ -138,6 +140,59 @@ def _embedding_with_padding(
     samples = _dense(GradSampleHooks.GRAD_SAMPLERS[nn.Embedding], module, activations, backprops)
     samples[cast(nn.Parameter, module.weight)][:, module.padding_idx] = 0
     return samples
+
+
+def _embedding_bag(
+    module: nn.Module, activations: list[Any], backprops: Tensor
+) -> dict[nn.Parameter, Tensor]:
+    """``nn.EmbeddingBag``, exactly: bags from a 2-D input's rows or from ``offsets`` (``include_last_offset``
+    too), a token repeated in a bag counted each time, ``per_sample_weights``, ``padding_idx`` left out,
+    modes sum, mean and max (the gradient of each output coordinate goes to the row that attained it)."""
+    assert isinstance(module, nn.EmbeddingBag)
+    index, offsets, weights = [*activations, None, None][:3]
+    batch, dim = backprops.shape
+    vocab = module.num_embeddings
+    if index.dim() == 2:
+        length = index.shape[1]
+        bag = torch.arange(index.shape[0], device=index.device).repeat_interleave(length)
+        index = index.reshape(-1)
+        weights = None if weights is None else weights.reshape(-1)
+    else:
+        starts = offsets[:-1] if module.include_last_offset else offsets
+        tokens = torch.arange(index.shape[0], device=index.device)
+        bag = torch.searchsorted(starts.contiguous(), tokens, right=True) - 1
+    keep = (
+        torch.ones_like(index, dtype=torch.bool)
+        if module.padding_idx is None
+        else index != module.padding_idx
+    )
+    out = torch.zeros(batch * vocab, dim, dtype=backprops.dtype, device=backprops.device)
+    flat = bag * vocab + index
+    if module.mode == "max":
+        values = module.weight.detach()[index].to(backprops.dtype)
+        best = torch.full((batch, dim), -torch.inf, dtype=values.dtype, device=values.device)
+        best = best.scatter_reduce(0, bag[keep, None].expand(-1, dim), values[keep], "amax")
+        hits = (values == best[bag]) & keep[:, None]
+        position = torch.where(
+            hits, torch.arange(index.shape[0], device=index.device)[:, None], index.shape[0]
+        )
+        first = torch.full((batch, dim), index.shape[0], dtype=position.dtype, device=position.device)
+        first = first.scatter_reduce(0, bag[:, None].expand(-1, dim), position, "amin")
+        found = first < index.shape[0]
+        rows = flat[first.clamp(max=index.shape[0] - 1)]
+        out.view(-1).index_add_(
+            0,
+            (rows * dim + torch.arange(dim, device=rows.device))[found],
+            backprops[found],
+        )
+    else:
+        coef = keep.to(backprops.dtype) if weights is None else weights.to(backprops.dtype) * keep
+        if module.mode == "mean":
+            counts = torch.zeros(batch, dtype=backprops.dtype, device=backprops.device)
+            counts.index_add_(0, bag, keep.to(backprops.dtype))
+            coef = coef / counts.clamp(min=1)[bag]
+        out.index_add_(0, flat, coef[:, None] * backprops[bag])
+    return {cast(nn.Parameter, module.weight): out.view(batch, vocab, dim)}
 
 
 def add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, Tensor]) -> None:

@@ -77,6 +77,8 @@ def per_example_grads(
         with torch.no_grad():
             samples = compute(values, split, cast)
     except RuntimeError as error:
+        if OLD_STYLE_FUNCTION in str(error):  # a custom autograd.Function that functorch cannot transform
+            return looped_per_example_grads(module, params, inputs, output_positions, grads, random_state)
         if "randomness" not in str(error):
             raise
         if random_state is not None:
@@ -86,6 +88,48 @@ def per_example_grads(
             "gradients are recomputed one example at a time, which cannot replay those draws. Move the "
             "dropout out of the layer (into a parent module), or set its probability to 0."
         ) from error
+    return dict(zip(params.values(), samples, strict=True))
+
+
+OLD_STYLE_FUNCTION = "it must override the setup_context staticmethod"
+"""Part of functorch's error for an ``autograd.Function`` whose ``forward`` takes ``ctx`` (the old style)."""
+
+
+def looped_per_example_grads(
+    module: nn.Module,
+    params: dict[str, nn.Parameter],
+    inputs: tuple[Sequence[Any], dict[str, Any]],
+    output_positions: Sequence[int],
+    grads: Sequence[Tensor],
+    state: RandomState | None = None,
+) -> dict[nn.Parameter, Tensor]:
+    """Per-example gradients with plain autograd, for layers functorch cannot transform (an old-style
+    ``autograd.Function`` in the forward): the layer is run once more on the batch (from the forward's
+    random state, when it had one) and its graph is pulled back once per example, each with that
+    example's own output gradient. Exact; one backward of the layer per example."""
+    names = list(params)
+    weights = tuple(p.detach().requires_grad_(True) for p in params.values())
+    args, kwargs = inputs
+    with _replaying(state) if state is not None else contextlib.nullcontext(), torch.enable_grad():
+        output = torch.func.functional_call(
+            module, dict(zip(names, weights, strict=True)), tuple(args), kwargs
+        )
+    outs, _ = tree_flatten(output)
+    tapped = [outs[i] for i in output_positions]
+    batch = grads[0].shape[0]
+    samples = [torch.zeros((batch, *w.shape), dtype=w.dtype, device=w.device) for w in weights]
+    for row in range(batch):
+        cotangents = []
+        for out, g in zip(tapped, grads, strict=True):
+            one = torch.zeros_like(out)
+            one[row] = g[row].to(out.dtype)
+            cotangents.append(one)
+        pulled = torch.autograd.grad(
+            tapped, weights, cotangents, retain_graph=row + 1 < batch, allow_unused=True
+        )
+        for sample, value in zip(samples, pulled, strict=True):
+            if value is not None:
+                sample[row] = value
     return dict(zip(params.values(), samples, strict=True))
 
 

@@ -10,6 +10,9 @@ the step's group. The group of step t follows the engine's step count, not the l
 step it was drawn for, a release checks it (``weigh``), and a new pass over the data (a new epoch, a
 resume) restarts from the steps released so far. The partition seed is checkpointed, so a resumed run
 keeps every example in its group.
+
+Nothing of size N is built: g(i) is a keyed hash of i, and step t draws a Poisson sample at q_b over the
+rank's share and keeps group t mod b (about b·B candidates, whatever N).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
 from lightning_dp.batches import IndicesWithInfo
+from lightning_dp.draws import poisson_share
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases
@@ -30,7 +34,35 @@ from lightning_dp.sampling.seeded import SeededSampler
 from lightning_dp.slots import SamplerRuntime, StepContext
 from lightning_dp.validation import number
 
-__all__ = ["CyclicBatchSampler", "CyclicPoisson"]
+__all__ = ["CyclicBatchSampler", "CyclicPoisson", "partition_labels"]
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's finaliser
+
+
+def _signed(value: int) -> int:
+    """``value`` modulo 2⁶⁴ as a signed int64 (what torch's int64 arithmetic wraps to)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def partition_labels(indices: Tensor, seed: int, bands: int) -> Tensor:
+    """An independent uniform label in {0..bands−1} for each index: SplitMix64 of (seed, index), keyed by seed.
+
+    A function of the index alone, so an example keeps its group when others are added or removed (the
+    add/remove neighbour of a data set has the same partition of the examples they share).
+    """
+    z = indices.to(torch.long) * _signed(_GOLDEN) + _signed(seed * _GOLDEN + _GOLDEN)
+    z = (z ^ _shift_right(z, 30)) * _signed(_MIX1)
+    z = (z ^ _shift_right(z, 27)) * _signed(_MIX2)
+    z = z ^ _shift_right(z, 31)
+    uniform = _shift_right(z, 11).to(torch.float64) * 2.0**-53  # 53 uniform bits in [0, 1)
+    return (uniform * bands).floor().to(torch.long).clamp_(max=bands - 1)  # float rounding never gives b
 
 
 class CyclicBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -78,7 +110,6 @@ class CyclicPoisson(SeededSampler):
         self.steps_released = 0
         """Private steps released so far (the engine's step count): the next pass starts its groups there."""
         self._batch_step: int | None = None
-        self._members: list[Tensor] | None = None
         self._releases: Releases | None = None
 
     # -- set-up ---------------------------------------------------------------------------------------
@@ -97,7 +128,6 @@ class CyclicPoisson(SeededSampler):
                 device = anchor.device if anchor is not None else torch.device("cpu")
                 seed = int(self._releases.broadcast([float(seed)], device)[0])
             self.partition_seed = seed
-        self._members = None
         if self.bands != "auto":
             self._set_rate()
 
@@ -119,7 +149,6 @@ class CyclicPoisson(SeededSampler):
         """Resolve ``bands="auto"`` to ``bands`` (the noise slot's choice) and fix q_b."""
         number(bands, "bands", owner="CyclicPoisson", low=1, integer=True)
         self.bands = int(bands)
-        self._members = None
         self._set_rate()
 
     def _set_rate(self) -> None:
@@ -147,28 +176,28 @@ class CyclicPoisson(SeededSampler):
         return float(self.batch_size)
 
     # -- sampling -------------------------------------------------------------------------------------
-    def groups(self) -> Tensor:
-        """g(i) for every example: independent and uniform on {0..b−1}, from the checkpointed partition seed."""
+    def group_of(self, indices: Tensor) -> Tensor:
+        """g(i) for the examples ``indices``: independent and uniform on {0..b−1}, a keyed hash of the
+        checkpointed partition seed and i, so nothing of size N is ever held and g(i) does not depend on N."""
         assert self.partition_seed is not None, "bind() first"
-        generator = torch.Generator().manual_seed(self.partition_seed)
-        return torch.randint(0, self.resolved_bands, (self.num_samples,), generator=generator)
+        return partition_labels(indices, self.partition_seed, self.resolved_bands)
 
-    def _group_members(self) -> list[Tensor]:
-        if self._members is None:
-            mine = torch.arange(self.rank, self.num_samples, self.world_size)
-            if self.resolved_bands == 1:
-                self._members = [mine]
-            else:
-                own = self.groups()[mine]
-                self._members = [mine[own == g] for g in range(self.resolved_bands)]
-        return self._members
+    def groups(self) -> Tensor:
+        """g(i) for every example (O(N): for inspection and tests; sampling never builds it)."""
+        return self.group_of(torch.arange(self.num_samples))
 
     def draw(self, step: int) -> list[int]:
-        """The indices of step ``step``: each member of group ``step mod b`` (this rank's share) w.p. q_b."""
+        """The indices of step ``step``: each member of group ``step mod b`` (this rank's share) w.p. q_b.
+
+        A Poisson draw at q_b over the whole share, thinned to the group: each member of the group joins
+        w.p. q_b, every other example never. O(b·B / world size) per step, whatever N.
+        """
         assert self.generator is not None, "bind() first"
-        members = self._group_members()[step % self.resolved_bands]
-        mask = torch.rand(len(members), generator=self.generator) < self.sample_rate
-        return list(members[mask].tolist())
+        drawn = poisson_share(self.num_samples, self.sample_rate, self.generator, self.rank, self.world_size)
+        bands = self.resolved_bands
+        if bands > 1:
+            drawn = drawn[self.group_of(drawn) == step % bands]
+        return list(drawn.tolist())
 
     def batch_sampler(self, num_batches: int) -> CyclicBatchSampler:
         assert self.generator is not None, "bind() first"
@@ -212,6 +241,5 @@ class CyclicPoisson(SeededSampler):
             self.bands = saved
         if state.get("partition_seed") is not None:
             self.partition_seed = int(state["partition_seed"])
-            self._members = None
         self.steps_released = int(state.get("steps_released", 0))
         super().load_state_dict(state)

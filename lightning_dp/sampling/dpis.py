@@ -28,7 +28,7 @@ from lightning_dp.batches import IndicesWithInfo
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases
-from lightning_dp.rng import make_generator
+from lightning_dp.rng import make_generator, saved_states
 from lightning_dp.slots import Sampler, SamplerRuntime, StepContext
 from lightning_dp.validation import flag, number
 
@@ -156,12 +156,14 @@ class DPIS(Sampler):
         k: over-sampling factor of the first round (candidates ≈ ``k·b`` per step); needs ``k·b < N``.
         a_E: budget scheduler: during the first ``floor(a_E·E)`` epochs σ_G is planned for worst-case
             future epochs (r = 1), afterwards for future epochs like the current one.
-        sigma_N, sigma_K: noise multipliers of the released N~ (sensitivity 1) and K~, K~* (sensitivity C);
-            default ``0.02·N`` as in the paper.
+        sigma_N: noise multiplier of the released count N~ (sensitivity 1 example); default ``0.02·N`` as
+            in the paper.
+        sigma_K: noise multiplier of the released norm sums K~, K~* (sensitivity C); default ``0.02·N``.
         adaptive_clipping: DPIS+AC: ``C_{e+1} = lam·K~*_e/N~`` (K~* = noisy sum of norms clipped at C_star).
         lam: AC multiplier of the noisy mean norm.
         C_star: external clip of the AC statistic (default ``4·C_1``).
-        g_L, xi: envelope floor and slack of the K~ lower clamp, as fractions of C (spec §7 A5).
+        g_L: envelope floor of the K~ lower clamp, as a fraction of C (spec §7 A5).
+        xi: slack of the K~ lower clamp, as a fraction of C (spec §7 A5).
         seed: makes selection, acceptance and the statistics' noise reproducible (default: os.urandom).
 
     σ_G,e is solved at each epoch start from ``target_epsilon`` (or fixed when ``noise_multiplier`` is
@@ -214,6 +216,8 @@ class DPIS(Sampler):
         self._active: _StepInfo | None = None
         self._cursor = 0
         self._resume_mid_epoch = False
+        self._envelopes_lost = False
+        """A checkpoint without the envelopes was loaded: the next pass recomputes them (norm pass)."""
         self.restored_shape: tuple[int | None, float | None] = (None, None)
         self.rank, self.world_size = 0, 1
         self.share = torch.zeros(0, dtype=torch.long)
@@ -277,6 +281,9 @@ class DPIS(Sampler):
 
     # -- epochs ------------------------------------------------------------------------------------
     def _epoch_batches(self, num_batches: int) -> Iterator[list[int]]:
+        if self._envelopes_lost and self.current is not None:
+            self._envelopes(self.current.clip)  # resumed without ghat/gstar: recompute, release nothing
+        self._envelopes_lost = False
         remaining = num_batches - self.consumed
         if not (self._resume_mid_epoch and remaining > 0):
             self._start_epoch()
@@ -309,18 +316,14 @@ class DPIS(Sampler):
             n_tilde = self._release(float(n) if self.rank == 0 else 0.0, self.sigma_n)
             self.n_tilde = max(n_tilde, self.k * self.batch_size + 1.0)
         assert self.clip is not None
-        c_star = self.C_star_arg if self.C_star_arg is not None else 4 * runtime.max_grad_norm
+        c_star = self.c_star
         if self.adaptive_clipping and self.epochs:
             self._charge(Gaussian(self.sigma_k), "K~*")
             k_star = self._release(float(self.gstar[self.share].sum()), self.sigma_k * c_star)
             k_star = min(max(k_star, 0.0), self.n_tilde * c_star)
             self.clip = max(self.lam * k_star / self.n_tilde, 1e-3 * runtime.max_grad_norm)
         clip = self.clip
-        norms = runtime.norms(self.share)  # this rank's share only (all of D on one process)
-        norms = torch.where(torch.isfinite(norms), norms, torch.zeros_like(norms))
-        c = norms.clamp(max=clip)
-        self.ghat[self.share] = self.k * c.clamp(min=self.g_L * clip)
-        self.gstar[self.share] = norms.clamp(max=c_star)
+        c = self._envelopes(clip)
         self._charge(Gaussian(self.sigma_k), "K~")
         k_noisy = self._release(float(c.sum()), self.sigma_k * clip)
         lower = self.k * self.batch_size * clip + self.xi * clip
@@ -332,6 +335,22 @@ class DPIS(Sampler):
         self.epochs.append(self.current)
         self.consumed = 0
         self._update_rate()
+
+    def _envelopes(self, clip: float) -> Tensor:
+        """The norm pass over this rank's share (all of D on one process) at the current weights: sets the
+        envelopes ghat and the AC norms gstar, releases nothing, and returns the clipped norms c_i."""
+        assert self.runtime is not None
+        norms = self.runtime.norms(self.share)
+        norms = torch.where(torch.isfinite(norms), norms, torch.zeros_like(norms))
+        c = norms.clamp(max=clip)
+        self.ghat[self.share] = self.k * c.clamp(min=self.g_L * clip)
+        self.gstar[self.share] = norms.clamp(max=self.c_star)
+        return c
+
+    @property
+    def c_star(self) -> float:
+        """C*, the clipping bound of the AC statistic K~* (default 4·C)."""
+        return self.C_star_arg if self.C_star_arg is not None else 4 * self.clip_1
 
     def _charge(self, event: Gaussian, statistic: str) -> None:
         """Check-before-spend for one released statistic (before it is computed); a refusal names it."""
@@ -454,8 +473,7 @@ class DPIS(Sampler):
         indices = info.indices[part]
         self.ghat[indices] = self.k * c.clamp(min=self.g_L * epoch.clip)
         if self.adaptive_clipping:
-            c_star = self.C_star_arg if self.C_star_arg is not None else 4 * self.clip_1
-            self.gstar[indices] = raw.clamp(max=c_star)
+            self.gstar[indices] = raw.clamp(max=self.c_star)
         return weights.to(device=norms.device, dtype=torch.float32), sensitivity
 
     @property
@@ -464,7 +482,13 @@ class DPIS(Sampler):
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Public settings and released statistics (N~, K~, the epochs' C and σ_G), the step counts and, in a
+        seeded run only, the envelopes ghat/gstar (un-noised per-example norms) and the generator states.
+
+        An unseeded run's resume recomputes the envelopes with one norm pass at the resumed weights (no
+        release: the inclusion probability b·min(n_i, ghat_i, C)/K~ stays at most b·C/K~ whatever ghat is).
+        """
+        state: dict[str, Any] = {
             "num_samples": self.num_samples,
             "sample_rate": self.sample_rate,
             "batch_size": self.batch_size,
@@ -473,18 +497,24 @@ class DPIS(Sampler):
             "epochs": [asdict(e) for e in self.epochs],
             "consumed": self.consumed,
             "steps_taken": self.steps_taken,
-            "ghat": self.ghat.clone(),
-            "gstar": self.gstar.clone(),
-            "generators": {name: g.get_state() for name, g in self.generators.items()},
+            "generators": saved_states(self.generators, self.seed),
         }
+        if self.seed is not None:
+            state.update(ghat=self.ghat.clone(), gstar=self.gstar.clone())
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.n_tilde, self.clip = state["n_tilde"], state["clip"]
         self.epochs = [DPISEpoch(**e) for e in state["epochs"]]
         self.current = self.epochs[-1] if self.epochs else None
         self.consumed, self.steps_taken = int(state["consumed"]), int(state["steps_taken"])
-        self.ghat, self.gstar = state["ghat"].clone(), state["gstar"].clone()
-        for name, saved in state["generators"].items():
+        self._envelopes_lost = "ghat" not in state
+        if self._envelopes_lost:
+            self.ghat = torch.zeros(self.num_samples or 0, dtype=torch.float64)
+            self.gstar = torch.zeros(self.num_samples or 0, dtype=torch.float64)
+        else:
+            self.ghat, self.gstar = state["ghat"].clone(), state["gstar"].clone()
+        for name, saved in state.get("generators", {}).items():
             if name in self.generators:
                 self.generators[name].set_state(saved)
             else:

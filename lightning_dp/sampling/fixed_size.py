@@ -13,6 +13,7 @@ import torch
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.pure_laplace import SubsampledLaplace
+from lightning_dp.draws import uniform_subset
 from lightning_dp.sampling.seeded import SeededSampler
 
 
@@ -36,6 +37,9 @@ class FixedSize(SeededSampler):
 
     The sample rate q = m/n is exact and the batch size is public, so the mean divides by m.
     Single-process only: the Laplace noise cannot be split into per-rank shares.
+
+    Args:
+        seed: seeds the sampling stream (default None: ``os.urandom``, so batches are unpredictable).
     """
 
     mechanism = "laplace"
@@ -59,11 +63,9 @@ class FixedSize(SeededSampler):
         self._start_stream("fixed_size/0")
 
     def sample_indices(self) -> torch.Tensor:
-        """One step's batch: ``batch_size`` distinct indices, uniformly at random."""
+        """One step's batch: ``batch_size`` distinct indices, uniformly at random (sorted; O(m), not O(n))."""
         assert self.generator is not None, "bind() first"
-        if self.batch_size == self.num_samples:
-            return torch.arange(self.num_samples)
-        return torch.randperm(self.num_samples, generator=self.generator)[: self.batch_size]
+        return uniform_subset(self.num_samples, self.batch_size, self.generator)
 
     def batch_sampler(self, num_batches: int) -> FixedSizeBatchSampler:
         return FixedSizeBatchSampler(self, num_batches)

@@ -12,27 +12,38 @@ from collections.abc import Iterator
 import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
+from lightning_dp.draws import poisson_share
 from lightning_dp.sampling.seeded import SeededSampler
 
 
 class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
-    """Yields ``num_batches`` index lists per epoch, each a Bernoulli(q) draw over this rank's share."""
+    """Yields ``num_batches`` index lists per epoch, each a Bernoulli(q) draw over this rank's share
+    (the indices ≡ ``rank`` mod ``world_size``), in O(batch) time and memory per batch."""
 
     def __init__(
-        self, indices: torch.Tensor, sample_rate: float, num_batches: int, generator: torch.Generator
+        self,
+        num_samples: int,
+        sample_rate: float,
+        num_batches: int,
+        generator: torch.Generator,
+        rank: int = 0,
+        world_size: int = 1,
     ):
-        self.indices = indices
+        self.num_samples = num_samples
         self.sample_rate = sample_rate
         self.num_batches = num_batches
         self.generator = generator
+        self.rank, self.world_size = rank, world_size
 
     def __len__(self) -> int:
         return self.num_batches
 
     def __iter__(self) -> Iterator[list[int]]:
         for _ in range(self.num_batches):
-            mask = torch.rand(len(self.indices), generator=self.generator) < self.sample_rate
-            yield self.indices[mask].tolist()
+            drawn = poisson_share(
+                self.num_samples, self.sample_rate, self.generator, self.rank, self.world_size
+            )
+            yield drawn.tolist()
 
 
 class Poisson(SeededSampler):
@@ -41,6 +52,9 @@ class Poisson(SeededSampler):
     ``seed`` makes the batches reproducible (tests, debugging); by default the stream is seeded from
     ``os.urandom``. Under DDP, rank r samples the examples with index ≡ r (mod world size), so the
     union over ranks is one Poisson sample of the whole data set.
+
+    Args:
+        seed: seeds the sampling stream (default None: ``os.urandom``, so batches are unpredictable).
     """
 
     bands = 1  # one group that joins every step: cyclic Poisson sampling with b = 1
@@ -67,8 +81,9 @@ class Poisson(SeededSampler):
 
     def batch_sampler(self, num_batches: int) -> PoissonBatchSampler:
         assert self.generator is not None, "bind() first"
-        indices = torch.arange(self.rank, self.num_samples, self.world_size)
-        return PoissonBatchSampler(indices, self.sample_rate, num_batches, self.generator)
+        return PoissonBatchSampler(
+            self.num_samples, self.sample_rate, num_batches, self.generator, self.rank, self.world_size
+        )
 
     def event(self, noise_multiplier: float) -> PrivacyEvent:
         return PoissonGaussian(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from lightning_dp import validation
-from lightning_dp.rng import make_generator
+from lightning_dp.rng import make_generator, saved_state
 from lightning_dp.slots import Sampler
 
 
@@ -34,9 +34,11 @@ class SeededSampler(Sampler):
         return self.generator
 
     def state_dict(self) -> dict[str, Any]:
+        """q and N (public settings) and, in a seeded run only, the generator's state (it regenerates every batch)."""
         state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
+        generator = saved_state(self.generator, self.seed)
+        if generator is not None:
+            state["generator"] = generator
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

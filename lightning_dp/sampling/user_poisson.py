@@ -23,6 +23,7 @@ import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
 from lightning_dp.batches import IndicesWithInfo, UnitInfo
+from lightning_dp.draws import poisson_share
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.sampling.contribution_bound import (
     bounded_examples,
@@ -30,7 +31,6 @@ from lightning_dp.sampling.contribution_bound import (
     segment_positions,
     user_index,
 )
-from lightning_dp.sampling.draw import poisson_subset
 from lightning_dp.sampling.seeded import SeededSampler
 from lightning_dp.sampling.user_ids import UserIds, UserKey, resolve_user_ids
 from lightning_dp.validation import number
@@ -106,7 +106,7 @@ class UserPoisson(SeededSampler):
         self.rank, self.world_size = 0, 1
         self._dataset: Any = None
         self.users: UserIds | None = None
-        self._order = self._offsets = self._counts = self._mine = np.zeros(0, dtype=np.int64)
+        self._order = self._offsets = self._counts = np.zeros(0, dtype=np.int64)
         self._cursor: np.ndarray | None = None  # "cycle": each user's next position (memory only)
         self._warned_batch = False
 
@@ -165,7 +165,6 @@ class UserPoisson(SeededSampler):
         self.num_samples = num_users  # the privacy unit is the user: U is the N of the ledger and checkpoint
         self.sample_rate = self.users_per_step / num_users
         self.rank, self.world_size = rank, world_size
-        self._mine = np.arange(rank, num_users, world_size)
         generator = self._start_stream(f"user_poisson/{rank}")
         if self.selection == "cycle" and (self._cursor is None or len(self._cursor) != num_users):
             # a random starting point per user, from this run's stream: nothing about past steps is kept
@@ -186,7 +185,9 @@ class UserPoisson(SeededSampler):
     def draw(self) -> IndicesWithInfo:
         """One step: this rank's users, each w.p. q_u; min(n_u, k) rows of each, grouped by user."""
         assert self.generator is not None, "bind() first"
-        users = self._mine[poisson_subset(len(self._mine), self.sample_rate, self.generator).numpy()]
+        num_users = len(self._counts)
+        drawn = poisson_share(num_users, self.sample_rate, self.generator, self.rank, self.world_size)
+        users = drawn.numpy()
         counts = self._counts[users]
         if self.selection == "cycle":
             rows, unit_of_row = self._cycle(users, counts)

@@ -122,6 +122,13 @@ class HeavyBall(_MomentumStep):
 
     Equivalently x_{t+1} = x_t − α/(1−β) ū_t with ū the exponential average of the noisy gradients
     (the paper's smoothing reading, spec §2.2). ``beta=0`` is plain DP-SGD. Noise is uniform (as DP-SGD).
+
+    Args:
+        beta: β, the momentum, in [0, 1) (default 0.9).
+        lr: α, the paper's step size, in the parameters' units per unit of gradient; None (default): taken
+            from the optimizer's lr, read as ``step_size`` says.
+        step_size: what the optimizer's lr means when ``lr`` is None: ``"effective"`` (default) keeps it as
+            the long-run DP-SGD step (α = lr·(1 − β)), ``"paper"`` uses it as α (moves 1/(1 − β) times as far).
     """
 
     def __init__(self, beta: float = 0.9, lr: float | None = None, step_size: StepSize = "effective") -> None:
@@ -146,6 +153,14 @@ class Nesterov(_MomentumStep):
 
     ``momentum`` is β; or give ``lr`` and ``mu`` (strong convexity) and β = (1 − √(αμ))/(1 + √(αμ)).
     Its noise-dividing weights (Prop. 4.2) need only q = 2β/(1+β): a_{T,k} ∝ q^{T−k}.
+
+    Args:
+        momentum: β, in [0, 1); None (default): derived from ``lr`` and ``mu`` (then both are required).
+        lr: α, the paper's step size; None (default): taken from the optimizer's lr, read as ``step_size``
+            says.
+        mu: μ, the strong-convexity constant of the loss (> 0), used only to derive β; default None.
+        step_size: what the optimizer's lr means when ``lr`` is None: ``"effective"`` (default) keeps it as
+            the long-run DP-SGD step (α = lr·(1 − β)), ``"paper"`` uses it as α.
     """
 
     def __init__(
@@ -208,6 +223,13 @@ class MultiStageNesterov(Nesterov):
     ``lr`` is the first stage's step α^{(1)} = c/L; ``mu`` and ``L`` the strong convexity and
     smoothness (κ = L/μ sets the stage lengths); ``p`` and ``n1`` as in MASG (n1 defaults to
     ⌈√κ ln κ⌉). At each stage start the look-ahead equals the iterate (z = x).
+
+    Args:
+        lr: α^{(1)} = c/L, the first stage's step size (> 0, required).
+        mu: μ, the strong-convexity constant of the loss (> 0, required).
+        L: the smoothness constant of the loss (≥ ``mu``, required).
+        p: MASG's stage-length exponent p (integer ≥ 1, default 1).
+        n1: the first stage's length in steps (default ⌈√κ ln κ⌉, κ = L/μ).
     """
 
     def __init__(self, lr: float, mu: float, L: float, p: int = 1, n1: int | None = None) -> None:

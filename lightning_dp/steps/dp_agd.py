@@ -119,10 +119,13 @@ class AdaptiveGD(Step):
         gamma: growth of ρ_ng after a rejected direction.
         grid_size: m, the number of non-zero candidates.
         alpha_max: initial largest step length (Euclidean length of the update).
-        tau, eta: every τ iterations α_max ← (1 + η)·max(steps chosen in the window).
+        tau: τ, in iterations: every τ iterations α_max ← (1 + η)·max(steps chosen in the window)
+            (default 10).
+        eta: η of that update (default 0.1).
         alpha_max_cap: optional upper bound on α_max (the authors' code uses 2.0).
         noise: NoisyMin noise: ``"exponential"`` (default), ``"laplace"`` or ``"gumbel"`` (ε²/8-zCDP).
-        rho_ng, rho_nmax: override the initial gradient / NoisyMin budgets (zCDP ρ).
+        rho_ng: override the initial gradient budget, in zCDP ρ (default: from ``splits``).
+        rho_nmax: override the initial NoisyMin budget, in zCDP ρ (default: from ``splits``).
         weight_decay: λ of a data-independent ``λ/2·||w||²`` added to every candidate score (free).
         conversion: ρ_tot ↔ (ε, δ): ``"cks"`` (Canonne, Kamath & Steinke 2020, tight; the default) or
             ``"bun_steinke"`` (the paper's Lemma 3.8: 17-100 % less ρ for the same ε; reproduces its tables).

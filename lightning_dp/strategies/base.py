@@ -108,6 +108,7 @@ class DPStrategyBase(Strategy):
             self._train_loader_pass = refusals.NO_PASS
             self.step_counts.start_fit(self.engine, trainer)
             assert self.lightning_module is not None
+            self.step_counts.model_history = checkpoints.model_history(self.engine, self.lightning_module)
             self.setup_notes = prepare_module(self.lightning_module, self.on_batchnorm)
             for note in self.setup_notes:
                 rank_zero_info(f"lightning-dp: {note}")
@@ -115,6 +116,7 @@ class DPStrategyBase(Strategy):
             self.checks.setup(self.lightning_module, self.precision_plugin.convert_input)
             self._describe_clipping_paths()
             refusals.warn_on_non_private_gradient_hooks(trainer, self.engine)
+            refusals.warn_if_seeded(self.engine)
             _ensure_privacy_callback(trainer)
         super().setup(trainer)
 
@@ -185,9 +187,10 @@ class DPStrategyBase(Strategy):
         sampler = self.engine.sampler
         assert self.privacy_unit is not None
         rank_zero_info(units.fit_start_line(self.privacy_unit, self.engine))
-        self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches))
+        views = self.config.augmentation_multiplicity
+        self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches), views)
         return loaders.private_loader(
-            loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity,
+            loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity, views,
             dataset=self.engine.train_data[0] if self.engine.train_data is not None else None,
         )  # fmt: skip
 
@@ -282,7 +285,7 @@ class DPStrategyBase(Strategy):
         module = self.lightning_module
         assert module is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        check_batch = routing.first_chunk(batch, self.max_physical_batch_size)
+        check_batch = routing.first_chunk(batch, self.max_physical_batch_size, self.engine.units)
         self._refuse_together(
             lambda: self.checks.before_user_code(
                 self.engine, module, self._trainer(), batch, batch_idx, check_batch,
@@ -331,6 +334,7 @@ class DPStrategyBase(Strategy):
     # -- teardown --------------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        checkpoints.record_model_history(self.engine, self.lightning_module)
         self.engine.detach()
         self.optimizers = [o.original_optimizer if isinstance(o, DPOptimizer) else o for o in self.optimizers]
         super().teardown()

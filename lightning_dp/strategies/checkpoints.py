@@ -8,6 +8,7 @@ ledger restarted or continued on other data would report less ε than was spent.
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -15,13 +16,122 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
-from lightning_dp.accounting import PrivacyEvent
+from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
 from lightning_dp.checkpointing import check_privacy_state, check_resumed_counts, does_not_add_up
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
+from lightning_dp.prepare import MODEL_HISTORY_ATTR
 from lightning_dp.slots import Sampler, Step
 
 CHECKPOINT_KEY = "lightning_dp"
+
+
+@dataclass
+class ModelHistory:
+    """Every release a model's weights have had, carried on the LightningModule (``lightning_dp_history``),
+    so that a later fit by another strategy continues its ledger instead of restarting ε at zero."""
+
+    ledger: dict[str, Any]
+    """``PrivacyLedger.state_dict()`` of every release so far (its events, δ and accountant)."""
+    num_samples: int | None
+    """N of the training set those releases were made on."""
+    owner: int | None = None
+    """``id`` of the engine that wrote it in this process (None: read from a checkpoint)."""
+
+    @property
+    def delta(self) -> float:
+        return float(self.ledger["delta"])
+
+    def events(self) -> list[tuple[PrivacyEvent, int]]:
+        return [(PrivacyEvent.from_dict(e["event"]), int(e["count"])) for e in self.ledger["history"]]
+
+    def ledger_of_events(self) -> PrivacyLedger:
+        """These releases in a ledger of their δ and accountant."""
+        ledger = PrivacyLedger(delta=self.delta, accountant=self.ledger["accountant"])
+        for event, count in self.events():
+            ledger.record(event, count)
+        return ledger
+
+    def epsilon(self) -> float:
+        """ε of these releases at their δ, with their accountant."""
+        return float(self.ledger_of_events().epsilon())
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: dict[str, Any]) -> ModelHistory | None:
+        """The history a checkpoint DPStrategy wrote holds (rank 0's ledger and N); None without one."""
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if not isinstance(state, dict) or not isinstance(state.get("ledger"), dict):
+            return None
+        sampler = state.get("slots", {}).get("sampler", {}).get("state", {})
+        n = sampler.get("num_samples") if isinstance(sampler, dict) else None
+        return cls(ledger=state["ledger"], num_samples=int(n) if n else None)
+
+
+def record_model_history(engine: PrivateStepEngine, module: Any) -> None:
+    """Leave the engine's ledger (every release the model has had) on ``module`` for a later strategy."""
+    if module is not None and engine.ledger.steps > engine.prior_events:  # it released something itself
+        n = engine.sampler.num_samples or None
+        setattr(module, MODEL_HISTORY_ATTR, ModelHistory(engine.ledger.state_dict(), n, owner=id(engine)))
+
+
+def model_history(engine: PrivateStepEngine, module: Any) -> ModelHistory | None:
+    """The privacy history ``module`` carries from another strategy (None: none, or this engine's own)."""
+    history = getattr(module, MODEL_HISTORY_ATTR, None)
+    if isinstance(history, dict):  # a checkpoint's privacy state (lightning_dp.load_from_checkpoint)
+        history = ModelHistory.from_checkpoint({CHECKPOINT_KEY: history})
+    if not isinstance(history, ModelHistory) or history.owner == id(engine) or not history.ledger["history"]:
+        return None
+    return history
+
+
+def _continue_model_history(engine: PrivateStepEngine, history: ModelHistory) -> None:
+    """A model privately trained before (by another strategy): its releases open this engine's ledger, or
+    the fit is refused naming why the two cannot be added up."""
+    if engine.prior_events and history.ledger_of_events().continues(engine.ledger.history):
+        return  # this engine already opened its ledger with them (an earlier fit of it released nothing)
+    earlier = f"This model was trained privately before ({history.epsilon():.4g} ε at δ={history.delta:g})"
+    if engine.ledger.steps:
+        raise DPConfigurationError(
+            f"{earlier}, and this strategy has already trained another model: one ledger cannot hold both "
+            "histories. Fit this model with a new DPStrategy; it continues the model's ledger."
+        )
+    if history.delta != engine.delta:
+        raise DPConfigurationError(
+            f"{earlier}, and this strategy uses delta={engine.delta:g}: ε adds up over a model's releases only "
+            f"at one δ. Use delta={history.delta:g}, or train a fresh copy of the model (one never trained "
+            "on this data) if its earlier releases must not count."
+        )
+    try:
+        for event, count in history.events():
+            engine.ledger.record(event, count)
+    except ValueError as err:
+        raise DPConfigurationError(
+            f"{earlier}, and this strategy's ledger ({engine.accountant}) cannot price those releases: {err}. "
+            "Use the accountant of the earlier fits."
+        ) from err
+    engine.prior_events = engine.ledger.steps
+    engine.prior_num_samples = history.num_samples
+    warnings.warn(
+        f"lightning-dp: t{earlier[1:]}: {engine.prior_events} ledger events. Its ledger "
+        f"continues from them, so ε and the report count every release the model has had"
+        + (
+            f", and target_epsilon={engine.target_epsilon:g} includes them." if engine.target_epsilon else "."
+        ),
+        stacklevel=3,
+    )
+
+
+def _check_prior_data(engine: PrivateStepEngine, public_changes: bool) -> None:
+    """The earlier releases of the model must have been made on the same N (unless changes are public)."""
+    before, n = engine.prior_num_samples, engine.sampler.num_samples
+    if before is None or public_changes or before == n:
+        return
+    raise DPConfigurationError(
+        f"This model was trained privately before on N={before} examples; this fit has N={n}. The ledger "
+        "cannot continue across a different data set: the earlier releases' q and the examples they cover "
+        "differ. Fit on the same training set, declare the change public with data_changes='public' (ε then "
+        "adds up over both), or train a fresh copy of the model."
+    )
 
 
 @dataclass
@@ -38,6 +148,9 @@ class StepCounts:
     optimization (the user's optimizer steps are not called), and steps of earlier fits on another Trainer."""
     resumed_from: Any = None
     """The checkpoint this fit resumed from (None: a fresh fit)."""
+    model_history: Any = None
+    """The fitted module's privacy history from another strategy (a :class:`ModelHistory`), continued at
+    the first bind unless a checkpoint's weights and ledger replace it (``ckpt_path``)."""
 
     def start_fit(self, engine: PrivateStepEngine, trainer: Trainer) -> None:
         """A fit starts: steps this engine took before it (an earlier fit, another Trainer) are outside its loop."""
@@ -112,6 +225,7 @@ def restore_dp_state(
     except ValueError as err:
         raise DPConfigurationError(str(err)) from err
     counts.load_state_dict(rank_state, path)
+    counts.model_history = None  # the checkpoint's weights replace the module's, and its ledger is theirs
     check_resumed_counts(engine, rank_state, checkpoint, path, counts.silent_steps, counts.steps_outside_loop)
 
 
@@ -127,6 +241,10 @@ def check_resumed_data(engine: PrivateStepEngine, counts: StepCounts, public_cha
     """Once the sampler is bound: a resumed run must sample from the same N with the same q as the run it
     continues (unless the user declared data changes public), and its ledger must hold the events the
     restored slots make."""
+    if counts.model_history is not None:
+        _continue_model_history(engine, counts.model_history)
+        counts.model_history = None
+    _check_prior_data(engine, public_changes)
     path, counts.resumed_from = counts.resumed_from, None  # checked at the first bind after the resume
     if path is None:
         return
@@ -155,7 +273,10 @@ def gradient_event_problems(engine: PrivateStepEngine, exact_rate: bool = True) 
     def key(event: PrivacyEvent) -> object:  # what must match: the whole event, or σ alone when q may vary
         return event if exact_rate else (event.kind, event.to_dict().get("noise_multiplier"))
 
-    history = [(event, count) for event, count in engine.ledger.history if event.kind == expected.kind]
+    own = _after(
+        engine.ledger.history, engine.prior_events
+    )  # the model's earlier releases are not these steps
+    history = [(event, count) for event, count in own if event.kind == expected.kind]
     same = sum(count for event, count in history if key(event) == key(expected))
     others: Counter[PrivacyEvent] = Counter()
     for event, count in history:
@@ -169,6 +290,17 @@ def gradient_event_problems(engine: PrivateStepEngine, exact_rate: bool = True) 
     if same != engine.steps:
         problems.append(f"its ledger holds {same} × {expected!r} for {engine.steps} private steps")
     return problems
+
+
+def _after(history: list[tuple[PrivacyEvent, int]], skip: int) -> list[tuple[PrivacyEvent, int]]:
+    """A run-length history without its first ``skip`` events."""
+    out = []
+    for event, count in history:
+        dropped = min(skip, count)
+        skip -= dropped
+        if count > dropped:
+            out.append((event, count - dropped))
+    return out
 
 
 def _check_same_shape(sampler: Sampler) -> None:

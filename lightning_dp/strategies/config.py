@@ -22,8 +22,11 @@ from lightning_dp.noise import ConstantNoise
 from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.sampling import Poisson, UserPoisson
+from lightning_dp.sampling.dpis import DPIS
 from lightning_dp.sampling.user_ids import UserKey
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
+from lightning_dp.steps.dp_agd import AdaptiveGD
+from lightning_dp.steps.line_search import LineSearch
 from lightning_dp.strategies.refusals import refuse_with_users
 from lightning_dp.validation import number
 
@@ -41,7 +44,8 @@ class PrivacyConfig:
     """What a private run promises and how it is built: the budget, C, the accountant and the four slots.
 
     A slot left as None is the default (Poisson sampling, flat L2 clipping, constant σ, the user's
-    optimizer); ``target_epsilon`` defaults to 3 when neither it nor a noise level is given.
+    optimizer); ``target_epsilon`` defaults to 3 when neither it nor a noise level is given. Each field is
+    the :class:`~lightning_dp.DPStrategy` argument of the same name, documented there.
     """
 
     target_epsilon: float | None = None
@@ -63,6 +67,8 @@ class PrivacyConfig:
     isolate_examples: bool = False
     public_buffers: Sequence[str] = ()
     data_changes: DataChanges = "refuse"
+    augmentation_multiplicity: int = 1
+    """K augmented views of each example, averaged before the clip (De et al. 2022); ε unchanged."""
     privacy_unit: PrivacyUnitKind = "example"
     user_key: UserKey | None = None
     examples_per_user: int | None = None
@@ -251,3 +257,37 @@ def _validate(config: PrivacyConfig) -> None:
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {config.loss_reduction!r}.")
     if config.noise is not None and config.noise_multiplier is not None:
         raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")
+    _validate_augmentation(config)
+
+
+def _validate_augmentation(config: PrivacyConfig) -> None:
+    """K views of each example are one unit: they must fit one physical chunk and be clipped together."""
+    owner, views = config.owner, config.augmentation_multiplicity
+    number(views, "augmentation_multiplicity", owner=owner, low=1, integer=True)
+    if views == 1:
+        return
+    chunk = 1 if config.isolate_examples else config.max_physical_batch_size
+    if chunk is not None and views > chunk:
+        setting = (
+            "isolate_examples=True (one row per chunk)"
+            if config.isolate_examples
+            else f"max_physical_batch_size={chunk}"
+        )
+        raise DPConfigurationError(
+            f"{owner}: augmentation_multiplicity={views} with {setting}: an example's {views} views are clipped "
+            "as one unit, so they must go through one physical chunk (clipped in two chunks, the example would "
+            f"count 2C). Set max_physical_batch_size to at least {views} (and leave isolate_examples off)."
+        )
+    if isinstance(config.step, AdaptiveGD | LineSearch):
+        raise DPConfigurationError(
+            f"{owner}: augmentation_multiplicity={views} with {config.step.name}: its step-size search sums "
+            "clipped per-row losses, and an example's views are several rows, so one example would move that "
+            f"sum by {views} times its bound. Use the default step or HeavyBall/Nesterov with augmentation "
+            f"multiplicity, or augmentation_multiplicity=1 with {config.step.name}."
+        )
+    if isinstance(config.sampler, DPIS):
+        raise DPConfigurationError(
+            f"{owner}: augmentation_multiplicity={views} with DPIS: DPIS weighs and bounds each sampled example "
+            "by its own per-example norm, not by the mean of its views. Use the default Poisson sampler with "
+            "augmentation multiplicity, or augmentation_multiplicity=1 with DPIS."
+        )

@@ -119,6 +119,19 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
     batch_size / world_size examples a step. ``per_device_batch_size=True`` gives Lightning's
     per-device meaning instead (logical batch = batch_size × world size).
     ``process_group_backend`` defaults to NCCL on GPUs and gloo on CPU.
+
+    Args:
+        per_device_batch_size: read the DataLoader's ``batch_size`` as examples per device (Lightning's
+            meaning: logical batch = batch_size × world size) instead of the logical batch over all
+            devices (default False).
+        process_group_backend: the torch.distributed backend (default None: NCCL on GPUs, gloo on CPU).
+        timeout: how long a collective may wait before it fails (default None: torch's default).
+        start_method: how Lightning starts the processes: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or
+            ``"forkserver"``.
+
+    Every other argument is :class:`~lightning_dp.DPStrategy`'s, with the same meaning, default and unit;
+    ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io`` and
+    ``precision_plugin`` are Lightning's.
     """
 
     strategy_name = "dp_ddp"
@@ -145,6 +158,7 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         isolate_examples: bool = False,
         public_buffers: Sequence[str] = (),
         data_changes: DataChanges = "refuse",
+        augmentation_multiplicity: int = 1,
         privacy_unit: PrivacyUnitKind = "example",
         user_key: UserKey | None = None,
         examples_per_user: int | None = None,
@@ -203,7 +217,10 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
             key: getattr(engine, key)
             for key in ("target_epsilon", "delta", "max_grad_norm", "accountant", "loss_reduction")
         }
-        common.update(per_device_batch_size=self.per_device_batch_size, data_changes=self.config.data_changes)
+        common.update(per_device_batch_size=self.per_device_batch_size)
+        common.update(
+            {key: getattr(self.config, key) for key in ("data_changes", "augmentation_multiplicity")}
+        )
         slots = iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot)
         for name, slot in slots:
             common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})

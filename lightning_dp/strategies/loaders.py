@@ -23,17 +23,26 @@ from lightning_dp.batches import BatchWithInfo, EmptyBatch, InfoDataset
 from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
+from lightning_dp.sampling.units import AugmentedDataset, flatten_views
 
 
 class CollateWithEmpty:
-    """The user's collate function, except that an empty index list becomes an ``EmptyBatch``."""
+    """The user's collate function, except that an empty index list becomes an ``EmptyBatch``; with
+    ``views`` > 1 (augmentation multiplicity) it collates every example's views as consecutive rows and
+    the batch carries its unit map (:func:`~lightning_dp.sampling.units.flatten_views`)."""
 
-    def __init__(self, collate_fn: Any) -> None:
-        self.collate_fn = collate_fn
+    def __init__(self, collate_fn: Any, views: int = 1) -> None:
+        self.collate_fn, self.views = collate_fn, views
 
     def __call__(self, samples: list[Any]) -> Any:
-        batch = EmptyBatch() if len(samples) == 0 else self.collate_fn(list(samples))
         info = getattr(samples, "info", None)
+        if len(samples) == 0:
+            batch: Any = EmptyBatch()
+        elif self.views > 1:
+            rows, info = flatten_views(samples, self.views)
+            batch = self.collate_fn(rows)
+        else:
+            batch = self.collate_fn(list(samples))
         return batch if info is None else BatchWithInfo(batch, info)
 
 
@@ -45,8 +54,10 @@ class RealisedSizes(torch.utils.data.Sampler[list[int]]):
     training step: the realised batch every layer must see on dimension 0.
     """
 
-    def __init__(self, batches: torch.utils.data.Sampler[list[int]]) -> None:
+    def __init__(self, batches: torch.utils.data.Sampler[list[int]], views: int = 1) -> None:
         self.batches = batches
+        self.views = views
+        """Rows per drawn index (augmentation multiplicity): the sizes noted are rows."""
         self.sizes: deque[int] = deque()
 
     def __len__(self) -> int:
@@ -58,7 +69,7 @@ class RealisedSizes(torch.utils.data.Sampler[list[int]]):
 
     def _draw(self, sizes: deque[int]) -> Iterator[list[int]]:
         for indices in self.batches:
-            sizes.append(len(indices))
+            sizes.append(len(indices) * self.views)
             yield indices
 
     def next_size(self) -> int | None:
@@ -91,15 +102,18 @@ def private_loader(
     batches: RealisedSizes,
     carries_batch_info: bool,
     integrity: BatchIntegrity | None = None,
+    views: int = 1,
     dataset: Any = None,
 ) -> DataLoader:
     """The user's loader with the sampler slot's ``batches``; its workers and memory settings kept.
+    ``views`` > 1: each drawn example is fetched that many times (augmentation multiplicity).
     ``dataset``: what the batches index, when not the loader's own (a run's contribution-bounded subset)."""
     dataset = loader.dataset if dataset is None else dataset
+    dataset = AugmentedDataset(dataset, views) if views > 1 else dataset
     private = PrivateLoader(
         InfoDataset(dataset) if carries_batch_info else dataset,
         batch_sampler=batches,
-        collate_fn=CollateWithEmpty(loader.collate_fn),
+        collate_fn=CollateWithEmpty(loader.collate_fn, views),
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,

@@ -13,6 +13,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.errors import DPConfigurationError
 
 
 class DPOptimizer(Optimizer):
@@ -21,6 +22,13 @@ class DPOptimizer(Optimizer):
     def __init__(
         self, optimizer: Optimizer, engine: PrivateStepEngine
     ) -> None:  # no super().__init__: a proxy
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise DPConfigurationError(
+                "SparseAdam steps only sparse gradients, but the private gradient is dense: the noise is added to "
+                "every row of an embedding, not only the rows the batch looked up (keeping those rows alone "
+                "would reveal which tokens the batch held). Build the embedding with sparse=False and use a "
+                "dense optimizer (torch.optim.Adam or AdamW, SGD)."
+            )
         self.original_optimizer = optimizer
         self.engine = engine
 

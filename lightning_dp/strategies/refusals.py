@@ -19,6 +19,7 @@ from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError
 from lightning_dp.prepare import check_train_sampler
+from lightning_dp.rng import SEEDED_RUN_WARNING
 from lightning_dp.slots import Slot
 
 NO_PASS = object()
@@ -100,6 +101,13 @@ def warn_on_non_private_gradient_hooks(trainer: Trainer, engine: PrivateStepEngi
             "hook (the fast path otherwise skips them).",
             stacklevel=3,
         )
+
+
+def warn_if_seeded(engine: PrivateStepEngine) -> None:
+    """Once per fit: a seeded run's checkpoints (and its seed) let their holder regenerate its noise."""
+    owners = engine.seeded()
+    if owners:
+        warnings.warn(SEEDED_RUN_WARNING.format(owners=", ".join(owners)), stacklevel=3)
 
 
 def refuse_laplace_shares(accountant: str, world_size: int) -> None:
@@ -185,16 +193,23 @@ def warn_on_large_delta(delta: float, num_samples: int, unit: str = "example") -
 def refuse_unaffordable_first_step(engine: PrivateStepEngine) -> None:
     """A fresh run whose budget cannot pay for one step is refused before any data is touched (a loader set
     up again later in the run, once the budget is spent, stops cleanly at its first batch instead)."""
-    if engine.ledger.steps:
+    if engine.ledger.steps > engine.prior_events:
         return
     affordable = engine.affordable_steps()
     if affordable is not None and affordable < 1:
         sampler = engine.sampler
+        earlier = (
+            f" The model's earlier private training already spent ε={engine.ledger.epsilon():.4g} of this budget:"
+            " target_epsilon counts every release the model has had."
+            if engine.prior_events
+            else ""
+        )
         raise DPConfigurationError(
             f"Not even one step fits in target_epsilon={engine.target_epsilon} at noise multiplier "
             f"{engine.noise_multiplier():.4g} and sample rate q={sampler.sample_rate:.6g} (expected "
             f"batch {sampler.expected_batch_size:g} of N={sampler.num_samples} examples). Raise the noise "
             "multiplier or the budget, or lower q (a smaller batch_size; q grows when the data set shrinks)."
+            + earlier
         )
 
 

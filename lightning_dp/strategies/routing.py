@@ -16,7 +16,16 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_dp.batches import BatchWithInfo, EmptyBatch, batch_length, split_batch
+from lightning_dp.batches import (
+    BatchWithInfo,
+    EmptyBatch,
+    UnitInfo,
+    batch_length,
+    sampler_info_of,
+    split_batch,
+    unit_chunks,
+    units_of,
+)
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.strategies.loaders import RealisedSizes
@@ -26,10 +35,13 @@ from lightning_dp.strategies.refusals import budget_message
 def unwrap_batch_info(
     engine: PrivateStepEngine, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
-    """Hand the sampler its snapshot for this batch (DPIS) and give user code the batch alone."""
+    """Hand the sampler its snapshot for this batch (DPIS) and the engine the batch's privacy units (users,
+    augmented views), and give user code the batch alone."""
     batch = args[0] if args else kwargs.get("batch")
+    engine.units = None
     if isinstance(batch, BatchWithInfo):
-        engine.sampler.begin_step(batch.info)
+        engine.sampler.begin_step(sampler_info_of(batch.info))
+        engine.units = units_of(batch.info)
         batch = batch.batch
         if args:
             args = (batch, *args[1:])
@@ -60,11 +72,11 @@ def begin_sampled_batch(
     return False
 
 
-def first_chunk(batch: Any, chunk_size: int | None) -> Any:
-    """What the first forward of a sampled batch sees: the batch, or its first physical chunk."""
+def first_chunk(batch: Any, chunk_size: int | None, units: UnitInfo | None = None) -> Any:
+    """What the first forward of a sampled batch sees: the batch, or its first physical chunk (whole units)."""
     if chunk_size is None or isinstance(batch, EmptyBatch):
         return batch
-    return split_batch(batch, chunk_size)[0]
+    return split_batch(batch, chunk_size, units)[0]
 
 
 def noise_only_step(
@@ -100,9 +112,15 @@ def virtual_batch_step(
             "batch yourself and call engine.accumulate_chunk() between backward passes."
         )
     kwargs.pop("batch", None)
-    *chunks, last = split_batch(batch, chunk_size)
-    for chunk in chunks:
+    units = engine.units
+    parts = split_batch(batch, chunk_size, units)
+    unit_maps: list[UnitInfo | None] = [units] * len(parts)
+    if units is not None and len(parts) > 1:
+        unit_maps = [chunk_units for _, _, chunk_units in unit_chunks(units, chunk_size)]
+    *chunks, last = parts
+    for chunk, chunk_units in zip(chunks, unit_maps[:-1], strict=True):
         engine.chunk_batch = batch_length(chunk)
+        engine.units = chunk_units  # whole units: each is clipped once, over all its rows
         output = user_step(chunk, *args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, Tensor):
@@ -110,4 +128,5 @@ def virtual_batch_step(
         engine.accumulate_chunk()
     if chunks:
         engine.chunk_batch = batch_length(last)
+        engine.units = unit_maps[-1]
     return user_step(last, *args, **kwargs)

@@ -27,12 +27,17 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             training stops before a step that would exceed it. Defaults to 3 when neither it nor
             ``noise_multiplier`` is given.
         delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
-        max_grad_norm: per-example clipping bound C.
+        max_grad_norm: per-example clipping bound C, an L2 norm over all trainable parameters, in the
+            gradient's own units.
         noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
         accountant: ``"rdp"``, ``"prv"`` or ``"pld"`` (needs ``pip install dp-accounting``); ``"pure"`` sums
             pure ε (basic composition) for Laplace steps.
-        sampler, clipping, noise, step: the four slots (defaults: Poisson, flat L2, constant σ, the
-            user's optimizer).
+        sampler: which examples form each batch (default :class:`~lightning_dp.Poisson`: each example
+            joins with probability q = batch_size / N).
+        clipping: how each per-example gradient is bounded (default :class:`~lightning_dp.FlatClipping`:
+            L2 norm ≤ C).
+        noise: σ of each step (default :class:`~lightning_dp.ConstantNoise`: one σ, given or calibrated).
+        step: how the private gradient moves the weights (default: the user's own optimizer).
         on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
         loss_reduction: whether ``training_step`` returns the batch ``"mean"`` (default) or ``"sum"``.
         seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``.
@@ -55,6 +60,9 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             changes between epochs (``reload_dataloaders_every_n_epochs``, a curriculum), before the next
             release: such a change read from private data is released without noise. ``"public"``
             declares that no private data decides the change (a fixed schedule); each epoch's q is priced.
+        augmentation_multiplicity: K (default 1): the train ``Dataset`` is called K times per sampled
+            index (its random transforms draw K views), ``training_step`` sees the K views as consecutive
+            rows, and their gradients are averaged before the clip (De et al. 2022); ε does not change.
         privacy_unit: ``"example"`` (default: add/remove one item) or ``"user"`` (add/remove one user with all
             their examples; ``docs/user-level.md``): then ``user_key``, ``examples_per_user`` (k rows per sampled
             user per step) and ``users_per_step`` (B_u, q = B_u / U) are required, all public hyperparameters.
@@ -94,6 +102,7 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         isolate_examples: bool = False,
         public_buffers: Sequence[str] = (),
         data_changes: DataChanges = "refuse",
+        augmentation_multiplicity: int = 1,
         privacy_unit: PrivacyUnitKind = "example",
         user_key: UserKey | None = None,
         examples_per_user: int | None = None,

@@ -132,11 +132,20 @@ def tune(
 ) -> TuningResult:
     """Run a private search and release only the best trial; returns ε of the whole search and the winner.
 
-    ``base_args`` are LightningCLI arguments (``["--config", "configs/digits_dpsgd.yaml"]``); ``search`` a
-    search YAML/dict/:class:`SearchSpec`. ``seed`` is for tests only: it makes K public (the report says
-    ``seed_given``). ``runner``/``plan_fn`` replace the Lightning trial and planner (tests). ``ledger``: a
-    JSON file with a ``PrivacyLedger.state_dict()`` of earlier releases on the same data (other searches,
-    retraining); the search is recorded into it once, and the report gives the ledger's total ε too.
+    Args:
+        base_args: LightningCLI arguments of one trial (``["--config", "configs/digits_dpsgd.yaml"]``).
+        search: the search: a YAML file, a dict or a :class:`SearchSpec` (docs/tuning.md, "The search file").
+        out_dir: where the released model and report (``release/``) and the private state (``private/``)
+            go (default ``"runs/tune"``).
+        resume: finish the search stored in ``out_dir`` instead of starting one (default False).
+        seed: for tests only: it makes K public (the report says ``seed_given``); default None (``os.urandom``).
+        runner: replaces the Lightning trial (tests); default None.
+        plan_fn: replaces the planner that prices each trial (tests); default None.
+        log_release: send the search's ε and the selected setting to every logger of the base config
+            (default True).
+        ledger: a JSON file with a ``PrivacyLedger.state_dict()`` of earlier releases on the same data (other
+            searches, retraining); the search is recorded into it once, and the report gives the ledger's
+            total ε too. Default None.
     """
     spec = search if isinstance(search, SearchSpec) else load_search(search)
     tuning_plan = plan(base_args, spec, plan_fn=plan_fn)

@@ -30,8 +30,9 @@ from lightning_dp.accounting import PrivacyEvent, PrivacyFilter
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.batches import EmptyBatch
+from lightning_dp.draws import poisson_share
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.rng import make_generator
+from lightning_dp.rng import make_generator, saved_states
 from lightning_dp.slots import Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.line_search.advice import warn_if_capped_by_eta0
 from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
@@ -92,17 +93,23 @@ class LineSearch(Step):
             mode only with ``accounting="paper"``).
         loss_clip: C_obj; each per-example loss is clamped to [0, C_obj]. Default 3 (NN), 1 (adaptive).
         armijo: the sufficient-decrease constant c. Default 0.001 (NN), 0.5 (adaptive).
-        beta, max_it, eta0: candidates η0·β^i, i < max_it. ``eta0`` defaults in NN mode to 1/C
-            (C = ``max_grad_norm``), so the largest candidate moves the weights about one unit along
-            the clipped gradient whatever C is (:func:`eta0_for_clip`); in adaptive mode to the
-            paper's 1.
-        reset_every, reset_factor, eta0_growth: every τ iterations η0 ← min(ς·max accepted η, η0)
-            (without the min when ``eta0_growth``).
+        beta: β, the ratio between successive candidate step sizes η0·β^i (default 0.8).
+        max_it: the number of candidates, i < max_it (default 10).
+        eta0: η0, the largest candidate step size. Defaults in NN mode to 1/C (C = ``max_grad_norm``), so
+            the largest candidate moves the weights about one unit along the clipped gradient whatever C
+            is (:func:`eta0_for_clip`); in adaptive mode to the paper's 1.
+        reset_every: τ, in iterations: every τ iterations η0 ← min(ς·max accepted η, η0) (default 10).
+        reset_factor: ς of that reset (default 1.2).
+        eta0_growth: drop the min of that reset, so η0 may grow (default False).
         grad_fraction: NN mode: share of the per-iteration zCDP budget spent on the gradient.
         planned_iterations: adaptive mode: the planner sizes ε_iter so this many nominal iterations use
             the budget (default 50, the paper's heuristic); NN mode: default the Trainer's planned steps.
-        budget_increase, angle_high, angle_low, angle_decay: CHEB's ξ, φ_max, φ_min and the EMA ψ.
-        adapt_clip, clip_decay: DP-BLSGD-AC: shrink C_grad and C_obj by (1−ζ) when CHEB raises ρ_grad.
+        budget_increase: CHEB's ξ: a failed search raises ρ_grad or the search budget by (1+ξ) (default 0.3).
+        angle_high: CHEB's φ_max (default 1.1).
+        angle_low: CHEB's φ_min (default 0.5).
+        angle_decay: ψ, the EMA factor of CHEB's angle (default 0.8).
+        adapt_clip: DP-BLSGD-AC: shrink C_grad and C_obj by (1−ζ) when CHEB raises ρ_grad (default False).
+        clip_decay: ζ of that shrink (default 0.05).
         weight_decay: μ of the data-independent regulariser (μ/2)‖w‖² added to the objective.
         max_cheb_per_step: adaptive mode: at most this many CHEB rounds per iteration (compute cap; a
             decision on released values only, so it changes no privacy cost).
@@ -390,8 +397,7 @@ class LineSearch(Step):
 
         dataset, collate = host.train_data
         rank, world = host.releases.rank, host.releases.world_size
-        indices = torch.arange(rank, len(dataset), world)
-        chosen = indices[torch.rand(len(indices), generator=self._generator("batches")) < self._q]
+        chosen = poisson_share(len(dataset), self._q, self._generator("batches"), rank, world)  # O(batch)
         if len(chosen) == 0:
             return EmptyBatch()
         if isinstance(dataset, TensorDataset):  # index the tensors at once (tabular data, no Python loop)
@@ -616,7 +622,7 @@ class LineSearch(Step):
             "d_prev": None if self.d_prev is None else [g.detach().cpu().clone() for g in self.d_prev],
             "stats": dict(self.stats),
             "last": dict(self.last),
-            "generators": {name: gen.get_state() for name, gen in self._generators.items()},
+            "generators": saved_states(self._generators, self.seed),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

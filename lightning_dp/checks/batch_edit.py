@@ -1,0 +1,332 @@
+"""Editing a batch by examples: remove or replace whole examples, every per-example field together.
+
+The mixing check compares the user's step on a batch and on the same batch with some examples changed.
+The changed batch must be one the loader could yield: each example's fields move together, and nothing
+else changes. A *per-example field* is
+
+* a tensor whose dimension 0 is the batch (``rows``),
+* a list or tuple of ``rows`` values of one type (strings, numbers, variable-length tensors, dicts: what
+  the default ``collate_fn`` makes of non-tensor fields, or what a custom one returns per example),
+
+found anywhere in the batch: in dicts and other mappings, lists, tuples, namedtuples and dataclasses. A
+list or tuple of ``rows`` values each of which holds a batch-first tensor is the batch's structure (the
+fields of a batch of ``rows`` examples), not one value per example. Everything else (constants, a shared
+mask, scalars) is left as it is.
+
+When the user's step cannot run on a batch with examples removed (it reshapes by a group size made in the
+``collate_fn``, or pairs rows another way), :func:`run_on_changed_batch` falls back to replacing them by
+copies of other examples (every shape the same); when even that fails, it refuses with the cause and the
+fix: the check never ends a run with the user's own exception from a batch the loader cannot yield.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import Tensor
+
+from lightning_dp.batches import batch_length
+from lightning_dp.checks.fingerprint import row_hashes
+from lightning_dp.errors import DPConfigurationError
+
+T = TypeVar("T")
+
+_ATOMS = (str, bytes, int, float, complex, bool, type(None))
+_MAX_DEPTH = 32
+"""Nesting followed into a batch (deeper values are left as they are)."""
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _is_dataclass_instance(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _batched(t: Any, rows: int) -> bool:
+    return isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows
+
+
+def _holds_batched(x: Any, rows: int, depth: int = 0) -> bool:
+    """Whether ``x`` is, or holds anywhere inside, a tensor whose dimension 0 is the batch."""
+    if depth > _MAX_DEPTH:
+        return False
+    if isinstance(x, Tensor):
+        return _batched(x, rows)
+    if isinstance(x, _ATOMS):
+        return False
+    if isinstance(x, Mapping):
+        return any(_holds_batched(v, rows, depth + 1) for v in x.values())
+    if isinstance(x, list | tuple):
+        return any(_holds_batched(v, rows, depth + 1) for v in x)
+    if _is_dataclass_instance(x):
+        return any(_holds_batched(getattr(x, f.name), rows, depth + 1) for f in dataclasses.fields(x))
+    return False
+
+
+def is_per_example_sequence(x: Any, rows: int) -> bool:
+    """A list or tuple holding one value per example: ``rows`` values of one type, not the batch's fields.
+
+    ``(x, y)`` with two examples is two fields (each holds a batch-first tensor); ``["a", "b"]`` or two
+    variable-length token tensors are two examples' values."""
+    if not isinstance(x, list | tuple) or _is_namedtuple(x) or len(x) != rows or rows == 0:
+        return False
+    first = type(x[0])
+    if any(type(v) is not first for v in x):
+        return False  # heterogeneous: the fields of a structure (a tensor, a dict of strings, ...)
+    return not all(_holds_batched(v, rows) for v in x)
+
+
+def _rebuild_sequence(x: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
+    if _is_namedtuple(x):
+        return type(x)(*items)
+    try:
+        return type(x)(items)
+    except Exception:  # a subclass with another constructor
+        return tuple(items) if isinstance(x, tuple) else items
+
+
+def _rebuild_mapping(x: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    if type(x) is dict:
+        return items
+    if isinstance(x, defaultdict):
+        return defaultdict(x.default_factory, items)
+    try:  # OrderedDict, UserDict and its subclasses (a Hugging Face BatchEncoding), AttributeDict
+        out = copy.copy(x)
+        for key, value in items.items():
+            out[key] = value  # type: ignore[index]
+        return out
+    except Exception:
+        try:
+            return type(x)(items)  # type: ignore[call-arg]
+        except Exception:
+            return items
+
+
+def map_examples(
+    batch: Any,
+    rows: int,
+    on_tensor: Callable[[Tensor], Tensor],
+    on_values: Callable[[list[Any]], list[Any]],
+) -> Any:
+    """``batch`` with every per-example field mapped (``on_tensor`` for batch-first tensors, ``on_values``
+    for per-example lists and tuples, given and returning a list); containers keep their types."""
+
+    def walk(x: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH or isinstance(x, _ATOMS):
+            return x
+        if isinstance(x, Tensor):
+            return on_tensor(x) if _batched(x, rows) else x
+        if isinstance(x, Mapping):
+            return _rebuild_mapping(x, {k: walk(v, depth + 1) for k, v in x.items()})
+        if isinstance(x, list | tuple):
+            if is_per_example_sequence(x, rows):
+                return _rebuild_sequence(x, on_values(list(x)))
+            return _rebuild_sequence(x, [walk(v, depth + 1) for v in x])
+        if _is_dataclass_instance(x):
+            out = copy.copy(x)
+            for f in dataclasses.fields(x):
+                object.__setattr__(out, f.name, walk(getattr(x, f.name), depth + 1))
+            return out
+        return x
+
+    return walk(batch, 0)
+
+
+def per_example_fields(batch: Any, rows: int) -> list[Tensor | list[Any]]:
+    """Every per-example field of ``batch`` (batch-first tensors, and per-example values as lists)."""
+    found: list[Tensor | list[Any]] = []
+
+    def tensor(t: Tensor) -> Tensor:
+        found.append(t)
+        return t
+
+    def values(v: list[Any]) -> list[Any]:
+        found.append(v)
+        return v
+
+    map_examples(batch, rows, tensor, values)
+    return found
+
+
+def _value_hash(value: Any) -> int:
+    """A hash of one example's non-tensor value, the same in every process (not Python's salted hash)."""
+    if isinstance(value, Tensor):
+        flat = value.detach().reshape(1, -1)
+        return int(row_hashes(flat, 1)[0]) if flat.numel() else 0
+    return zlib.crc32(repr(value).encode("utf-8", "backslashreplace"))
+
+
+# -- the helpers the mixing check calls (their signatures are the check's contract) ----------------------------
+
+
+def _different_row(batch: Any, rows: int, row: int, kept: list[int], draw: int) -> int:
+    """A kept row of the batch (``draw``-th), preferring one whose content differs from ``row``'s."""
+    hashes = _example_hashes(batch, rows)
+    if hashes is not None:
+        differing = [i for i in kept if hashes[i] != hashes[row]]
+        if differing:
+            return differing[draw % len(differing)]
+    return kept[draw % len(kept)]
+
+
+def _example_hashes(batch: Any, rows: int) -> list[int] | None:
+    """One hash per example over all its per-example fields (None when the batch has none)."""
+    fields = per_example_fields(batch, rows)
+    if not fields:
+        return None
+    total = [0] * rows
+    for field_ in fields:
+        if isinstance(field_, Tensor):
+            part = [int(h) for h in row_hashes(field_, rows).cpu().tolist()]
+        else:
+            part = [_value_hash(v) for v in field_]
+        total = [(a * 1_000_003 + b) & ((1 << 63) - 1) for a, b in zip(total, part, strict=True)]
+    return total
+
+
+def _rows_of(
+    batch: Any, rows: int, pick: Callable[[Tensor], Tensor], pick_list: Callable[[list[Any]], list[Any]]
+) -> Any:
+    """``batch`` with ``pick`` applied to each batch-first tensor and ``pick_list`` to each per-example
+    list or tuple (see :func:`map_examples`)."""
+    return map_examples(batch, rows, pick, pick_list)
+
+
+def replace_rows(batch: Any, rows_changed: tuple[int, ...], sources: list[int]) -> Any:
+    """The batch with each example in ``rows_changed`` replaced by a copy of the matching ``sources`` example
+    (every per-example field: tensors whose dim 0 is the batch, lists of per-example values): same shapes."""
+    rows = batch_length(batch)
+    assert rows is not None
+    if not rows_changed:
+        return batch
+    target = torch.tensor(rows_changed, dtype=torch.long)
+    source = torch.tensor(sources, dtype=torch.long)
+
+    def tensor(t: Tensor) -> Tensor:
+        out = t.clone()
+        out[target.to(t.device)] = t[source.to(t.device)]
+        return out
+
+    def values(x: list[Any]) -> list[Any]:
+        out = list(x)
+        for r, s in zip(rows_changed, sources, strict=True):
+            out[r] = x[s]
+        return out
+
+    return _rows_of(batch, rows, tensor, values)
+
+
+def remove_rows(batch: Any, rows_changed: tuple[int, ...], rows: int) -> Any:
+    """The batch without the examples in ``rows_changed`` (every per-example field)."""
+    keep = [i for i in range(rows) if i not in rows_changed]
+
+    def tensor(t: Tensor) -> Tensor:
+        return t.index_select(0, torch.tensor(keep, dtype=torch.long, device=t.device))
+
+    return _rows_of(batch, rows, tensor, lambda x: [x[i] for i in keep])
+
+
+# -- running the user's step on a changed batch -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChangedPass(Generic[T]):
+    """What the step computed on the changed batch, and how the batch was changed in the end."""
+
+    result: T
+    removed: tuple[int, ...]
+    replaced: tuple[int, ...]
+    kept: list[int]
+    """The kept examples' rows in the changed batch (in the order of the kept rows of the original)."""
+    fallback: str | None = None
+    """Why removing failed and replacement was used instead (the user's exception), if it did."""
+
+
+def run_on_changed_batch(
+    batch: Any,
+    rows: int,
+    removed: tuple[int, ...],
+    replaced: tuple[int, ...],
+    kept: list[int],
+    draw: Callable[[int], int],
+    run: Callable[[Any, int, list[int]], T],
+    reset: Callable[[], None],
+) -> ChangedPass[T]:
+    """``run(changed_batch, its_rows, kept_rows_in_it)`` on ``batch`` with the ``removed`` examples removed
+    and the ``replaced`` ones replaced by copies of kept examples (``draw(n)`` picks among n).
+
+    If the step raises on the batch with examples removed (a batch the loader may never yield: a reshape by a
+    group size made in the ``collate_fn``), every changed example is replaced instead, so every shape stays
+    as the loader makes it. If that raises too, a :class:`DPConfigurationError` quotes the step's exception
+    and says what makes the model checkable. ``reset`` puts the module's state back before a second try.
+    """
+    changed = removed + replaced
+
+    def replacing(targets: tuple[int, ...]) -> Any:
+        sources = [_different_row(batch, rows, r, kept, draw(len(kept))) for r in targets]
+        return replace_rows(batch, targets, sources)
+
+    first_error: BaseException | None = None
+    if removed:
+        edited = remove_rows(replacing(replaced), removed, rows)
+        kept_after = [i - sum(r < i for r in removed) for i in kept]
+        try:
+            return ChangedPass(run(edited, rows - len(removed), kept_after), removed, replaced, kept_after)
+        except Exception as error:  # the user's step on a batch the loader may never yield
+            first_error = error
+        reset()
+    try:
+        result = run(replacing(changed), rows, kept)
+    except Exception as error:
+        raise DPConfigurationError(_unrunnable_message(removed, changed, first_error, error)) from error
+    fallback = None if first_error is None else _quote(first_error)
+    return ChangedPass(result, (), changed, list(kept), fallback)
+
+
+def _quote(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _unrunnable_message(
+    removed: tuple[int, ...],
+    changed: tuple[int, ...],
+    removal_error: BaseException | None,
+    replacement_error: BaseException,
+) -> str:
+    tried = []
+    if removal_error is not None:
+        tried.append(f"with {_examples(removed)} removed it raised {_quote(removal_error)}")
+    tried.append(
+        f"with {_examples(changed)} replaced by copies of other examples of the batch it raised "
+        f"{_quote(replacement_error)}"
+    )
+    return (
+        "The sensitivity check could not run your training_step on the sampled batch with some examples "
+        f"changed: {'; '.join(tried)}. The check edits whole examples (every tensor whose dimension 0 is the "
+        "batch, and every list or tuple of one value per example, together) and compares the other examples' "
+        "gradients; a step that only runs on the batches your loader makes (rows grouped per example by the "
+        "collate_fn, a field that pairs rows across examples, a batch size it asserts) cannot be checked that "
+        "way. Nothing was released. To make it checkable, keep each example's rows on dimension 0 of every "
+        "per-example tensor (K views as [B, K, ...], flattened inside training_step, not [B*K, ...] from the "
+        "collate_fn) and let the step run on any number of distinct or repeated examples. Or pass "
+        "DPStrategy(isolate_examples=True): each example then runs through training_step alone, so nothing "
+        "can mix and nothing is edited (it costs one forward and backward per example). Only for a model "
+        "verified otherwise (the neighbour test), DPStrategy(check_sensitivity=False) turns the check off, "
+        "and then nothing verifies that its examples do not mix."
+    )
+
+
+def _examples(rows: tuple[int, ...]) -> str:
+    return f"example {rows[0]}" if len(rows) == 1 else f"examples {list(rows)}"

@@ -1,0 +1,263 @@
+"""Issue #35: nothing an unseeded run writes lets anyone regenerate its noise or its batches, or read a
+private statistic; a seeded run says so and still resumes bit for bit.
+
+Every mechanism's slots run once through the Trainer with a ModelCheckpoint, ``trainer.save_checkpoint``, a
+CSV logger, saved hyperparameters and the privacy report; ``tests/secret_scan.py`` then opens every file
+under the run's folder, plus the log lines, warnings and a refusal's message. The DDP run is in
+tests/test_ddp.py (it reuses that file's two-process launch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import TinyModule, make_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from secret_scan import CPU_STATE_BYTES, Secrets, UrandomDraws, scan_files, search_text, walk
+
+from lightning_dp import (
+    BLT,
+    DPIS,
+    AdaCliP,
+    AdaptiveGD,
+    BandMF,
+    CyclicPoisson,
+    DPConfigurationError,
+    DPStrategy,
+    HeavyBall,
+    LineSearch,
+    Nesterov,
+    NoiseDividing,
+    PrivacyCallback,
+)
+
+N, BATCH = 211, 40  # N prime and unlike any layer size: a dimension of length N is one value per example
+
+MECHANISMS: dict[str, Callable[[], dict[str, Any]]] = {
+    "DP-SGD": lambda: {},
+    "DPIS": lambda: {"sampler": DPIS(k=2)},
+    "AdaCliP": lambda: {"clipping": AdaCliP(h2=1e-2)},
+    "LineSearch": lambda: {"step": LineSearch()},
+    "AdaptiveGD": lambda: {"step": AdaptiveGD()},
+    "HeavyBall": lambda: {"step": HeavyBall(beta=0.9)},
+    "Nesterov+NoiseDividing": lambda: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
+    "CyclicPoisson+BandMF": lambda: {"sampler": CyclicPoisson(2), "noise": BandMF()},
+    "CyclicPoisson+BLT": lambda: {"sampler": CyclicPoisson("auto"), "noise": BLT()},
+}
+
+
+class Logged(TinyModule):
+    """TinyModule that saves its hyperparameters (hparams.yaml) and logs its loss (metrics.csv)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()
+
+    def dp_per_sample_loss(self, batch: Any) -> torch.Tensor:
+        """The per-example losses the line search and DP-AGD evaluate at candidate weights."""
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y, reduction="none")
+
+
+def _fit(strategy: DPStrategy, root, *, max_steps: int, ckpt_path=None, module=None) -> tuple[Any, Logged]:
+    module = module if module is not None else Logged(n=N, batch_size=BATCH)
+    trainer = make_trainer(
+        strategy,
+        root,
+        max_steps=max_steps,
+        max_epochs=5,
+        logger=CSVLogger(root),
+        enable_checkpointing=True,
+        callbacks=[
+            ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=2, save_top_k=-1),
+            PrivacyCallback(),
+        ],
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+@pytest.mark.parametrize("mechanism", list(MECHANISMS))
+def test_an_unseeded_runs_files_logs_and_messages_hold_no_seed_no_generator_state_no_private_statistic(
+    mechanism, tmp_path, monkeypatch, caplog
+):
+    draws = UrandomDraws()
+    monkeypatch.setattr(os, "urandom", draws)  # every seed an unseeded stream draws passes through here
+    caplog.set_level(logging.DEBUG)
+    root = tmp_path / "run"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, module = _fit(DPStrategy(target_epsilon=3.0, **MECHANISMS[mechanism]()), root, max_steps=4)
+        trainer.save_checkpoint(root / "saved.ckpt")
+        # resuming works without the states (fresh streams; DPIS recomputes its envelopes) and writes more files
+        step2 = next((root / "checkpoints").glob("*step=2.ckpt"))
+        resumed, _ = _fit(
+            DPStrategy(target_epsilon=3.0, **MECHANISMS[mechanism]()), root, max_steps=4, ckpt_path=step2
+        )
+        assert resumed.strategy.engine.steps == 4
+        refusal = ""
+        try:  # a refusal's message is scanned too
+            _fit(DPStrategy(target_epsilon=3.0, **MECHANISMS[mechanism]()), root, max_steps=5,
+                 ckpt_path=root / "saved.ckpt", module=Logged(n=N - 11, batch_size=BATCH))  # fmt: skip
+        except DPConfigurationError as err:
+            refusal = str(err)
+    assert "N=211" in refusal
+    assert not [w for w in caught if "this run is seeded" in str(w.message)]
+    assert draws.draws, "the run drew no os.urandom seed: the scan would prove nothing"
+
+    secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4})
+    found, files = scan_files(root, secrets)
+    names = {p.name for p in files}
+    assert {"saved.ckpt", "privacy_report.json", "privacy_curve.png", "hparams.yaml"} <= names
+    assert len([p for p in files if p.suffix == ".ckpt"]) >= 3
+    said = "\n".join([*(r.getMessage() for r in caplog.records), *(str(w.message) for w in caught), refusal])
+    found += [f"log/warning/message: {what}" for what in search_text(said, secrets)]
+    assert not found, "\n".join(found)
+
+
+def test_the_scan_finds_what_it_looks_for():
+    """The scanner itself: a generator state, a seed's bytes and value, a per-example vector, the realised sizes."""
+    draws = UrandomDraws()
+    seed_bytes = draws(8)
+    secrets = Secrets(draws, N, realised_sizes=[37, 41, 39], public_ints={N})
+    leaky = {
+        "state": torch.Generator().get_state(),
+        "seed": int.from_bytes(seed_bytes, "little") & ((1 << 63) - 1),
+        "raw": torch.frombuffer(bytearray(b"xx" + seed_bytes), dtype=torch.uint8),
+        "norms": torch.rand(N, dtype=torch.float64),
+        "sizes": [37, 41, 39],
+        "sampled": 117,
+    }
+    found: list[str] = []
+    walk(leaky, secrets, "ckpt", found, private_counts=True)
+    for key in leaky:
+        assert any(f"ckpt.{key}" in line for line in found), (key, found)
+    assert search_text(f"seed={leaky['seed']}", secrets)
+
+
+def test_a_seeded_run_warns_keeps_its_states_and_resumes_bit_for_bit(tmp_path):
+    def run(max_steps: int, ckpt_path=None) -> tuple[Any, TinyModule]:
+        module = TinyModule(n=N, batch_size=BATCH)
+        torch.manual_seed(0)
+        module.net.apply(lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
+        trainer = make_trainer(
+            DPStrategy(noise_multiplier=1.0, seed=5), tmp_path, max_steps=max_steps, max_epochs=5
+        )
+        with pytest.warns(UserWarning, match="this run is seeded") as caught:
+            trainer.fit(module, ckpt_path=ckpt_path)
+        assert len([w for w in caught if "this run is seeded" in str(w.message)]) == 1
+        return trainer, module
+
+    first, _ = run(2)
+    first.save_checkpoint(tmp_path / "seeded.ckpt")
+    saved = torch.load(tmp_path / "seeded.ckpt", weights_only=True)["lightning_dp"]
+    assert saved["noise_generator"].numel() == CPU_STATE_BYTES  # kept: the seed makes the run repeatable
+    assert saved["slots"]["sampler"]["state"]["generator"].numel() == CPU_STATE_BYTES
+    _, resumed = run(4, ckpt_path=tmp_path / "seeded.ckpt")
+    _, straight = run(4)
+    for a, b in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_unseeded_dpis_saves_no_envelope_and_its_resume_recomputes_them_releasing_nothing():
+    """DPIS's ghat/gstar are un-noised per-example norms: out of an unseeded state; one norm pass rebuilds them."""
+    from test_dpis import _harness, _run_steps
+
+    grads = torch.randn(100, 3, generator=torch.Generator().manual_seed(3))
+    sampler, ledger = _harness(grads, b=5, k=3, seed=None)
+    steps = _run_steps(sampler, grads, 8)
+    for _ in range(3):
+        next(steps)
+    state = sampler.state_dict()
+    assert not {"ghat", "gstar"} & set(state)
+    assert state["generators"] == {}
+    released = len(ledger)
+    fresh, fresh_ledger = _harness(grads, b=5, k=3, seed=None)
+    fresh.load_state_dict(state)
+    fresh.bind(100, 5)
+    fresh.attach_runtime(sampler.runtime)
+    batches = iter(fresh.batch_sampler(8))
+    next(batches)  # the resumed epoch's first draw: the envelopes are rebuilt from the norms at these weights
+    clip = fresh.current.clip
+    norms = grads.norm(dim=1).double()
+    torch.testing.assert_close(fresh.ghat, 3 * norms.clamp(max=clip).clamp(min=fresh.g_L * clip))
+    assert len(list(batches)) == 4  # the epoch continues after the 3 steps taken (8 in all)
+    assert len(fresh_ledger) == 0  # nothing released for it
+    assert len(ledger) == released
+
+
+def test_a_lightning_cli_runs_config_yaml_checkpoints_and_logs_hold_no_seed(
+    tmp_path, monkeypatch, caplog, capsys
+):
+    """`lightning-dp fit`: the saved config.yaml, hparams.yaml, checkpoints and report of an unseeded run."""
+    import json
+
+    from lightning_dp.cli import main
+
+    draws = UrandomDraws()
+    monkeypatch.setattr(os, "urandom", draws)
+    caplog.set_level(logging.INFO)
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"""
+trainer:
+  accelerator: cpu
+  max_steps: 3
+  default_root_dir: {tmp_path / "cli"}
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning_dp.DPStrategy
+    init_args:
+      target_epsilon: 3.0
+model:
+  class_path: recipes.ImageClassifier
+  init_args:
+    arch: logreg
+    in_features: 64
+data:
+  class_path: recipes.DigitsDataModule
+  init_args:
+    batch_size: 128
+    flatten: true
+"""
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main(["fit", "--config", str(config)])
+    assert draws.draws, "the run drew no os.urandom seed: the scan would prove nothing"
+    reports = list((tmp_path / "cli").rglob("privacy_report.json"))
+    assert len(reports) == 1
+    n = json.loads(reports[0].read_text())["dataset_size"]
+    found, files = scan_files(tmp_path / "cli", Secrets(draws, n, public_ints={n, 128, 3}))
+    assert {"config.yaml", "hparams.yaml"} <= {p.name for p in files}
+    assert any(p.suffix == ".ckpt" for p in files)
+    said = "\n".join([*(r.getMessage() for r in caplog.records), capsys.readouterr().out])
+    found += [f"log/stdout: {what}" for what in search_text(said, Secrets(draws, n))]
+    assert not found, "\n".join(found)
+
+
+def test_an_unseeded_audit_writes_no_canary_draw(tmp_path, monkeypatch):
+    """lightning_dp.audit: which canaries were included (its os.urandom streams) stays in the process."""
+    from lightning_dp import audit
+
+    draws = UrandomDraws()
+    monkeypatch.setattr(os, "urandom", draws)
+    root = tmp_path / "audit"
+    trainer = make_trainer(
+        DPStrategy(noise_multiplier=1.0), root, max_steps=4, max_epochs=5, logger=CSVLogger(root),
+        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=root / "checkpoints"), PrivacyCallback()],
+    )  # fmt: skip
+    result = audit(trainer, Logged(n=N, batch_size=BATCH), num_canaries=64)
+    trainer.save_checkpoint(root / "saved.ckpt")
+    assert len(draws.draws) >= 4  # the canaries' streams, the sampler's and the noise's
+    found, files = scan_files(root, Secrets(draws, N, public_ints={N, BATCH, 4, 64}))
+    assert {"privacy_audit.png", "privacy_report.json", "saved.ckpt"} <= {p.name for p in files}
+    found += [f"audit result: {what}" for what in search_text(repr(result.summary()), Secrets(draws, N))]
+    assert not found, "\n".join(found)
