@@ -185,13 +185,11 @@ class DPStrategyBase(Strategy):
         num_batches = self._bind_sampler(loader)
         self._plan_noise(trainer, loader, num_batches)
         sampler = self.engine.sampler
-        assert self.privacy_unit is not None
-        rank_zero_info(units.fit_start_line(self.privacy_unit, self.engine))
         views = self.config.augmentation_multiplicity
         self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches), views)
         return loaders.private_loader(
             loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity, views,
-            dataset=self.engine.train_data[0] if self.engine.train_data is not None else None,
+            dataset=self._bounded.dataset,
         )  # fmt: skip
 
     def _bind_sampler(self, loader: DataLoader) -> int:
@@ -230,6 +228,8 @@ class DPStrategyBase(Strategy):
         self._check_ranks_agree(
             {"q (sample rate)": sampler.sample_rate, "noise multiplier": loaders.first_sigma(engine)}
         )
+        assert self.privacy_unit is not None
+        rank_zero_info(units.fit_start_line(self.privacy_unit, engine))  # what the ε covers
 
     def _sampler_runtime(self, trainer: Trainer, loader: DataLoader, num_batches: int) -> Any:
         assert self.lightning_module is not None

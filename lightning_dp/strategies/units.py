@@ -18,17 +18,21 @@ class BoundedData:
     def __init__(self) -> None:
         self._source: Any = None
         self._bounded: Any = None
+        self.dataset: Any = None
+        """The training set the run samples from, as last returned by :meth:`of`."""
 
     def of(self, config: PrivacyConfig, dataset: Any, user_level: bool) -> Any:
         """``dataset`` itself, or its bounded subset for example-level runs that declare a bound (user-level
         runs cap inside ``UserPoisson``, over the same choice)."""
         if config.max_examples_per_user is None or user_level:
-            return dataset
-        if dataset is not self._source:
-            assert config.user_key is not None  # PrivacyConfig refuses a bound without user_key
-            bound = ContributionBound(config.user_key, config.max_examples_per_user, config.seed)
-            self._bounded, self._source = bound.apply(dataset, owner=config.owner), dataset
-        return self._bounded
+            self.dataset = dataset
+        else:
+            if dataset is not self._source:
+                assert config.user_key is not None  # PrivacyConfig refuses a bound without user_key
+                bound = ContributionBound(config.user_key, config.max_examples_per_user, config.seed)
+                self._bounded, self._source = bound.apply(dataset, owner=config.owner), dataset
+            self.dataset = self._bounded
+        return self.dataset
 
 
 def privacy_unit_of(config: PrivacyConfig, engine: PrivateStepEngine) -> PrivacyUnit:
