@@ -1,5 +1,6 @@
 """What the run-time checks cost: whole fits with the checks off, at their default, every step, and with
-isolated examples, interleaved, on the same models and data (issue #28: default overhead ≤ 5 %).
+isolated examples, interleaved, on the same models and data (issue #28: default overhead ≤ 5 %; issue #36:
+the stronger check, which changes half the batch and compares by value, at B = 8, 256 and 1024).
 
 Each row times a fit of ``--steps`` steps (set-up included, so the first batch's check and the structure
 probe are counted), repeated ``--repeats`` times with the settings interleaved; the table gives the median
@@ -8,7 +9,9 @@ fit times move by a few % between identical runs on a shared machine), and how m
 check looked at. Isolation is not a check: its cost is the ratio.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/check_overhead.py            # ~6 min on 2 CPU cores
-    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/check_overhead.py --quick    # ~1 min
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/check_overhead.py --quick    # ~2 min
+    OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python bench/check_overhead.py --models "MLP B=8" \
+        "MLP 784-1000-10" "MLP B=1024" --settings off "every step"                  # by batch size
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ class Model(LightningModule):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
 
 
-def mlp() -> Model:
-    """The bench MLP: 784-1000-10, batch 256."""
+def mlp(batch_size: int = 256) -> Model:
+    """The bench MLP: 784-1000-10, batch 256 (or ``batch_size``)."""
     g = torch.Generator().manual_seed(0)
     net = nn.Sequential(nn.Linear(784, 1000), nn.ReLU(), nn.Linear(1000, 10))
-    return Model(net, torch.randn(4096, 784, generator=g), torch.randint(0, 10, (4096,), generator=g), 256)
+    return Model(
+        net, torch.randn(4096, 784, generator=g), torch.randint(0, 10, (4096,), generator=g), batch_size
+    )
 
 
 def cnn() -> Model:
@@ -98,6 +103,8 @@ MODELS: dict[str, Callable[[], Model]] = {
     "MLP 784-1000-10": mlp,
     "MNIST CNN": cnn,
     "Transformer d=64": transformer,
+    "MLP B=8": lambda: mlp(8),
+    "MLP B=1024": lambda: mlp(1024),
 }
 
 
@@ -138,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS)[:3])
     parser.add_argument("--settings", nargs="*", default=list(SETTINGS))
     parser.add_argument("--quick", action="store_true", help="30 steps, 1 repeat, without isolation")
     args = parser.parse_args()

@@ -78,7 +78,12 @@ def test_the_dry_run_imports_only_what_the_gpu_machine_has(dry_run: tuple[int, d
     allowed = _with_requirements(
         _names(ROOT / "bench" / "gpu_image.txt") | _names(ROOT / "bench" / "gpu_wheels.txt")
     )
-    assert imported <= allowed, sorted(imported - allowed)
+    assert imported - OPTIONAL_IMPORTS <= allowed, sorted(imported - allowed)
+
+
+OPTIONAL_IMPORTS = {"platformdirs"}
+"""Imported only when installed, inside a ``try`` (scipy.datasets): here the docs tools bring it; the GPU image
+runs without it."""
 
 
 def _with_requirements(names: set[str]) -> set[str]:

@@ -2,22 +2,31 @@
 
 DP-SGD's proof needs each example's clipped gradient to be a function of that example alone; then adding
 or removing one example moves the released sum by at most C. A loss or forward that mixes examples (mixup,
-a token mean over the batch, batch statistics, in-batch contrastive losses) breaks this silently.
+a token mean over the batch, batch statistics, in-batch contrastive losses, class weights from the batch's
+label counts, hard-example mining) breaks this silently.
 
 On a checked step, before the user's step runs, the check runs the user's ``training_step`` twice as a dry
 pass (``user_step``) on the very batch that step will receive (after every hook and callback ran), from
 the same global random state and module state as the real step:
 
 * pass A: the batch as it is: this is exactly what the real step computes next;
-* pass B: the batch with its first, its last and one randomly chosen example changed: removed when the step
-  draws no random numbers, else replaced by copies of other examples of the batch (same shapes, so every
-  random draw, dropout masks included, is the same for the others).
+* pass B: the batch with many examples changed, chosen where a dependence hides (:func:`choose_rows`): the
+  first and the last, every example holding an extreme (the minimum or maximum) of any column of any
+  tensor of the batch, of pass A's per-example gradient norms, one example of each rarest value of every
+  integer (label-like) column, and a random half of the others. They are removed when the step draws no
+  random numbers (the batch's size and its content both move, so a dependence on either shows), else
+  replaced by copies of kept examples (same shapes, so every random draw, dropout masks included, is the
+  same for the others).
 
-Every other example's per-example gradient (as the engine computes it, before clipping) must be the same in
-both passes: its norm, and the sum of the clipped gradients of all of them. A change beyond a dtype-scaled
-tolerance refuses the step before its release. Buffers the forward writes must be written the same way in
-both passes (a running statistic of the batch is not). Nothing is released, priced or stepped, and the
-random streams, ``.grad`` and buffers are put back, so the real step is the step without the check.
+The criterion is the proof's own quantity, in units of C: how far the kept examples' clipped gradients
+move, ‖Σ_j (ḡ_j(D) − ḡ_j(D′))‖ / C (each with its clip factor from pass A), against a tolerance set by
+rounding, not by the size of the sum (:func:`move_tolerance`). A batch statistic in a denominator moves
+every kept example a little and the sum by much more, at any batch size. Each kept example's gradient norm
+is also compared (within 1 %), a second test, never the only one. Buffers the forward writes must be
+written the same way in both passes (a running statistic or an observer of the batch is not); parameters
+must not be written at all (compared by value, so ``.data`` writes and flag-guarded initialisation count).
+Nothing is released, priced or stepped, and the random streams, ``.grad``, parameters and buffers are put
+back, so the real step is the step without the check.
 
 Which steps: the first sampled batch of every fit, and then steps drawn at random while the time spent
 checking stays within ``overhead`` of the training time (default 5 %); ``"every_step"`` checks every step.
@@ -32,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
@@ -44,6 +54,8 @@ from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live t
     replace_rows,  # noqa: F401
     run_on_changed_batch,
 )
+from lightning_dp.checks.fingerprint import _columns
+from lightning_dp.checks.state import ParameterValues
 from lightning_dp.checks.user_step import ModuleState, dry_training_step
 from lightning_dp.clipping import clip_factors
 from lightning_dp.errors import DPConfigurationError
@@ -56,31 +68,66 @@ if TYPE_CHECKING:
 CheckSetting = bool | Literal["every_step"]
 
 RELATIVE_FLOOR = 1e-2
-"""The smallest relative change refused. The norms compared are the certified ones, which may exceed the
-exact norm by up to ``GUARD_FRACTION`` (1 %) of its square, by an amount that depends on the kernel a batch
-size selects; passes over B and B − 1 rows also round differently (GEMM blocking, ~1e-6 in fp32). The
-patterns the check exists for move an example's gradient by 8 % and more (measured)."""
+"""The smallest relative change of one example's gradient norm refused (the per-example test). The norms
+compared are the certified ones, which may exceed the exact norm by up to ``GUARD_FRACTION`` (1 %) of its
+square, by an amount that depends on the kernel a batch size selects."""
 
 DEFAULT_OVERHEAD = 0.05
 NEGLIGIBLE_MOVE = 1e-5
-"""A change of an example's gradient below this many C is rounding, not a leak (the noise's std is σ·C)."""
+"""A move of the released sum below this many C is rounding, not a leak (the noise's std is σ·C)."""
+
+FP32_EXAMPLE_ROUNDING = 2.0**-13
+"""How much one example's fp32 gradient may differ, relatively, between passes over different rows: GEMM
+blocking and the convolution algorithm a batch size selects (Winograd and FFT ones differ by ~1e-5 to
+1e-4) change the rounding, not the value."""
+
+_U32 = 2.0**-24
+RARE_VALUE_COLUMNS = 64
+"""Integer tensors with at most this many columns per example are read as labels (rare values sought)."""
+RARE_VALUES = 16
+"""At most this many rarest values of one column are changed."""
+
+
+def _compute_eps(precision: str, device: torch.device) -> float:
+    """Machine epsilon of the dtype the forward computes in."""
+    if "bf16" in precision:
+        return torch.finfo(torch.bfloat16).eps
+    if "16" in precision:
+        return torch.finfo(torch.float16).eps
+    if device.type == "cuda":
+        return 2.0**-10  # TF32 keeps a 10-bit mantissa (cuDNN convolutions use it by default)
+    return torch.finfo(torch.float32).eps
 
 
 def relative_tolerance(precision: str, device: torch.device) -> float:
-    """The largest relative change a correct model shows between the two passes, from the compute dtype.
+    """The largest relative change of one example's gradient norm a correct model shows between the two
+    passes: 16 units in the last place of the compute dtype, never below ``RELATIVE_FLOOR``."""
+    return max(RELATIVE_FLOOR, 16 * _compute_eps(precision, device))
 
-    16 units in the last place of the dtype the forward runs in (bf16/fp16 under mixed precision, TF32
-    for fp32 matmuls and convolutions on CUDA), never below ``RELATIVE_FLOOR``.
+
+def example_rounding(precision: str, device: torch.device) -> float:
+    """ρ: how much one example's gradient may differ, relatively, between two passes over different rows
+    when nothing mixes (:data:`FP32_EXAMPLE_ROUNDING` in fp32, 4 ulps of a reduced compute dtype: each
+    entry of a reduced-precision result rounds to one of its two neighbours, rarely differently)."""
+    return max(FP32_EXAMPLE_ROUNDING, 4 * _compute_eps(precision, device))
+
+
+def move_tolerance(clipped_norms: Tensor, max_grad_norm: float, rho: float) -> float:
+    """The largest move of the kept examples' clipped sum (in units of C) that rounding explains.
+
+    Two parts, from the kept examples' clipped norms c_j = f_j‖g_j‖ (each ≤ C): the fp32 summation of the
+    K terms, certified in any order (2·γ_K·Σ_j c_j, γ_K = K·u/(1 − K·u), Higham §3.1, for both passes);
+    and each example's own recomputation over other rows, ρ·c_j, whose errors come from different inputs
+    and do not align (ρ·√Σ_j c_j², where a batch dependence moves the examples together: Σ_j). Plus
+    :data:`NEGLIGIBLE_MOVE`. The size of the sum itself plays no part.
     """
-    if "bf16" in precision:
-        eps = torch.finfo(torch.bfloat16).eps
-    elif "16" in precision:
-        eps = torch.finfo(torch.float16).eps
-    elif device.type == "cuda":
-        eps = 2.0**-10  # TF32 keeps a 10-bit mantissa (cuDNN convolutions use it by default)
-    else:
-        eps = torch.finfo(torch.float32).eps
-    return max(RELATIVE_FLOOR, 16 * eps)
+    c = max_grad_norm if math.isfinite(max_grad_norm) and max_grad_norm > 0 else 1.0
+    finite = clipped_norms[torch.isfinite(clipped_norms)].double()
+    k = int(finite.numel())
+    gamma = k * _U32 / max(1 - k * _U32, 0.5)
+    summed = 2 * gamma * float(finite.sum())
+    recomputed = rho * float(finite.square().sum().sqrt())
+    return NEGLIGIBLE_MOVE + (summed + recomputed) / c
 
 
 @dataclass(frozen=True)
@@ -88,31 +135,138 @@ class MixingResult:
     """What one check measured on one batch."""
 
     change: str
-    """What pass B did, e.g. "example 0 removed and examples [7, 15] replaced by copies of others"."""
+    """What pass B did, e.g. "examples [0, 3, 7] removed"."""
     changed: tuple[int, ...]
     """The examples removed or replaced (their rows in the batch)."""
     examples: int
-    worst_change: float
-    """The largest relative change of another example's gradient (its norm, or the clipped sum's)."""
-    worst_example: int
     move: float
-    """How far the clipped sum of the other examples moved, in units of C."""
-    tolerance: float
+    """How far the clipped sum of the kept examples moved, in units of C (the proof's quantity)."""
+    move_tolerance: float
+    """The move rounding explains, in units of C (:func:`move_tolerance`)."""
+    worst_change: float = 0.0
+    """The largest relative change of a kept example's gradient norm (the per-example test)."""
+    worst_example: int = 0
+    tolerance: float = 1.0
+    """The per-example test's relative tolerance."""
     buffers: tuple[str, ...] = ()
     """Buffers the forward wrote differently in the two passes (computed from the batch)."""
 
     @property
     def passed(self) -> bool:
-        return self.worst_change <= self.tolerance and not self.buffers
+        return self.move <= self.move_tolerance and self.worst_change <= self.tolerance and not self.buffers
 
 
 @dataclass
 class _Pass:
+    samples: PerExampleGradients | None
+    """Until its kept rows' sum is taken."""
     norms: Tensor
-    """fp64 [rows] on the CPU."""
-    clipped_sum: list[Tensor]
+    """Certified per-example norms, fp64 [rows] on the CPU."""
     buffers: dict[str, Tensor]
     written_parameters: list[str]
+
+
+def _batch_tensors(batch: Any, rows: int) -> list[Tensor]:
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, lambda t: found.append(t) if t.dim() and t.shape[0] == rows else None)
+    return found
+
+
+def _columns_of(t: Tensor, rows: int) -> Tensor:
+    """[rows, columns] view of a batch-first tensor (at most 4,096 columns, at fixed positions),
+    as real numbers or integers that ``argmax`` takes (``fingerprint.MAX_COLUMNS``)."""
+    flat = t.detach().reshape(rows, -1)
+    picked = _columns(flat.shape[1])
+    if picked is not None:
+        flat = flat.index_select(1, picked.to(flat.device))
+    if flat.is_complex():
+        flat = flat.abs()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if flat.is_floating_point():
+        flat = flat.float().nan_to_num(0.0)
+    return flat
+
+
+def field_extremes(batch: Any, rows: int) -> list[int]:
+    """The rows holding the minimum or the maximum of any column of any batch-first tensor (a min-max
+    scaler, an observer, a max over the batch reads exactly these)."""
+    found: list[int] = []
+    for t in _batch_tensors(batch, rows):
+        flat = _columns_of(t, rows)
+        if flat.numel():
+            found += torch.cat([flat.argmax(0), flat.argmin(0)]).tolist()
+    return list(dict.fromkeys(found))
+
+
+def rare_values(batch: Any, rows: int) -> list[int]:
+    """One row of each rarest value of every integer column (class counts over the batch, a singleton
+    class, oversampling a minority class read these). Columns whose values are all distinct (indices,
+    ids) have no rare value."""
+    found: list[int] = []
+    for t in _batch_tensors(batch, rows):
+        if t.is_floating_point() or t.is_complex():
+            continue
+        flat = _columns_of(t, rows)
+        if flat.shape[1] > RARE_VALUE_COLUMNS:
+            continue
+        for column in flat.T:
+            values, inverse, counts = torch.unique(column, return_inverse=True, return_counts=True)
+            if values.numel() in (1, rows):
+                continue
+            first = torch.full((values.numel(),), rows, device=column.device, dtype=torch.long)
+            first = first.scatter_reduce(0, inverse, torch.arange(rows, device=column.device), "amin")
+            found += first[counts == counts.min()][:RARE_VALUES].tolist()
+    return list(dict.fromkeys(found))
+
+
+def norm_extremes(norms: Tensor) -> list[int]:
+    """The rows with the largest and the smallest finite gradient norm (hard-example mining, self-paced
+    weights relative to the batch's largest loss read these)."""
+    finite = torch.isfinite(norms)
+    if not bool(finite.any()):
+        return []
+    return list(
+        dict.fromkeys(
+            [int(norms.where(finite, -math.inf).argmax()), int(norms.where(finite, math.inf).argmin())]
+        )
+    )
+
+
+def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> tuple[int, ...]:
+    """The rows pass B changes: one drawn at random, the first and the last, the gradient norms' extremes,
+    the rarest label values, every field's extremes, then a random half of the others. A record that holds
+    an extreme is changed on every check, any other record with probability at least 1/2. About half the
+    batch is kept (at least one row): where the extremes and half the others do not fit (a small
+    batch with many columns), the first, the last and all but a random quarter of the others are changed. The number of rows
+    kept is coprime with the batch size (a few more rows are changed, or kept in a small batch, until it
+    is): then no share of the batch (of labelled rows, of a class) is the same in both passes, since
+    n'/K = n/B has no solution with 0 < n < B."""
+    keep_at_least = max(1, rows // 4)
+    limit = rows - keep_at_least
+    special = [
+        int(torch.randint(rows, (), generator=generator)),
+        0,
+        rows - 1,
+        *norm_extremes(norms),
+        *rare_values(batch, rows),
+        *field_extremes(batch, rows),
+    ]
+    chosen = list(dict.fromkeys(special))
+    taken = set(chosen)
+    rest = [i for i in range(rows) if i not in taken]
+    half = (len(rest) + 1) // 2
+    if len(chosen) + half > limit:  # a small batch, mostly extremes: all but a random quarter of it
+        size = next(k for k in range(keep_at_least, rows) if math.gcd(k, rows) == 1)
+        inner = rows > 3  # keep neither the first nor the last (mixing along the rows) unless too few
+        drawn = torch.randperm(rows - 2 if inner else rows, generator=generator)[:size]
+        kept = (drawn + 1 if inner else drawn).tolist()
+    else:
+        order = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
+        size = next(k for k in range(len(rest) - half, 0, -1) if math.gcd(k, rows) == 1)
+        kept = order[:size]
+    taken = set(kept)
+    return tuple(i for i in range(rows) if i not in taken)
 
 
 @dataclass
@@ -132,6 +286,8 @@ class MixingCheck:
     """Time spent in every check so far (added by ``RunChecks``), against ``overhead`` × the time since start
     spent outside the checks."""
     started: float | None = None
+    largest_move: float = 0.0
+    """The largest move (in C) a passed check measured, for the report."""
     _last_cost: float = 0.0
     _generator: torch.Generator | None = None
 
@@ -139,15 +295,19 @@ class MixingCheck:
     def enabled(self) -> bool:
         return self.setting is not False
 
+    @property
+    def generator(self) -> torch.Generator:
+        if self._generator is None:
+            self._generator = make_generator(self.seed, stream="checks/mixing")
+        return self._generator
+
     def start_fit(self) -> None:
         """A new fit: its first sampled batch is checked."""
         self.due_next = self.enabled
         self.started = time.perf_counter()
 
     def _draw(self) -> float:
-        if self._generator is None:
-            self._generator = make_generator(self.seed, stream="checks/mixing")
-        return float(torch.rand((), generator=self._generator))
+        return float(torch.rand((), generator=self.generator))
 
     def due(self) -> bool:
         """Whether the batch about to be trained is checked."""
@@ -166,17 +326,6 @@ class MixingCheck:
 
     def pick(self, count: int) -> int:
         return min(count - 1, int(self._draw() * count))
-
-    def rows_to_change(self, rows: int) -> tuple[int, ...]:
-        """The examples pass B changes: the first, the last and one drawn at random (at least one kept).
-
-        Mixing can flow along the rows in either direction (with the previous row, relative to the first
-        row): changing both ends and a random row shows any of it in one pass."""
-        if rows == 2:
-            return (self.pick(2),)
-        if rows == 3:
-            return (0, 2)
-        return tuple(sorted({0, rows - 1, 1 + self.pick(rows - 2)}))
 
     def run(
         self,
@@ -201,6 +350,7 @@ class MixingCheck:
         self.due_next = result.examples < 2  # one example cannot mix: the next batch is checked instead
         if not result.passed:
             raise DPConfigurationError(self.refusal(result, engine.steps))
+        self.largest_move = max(self.largest_move, result.move)
         self.checked_steps.append(engine.steps)
         return result
 
@@ -218,22 +368,26 @@ class MixingCheck:
         rows = batch_length(batch)
         if rows is None or rows < 2:  # one example (or none) cannot mix with another: this batch is fine
             return None if rows is None else _vacuous(rows)
-        tolerance = relative_tolerance(str(precision.precision), device)
+        c = engine.max_grad_norm
         state = ModuleState.save(module, device)
+        values = ParameterValues.take(module)
         hint = grads._batch_hint
-        changed_rows = self.rows_to_change(rows)
-        kept_full = [i for i in range(rows) if i not in changed_rows]
         try:
-            full = self._pass(engine, module, batch, batch_idx, precision, rows, kept_full, state)
+            full = self._pass(engine, module, batch, batch_idx, precision, rows, state, values)
             if full is None:
                 return None
+            changed_rows = choose_rows(batch, rows, full.norms, self.generator)
+            changed_set = set(changed_rows)
+            kept_full = [i for i in range(rows) if i not in changed_set]
+            factors = clip_factors(full.norms.float(), c).double()  # pass A's, used in both sums
+            full_sum = _kept_sum(full, factors, kept_full, rows)
+            grads.clear()
             # Random draws (dropout): replace only, so every shape and every draw stays the same. Else remove
-            # the first changed example and replace the others: the batch's size and its content both move,
-            # so a dependence on either (a loss summed but called a mean, a token mean) shows.
-            removed, replaced = changed_rows[:1], changed_rows[1:]
+            # them: the batch's size and its content both move, so a dependence on either shows.
+            removed: tuple[int, ...] = changed_rows
+            replaced: tuple[int, ...] = ()
             if state.drew_random_numbers():
                 removed, replaced = (), changed_rows
-            state.restore()
             edit = run_on_changed_batch(  # removal falls back to replacement where the step cannot run on it
                 batch,
                 rows,
@@ -241,14 +395,18 @@ class MixingCheck:
                 replaced,
                 kept_full,
                 self.pick,
-                lambda b, n, kept: self._pass(engine, module, b, batch_idx, precision, n, kept, state),
+                lambda b, n, kept: self._pass(engine, module, b, batch_idx, precision, n, state, values),
                 state.restore,
             )
             other, removed, replaced, kept_changed = edit.result, edit.removed, edit.replaced, edit.kept
             if other is None:
                 return None
+            weights = torch.zeros(rows - len(removed), dtype=torch.float64)
+            weights[kept_changed] = factors[kept_full]
+            other_sum = _kept_sum(other, weights, kept_changed, rows - len(removed))
         finally:
             state.restore()
+            values.restore()
             grads.clear()
             grads.expect_batch(hint)
         written = sorted(set(full.written_parameters) | set(other.written_parameters))
@@ -261,17 +419,20 @@ class MixingCheck:
             or name not in other.buffers
             or not torch.equal(full.buffers[name], other.buffers[name])
         )
-        return _compare(
-            full,
-            other,
-            kept_full,
-            kept_changed,
+        a, b = full.norms[kept_full], other.norms[kept_changed]
+        worst, worst_position = _worst_norm_change(a, b, c)
+        clipped = (factors[kept_full] * a).where(torch.isfinite(a), 0.0)
+        rho = example_rounding(str(precision.precision), device)
+        return MixingResult(
             _describe(removed, replaced),
             changed_rows,
             rows,
-            tolerance,
+            _distance(full_sum, other_sum) / (c if math.isfinite(c) and c > 0 else 1.0),
+            move_tolerance(clipped, c, rho),
+            worst,
+            kept_full[worst_position],
+            relative_tolerance(str(precision.precision), device),
             buffers,
-            engine,
         )
 
     def _pass(
@@ -282,10 +443,12 @@ class MixingCheck:
         batch_idx: int,
         precision: Any,
         rows: int,
-        kept: list[int],
         state: ModuleState,
+        values: ParameterValues,
     ) -> _Pass | None:
-        """One dry pass: its per-example norms, the clipped sum of the ``kept`` rows, and what it wrote."""
+        """One dry pass from the saved state: its per-example gradients and norms, and what it wrote."""
+        state.restore()
+        values.restore()
         grads = engine.grads
         assert grads is not None
         grads.clear()
@@ -299,34 +462,21 @@ class MixingCheck:
             return None
         samples, _ = grads.collect(expected=rows)
         norms = samples.sq_norms().double().sqrt().cpu()
-        clipped = self._clipped(samples, norms, kept, engine.max_grad_norm)
-        grads.clear()
-        return _Pass(norms, clipped, state.written_buffers(), state.written_parameters())
-
-    @staticmethod
-    def _clipped(
-        samples: PerExampleGradients, norms: Tensor, kept: list[int], max_grad_norm: float
-    ) -> list[Tensor]:
-        """Σ over the ``kept`` rows of the clipped per-example gradients (what they add to the release)."""
-        mask = torch.zeros(norms.shape[0])
-        mask[kept] = 1
-        weights = clip_factors(norms.float(), max_grad_norm) * mask
-        device = samples.params[0].device if samples.params else torch.device("cpu")
-        return samples.weighted_sum(weights.to(device))
+        return _Pass(samples, norms, state.written_buffers(), values.written())
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""
         if result.buffers:
             what = (
                 f"buffers {list(result.buffers)} were written from the batch in the forward (a running "
-                "statistic or a queue of the batch's examples): they mix examples across the batch and across "
-                "steps, and are saved with the model without noise"
+                "statistic, an observer's min/max or a queue of the batch's examples): they mix examples "
+                "across the batch and across steps, and are saved with the model without noise"
             )
         else:
             what = (
-                f"example {result.worst_example}'s per-example gradient changed by {result.worst_change:.1%} "
-                f"when the batch had {result.change} (tolerance {result.tolerance:.2g}); the clipped sum of "
-                f"the other examples moved by {result.move:.2f}·C"
+                f"when the batch had {result.change}, the clipped gradients of the other examples moved by "
+                f"{result.move:.3g}·C in total (rounding explains {result.move_tolerance:.2g}·C), and "
+                f"example {result.worst_example}'s gradient norm by {result.worst_change:.1%}"
             )
         return (
             f"Sensitivity check failed on step {releases_before} (a real sampled batch of {result.examples} "
@@ -338,8 +488,10 @@ class MixingCheck:
             "return lightning_dp.per_example_token_loss(logits, labels).mean(); an operation that mixes "
             "examples (mixup or cutmix across the batch, attention or pooling over the batch dimension, an "
             "in-batch contrastive or triplet loss): mix within one example only; a batch statistic "
-            "(standardising by the batch mean or std, a running mean updated from the batch): normalise each "
-            "example on its own (LayerNorm, GroupNorm); a loss summed over the batch while "
+            "(standardising or min-max scaling by the batch's mean, std, min or max, class weights from the "
+            "batch's label counts, weights relative to the batch's largest loss, top-k hard-example mining, "
+            "a running mean or an observer updated from the batch): normalise each example on its own "
+            "(LayerNorm, GroupNorm) with constants fixed from public data; a loss summed over the batch while "
             "loss_reduction='mean': return the mean. To train such a model unchanged, pass "
             "DPStrategy(isolate_examples=True): each example then runs through training_step alone, so "
             "nothing can mix (it costs one forward per example). See docs/writing-a-loss.md. Only if the model "
@@ -367,60 +519,60 @@ class MixingCheck:
             "overhead_budget": self.overhead,
             "checked_steps": len(self.checked_steps),
             "last_checked_step": self.checked_steps[-1] if self.checked_steps else None,
+            "largest_move_in_c": self.largest_move,
             "moved_for_no_loss": self.moved,
         }
 
 
 def _vacuous(rows: int) -> MixingResult:
-    return MixingResult("nothing changed", (), rows, 0.0, 0, 0.0, 1.0)
+    return MixingResult("nothing changed", (), rows, 0.0, 1.0)
 
 
 def _describe(removed: tuple[int, ...], replaced: tuple[int, ...]) -> str:
-    parts = [f"example {removed[0]} removed"] if removed else []
-    if replaced:
-        parts.append(f"examples {list(replaced)} replaced by copies of others")
-    return " and ".join(parts)
+    rows = removed or replaced
+    shown = ", ".join(str(r) for r in rows[:8]) + (", …" if len(rows) > 8 else "")
+    how = "removed" if removed else "replaced by copies of others"
+    return f"examples [{shown}] {how} ({len(rows)} of them)"
 
 
-def _compare(
-    full: _Pass,
-    other: _Pass,
-    kept_full: list[int],
-    kept_changed: list[int],
-    kind: str,
-    changed: tuple[int, ...],
-    rows: int,
-    tolerance: float,
-    buffers: tuple[str, ...],
-    engine: PrivateStepEngine,
-) -> MixingResult:
-    """The largest relative change of a kept example's gradient norm, and of the kept rows' clipped sum."""
-    a, b = full.norms[kept_full], other.norms[kept_changed]
-    worst, worst_example = 0.0, kept_full[0]
-    c = engine.max_grad_norm
-    floor = _change_floor(torch.maximum(a, b), c)
-    for position, (x, y) in enumerate(zip(a.tolist(), b.tolist(), strict=True)):
+def _kept_sum(run: _Pass, weights: Tensor, kept: list[int], rows: int) -> list[Tensor]:
+    """Σ over the ``kept`` rows of the pass's per-example gradients times ``weights`` (pass A's clip
+    factors), in fp64 on the CPU; the pass's gradients are let go."""
+    samples, run.samples = run.samples, None
+    assert samples is not None
+    mask = torch.zeros(rows, dtype=torch.float64)
+    mask[kept] = 1
+    w = (weights[:rows] * mask).float()
+    device = samples.params[0].device if samples.params else torch.device("cpu")
+    return [s.double().cpu() for s in samples.weighted_sum(w.to(device))]
+
+
+def _distance(a: list[Tensor], b: list[Tensor]) -> float:
+    """‖a − b‖ over all tensors (fp64); equal non-finite entries (the same ±inf, NaN and NaN) count as 0."""
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        same = (x == y) | (x.isnan() & y.isnan())
+        if not bool((finite | same).all()):
+            return math.inf
+        total += float((x - y).where(finite, 0.0).square().sum())
+    return math.sqrt(total)
+
+
+def _worst_norm_change(a: Tensor, b: Tensor, max_grad_norm: float) -> tuple[float, int]:
+    """The largest relative change between the norms ``a`` and ``b`` (and its position), each measured
+    against at least :func:`_change_floor`."""
+    floor = _change_floor(torch.maximum(a, b), max_grad_norm)
+    worst, position = 0.0, 0
+    for i, (x, y) in enumerate(zip(a.tolist(), b.tolist(), strict=True)):
         if not (math.isfinite(x) and math.isfinite(y)):
             change = 0.0 if math.isfinite(x) == math.isfinite(y) else math.inf
         else:
             scale = max(x, y, floor)
             change = abs(x - y) / scale if scale > 0 else 0.0
         if change > worst:
-            worst, worst_example = change, kept_full[position]
-    finite = torch.isfinite(a)
-    factors = clip_factors(a.float(), c).double()
-    scale_sq = float((factors * a).where(finite, 0.0).square().sum())
-    move_sq = sum(
-        float((x.double() - y.double()).square().sum())
-        for x, y in zip(full.clipped_sum, other.clipped_sum, strict=True)
-    )
-    move = math.sqrt(move_sq)
-    scale = max(math.sqrt(scale_sq), _negligible(c))
-    relative = move / scale if scale > 0 else (0.0 if move == 0 else math.inf)
-    if relative > worst:
-        worst = relative
-    in_c = move / c if math.isfinite(c) else move
-    return MixingResult(kind, changed, rows, worst, worst_example, in_c, tolerance, buffers)
+            worst, position = change, i
+    return worst, position
 
 
 def _change_floor(norms: Tensor, max_grad_norm: float) -> float:

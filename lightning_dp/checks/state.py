@@ -3,8 +3,12 @@
 The released gradient moves the weights only through the optimizer. Anything else that writes the model
 from a private batch is a release with no noise: a layer that renormalises its own rows in forward
 (``nn.Embedding(max_norm=...)``), a running mean or a queue of the batch's features kept in a buffer and
-saved with the model. Every step, the in-place version counters of every parameter and buffer are read
-(no values, no copies; microseconds):
+saved with the model. Every step, each parameter and buffer is read by identity, storage address and
+in-place version counter (``set_`` and ``p.data = ...`` move the address), and each buffer also by value
+(a checksum of all its values, one fused reduction: a write through ``.data``, which no version counter
+sees, still moves it). Parameters are compared value by value, against a full copy, wherever lightning-dp
+runs user code on a batch itself: the structure probe (the first code to see a training record, so a
+data-dependent initialisation is caught there) and both passes of every mixing check:
 
 * a parameter written during the step (from the batch reaching user code to the release) is refused;
   parameters written between steps (an EMA teacher, weight clamping in ``on_train_batch_end``) are
@@ -20,35 +24,77 @@ saved with the model. Every step, the in-place version counters of every paramet
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
+from lightning_dp.checks.user_step import _owner, same_values
 from lightning_dp.errors import DPConfigurationError
 
-Versions = dict[str, tuple[int, int]]
+Entry = tuple[int, int, int, float | None]
+"""(object id, storage address, in-place version, value checksum or None where not read) of one tensor."""
+
+
+def checksums(tensors: list[Tensor]) -> list[float]:
+    """One number per tensor computed from every value it holds (its L2 norm, in one fused call for the
+    floating tensors; about one read of the weights): a write that bypasses the version counter
+    (``p.data.copy_``, ``p.data[...] = ...``) still moves it. NaN where a value is NaN (equal to itself)."""
+    if not tensors:
+        return []
+    floating = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+    out = [0.0] * len(tensors)
+    chosen = set(floating)
+    with torch.no_grad():
+        if floating:
+            norms = torch._foreach_norm([tensors[i].detach() for i in floating], 2)
+            for i, v in zip(floating, torch.stack([n.double().cpu() for n in norms]).tolist(), strict=True):
+                out[i] = v
+        for i, t in enumerate(tensors):
+            if i not in chosen and t.numel():
+                out[i] = float(t.detach().double().square().sum())
+    return out
+
+
+def entries(tensors: Iterable[Tensor | None], values: bool = True) -> list[Entry]:
+    """The :data:`Entry` of each tensor (``(0, 0, 0, 0.0)`` for a missing one); checksums only if
+    ``values``."""
+    listed = list(tensors)
+    present = [t for t in listed if t is not None]
+    sums = iter(checksums(present) if values else [None] * len(present))
+    return [
+        (id(t), t.data_ptr(), t._version, next(sums)) if t is not None else (0, 0, 0, 0.0) for t in listed
+    ]
+
+
+def _same(a: Entry | None, b: Entry) -> bool:
+    """The same object, storage and version, and the same checksum where both were read (NaN == NaN)."""
+    if a is None or a[:3] != b[:3]:
+        return False
+    x, y = a[3], b[3]
+    return x is None or y is None or x == y or (x != x and y != y)
 
 
 @dataclass
 class _Snapshot:
-    """(object id, in-place version) of every parameter and buffer, in a fixed order, with their names:
-    comparing two is a list comparison; names are matched only when something changed."""
+    """The :data:`Entry` of every parameter and buffer, in a fixed order, with their names: comparing two
+    is a list comparison; names are matched only when something changed."""
 
     param_names: list[str]
-    params: list[tuple[int, int]]
+    params: list[Entry]
     buffer_names: list[str]
-    buffers: list[tuple[int, int]]
+    buffers: list[Entry]
 
 
-def _changed(
-    before_names: list[str], before: list[tuple[int, int]], names: list[str], after: list[tuple[int, int]]
-) -> list[str]:
-    """Names whose tensor was written or replaced, or that appeared, between the two snapshots."""
+def _changed(before_names: list[str], before: list[Entry], names: list[str], after: list[Entry]) -> list[str]:
+    """Names whose tensor was written (in place, through ``.data`` or ``set_``) or replaced, or that
+    appeared, between the two snapshots."""
     if before_names is names and before == after:
         return []
     previous = dict(zip(before_names, before, strict=True))
-    return sorted(n for n, v in zip(names, after, strict=True) if previous.get(n) != v)
+    return sorted(n for n, v in zip(names, after, strict=True) if not _same(previous.get(n), v))
 
 
 @dataclass
@@ -94,12 +140,12 @@ class StateWatch:
         return self._layout[1:]
 
     def _now(self) -> _Snapshot:
+        """Every entry: parameters by identity, storage and version (their values are compared where user
+        code runs on a batch inside the checks: the structure probe and every checked batch's passes, by
+        a full copy), buffers also by a checksum of their values."""
         slots, names, buffer_slots, buffer_names = self._where()
-
-        def read(where: list[tuple[dict[str, Any], str]]) -> list[tuple[int, int]]:
-            return [(id(t), t._version) if (t := d.get(k)) is not None else (0, 0) for d, k in where]
-
-        return _Snapshot(names, read(slots), buffer_names, read(buffer_slots))
+        params = entries((d.get(k) for d, k in slots), values=False)
+        return _Snapshot(names, params, buffer_names, entries(d.get(k) for d, k in buffer_slots))
 
     def _public(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.public_buffers)
@@ -161,3 +207,39 @@ class StateWatch:
             "buffers_written_in_forward_unverified": sorted(self.unverified_buffers),
             "public_buffers": list(self.public_buffers),
         }
+
+
+@dataclass
+class ParameterValues:
+    """A copy of every parameter's values, taken before lightning-dp runs user code itself (a check's dry
+    pass, the structure probe): afterwards, which parameters that code wrote, by value, however it wrote
+    them (``.data``, ``copy_`` under ``no_grad``, ``set_``, a new object), and putting them back."""
+
+    module: nn.Module
+    saved: list[tuple[str, nn.Parameter, Tensor]] = field(default_factory=list)
+
+    @classmethod
+    def take(cls, module: nn.Module) -> ParameterValues:
+        with torch.no_grad():
+            return cls(module, [(n, p, p.detach().clone()) for n, p in module.named_parameters()])
+
+    def written(self) -> list[str]:
+        """Parameters whose values (or object) differ from the copy."""
+        now = dict(self.module.named_parameters())
+        return sorted(
+            name
+            for name, p, values in self.saved
+            if now.get(name) is not p or not same_values(values, p.detach())
+        )
+
+    def restore(self) -> None:
+        """Put every parameter object and its values back."""
+        with torch.no_grad():
+            for name, p, values in self.saved:
+                owner, leaf = _owner(self.module, name)
+                if owner._parameters.get(leaf) is not p:
+                    owner._parameters[leaf] = p
+                if p.shape != values.shape or p.dtype != values.dtype:
+                    p.data = values.clone()
+                elif not same_values(values, p.detach()):
+                    p.copy_(values)

@@ -115,8 +115,7 @@ class DPStrategyBase(Strategy):
             self.engine.attach(self.lightning_module)
             self.checks.setup(self.lightning_module, self.precision_plugin.convert_input)
             self._describe_clipping_paths()
-            refusals.warn_on_non_private_gradient_hooks(trainer, self.engine)
-            refusals.warn_if_seeded(self.engine)
+            refusals.warn_at_fit_start(trainer, self.engine)
             _ensure_privacy_callback(trainer)
         super().setup(trainer)
 

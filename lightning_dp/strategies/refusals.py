@@ -103,6 +103,12 @@ def warn_on_non_private_gradient_hooks(trainer: Trainer, engine: PrivateStepEngi
         )
 
 
+def warn_at_fit_start(trainer: Trainer, engine: PrivateStepEngine) -> None:
+    """The fit-start warnings: gradient hooks that see non-private gradients, and a seeded run's streams."""
+    warn_on_non_private_gradient_hooks(trainer, engine)
+    warn_if_seeded(engine)
+
+
 def warn_if_seeded(engine: PrivateStepEngine) -> None:
     """Once per fit: a seeded run's checkpoints (and its seed) let their holder regenerate its noise."""
     owners = engine.seeded()
