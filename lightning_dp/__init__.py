@@ -15,7 +15,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
 from lightning_dp.noise import BLT, BandMF, ConstantNoise, NoiseDividing
 from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
-from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson
+from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson, UserPoisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.line_search import LineSearch
@@ -54,6 +54,7 @@ __all__ = [
     "Sampler",
     "Step",
     "StepContext",
+    "UserPoisson",
     "__version__",
     "audit",
     "checking",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import IO, Any
 
 from lightning_dp.accounting import PrivacyFilter
 from lightning_dp.checkpointing import atomic_write
 from lightning_dp.checks import RunChecks
+from lightning_dp.privacy_unit import PrivacyUnit
 from lightning_dp.version import __version__
 
 REPORT_NAME = "privacy_report.json"
@@ -59,12 +61,114 @@ def privacy_report(
         data["realised_epsilon_kind"] = (
             "odometer: the composition of the releases this run made; not a guarantee by itself"
         )
+    data.update(unit_fields(strategy, float(data["epsilon"])))
+    if data.get("privacy_unit") == "user":
+        del data["dataset_size"]  # sampler.num_samples is U there; the number of examples is never reported
     if test_metrics:
         data["test_metrics"] = dict(test_metrics)
         for key in ("test_acc", "test_accuracy"):
             if key in test_metrics:
                 data["test_accuracy"] = test_metrics[key]
     return data
+
+
+NO_USER_LEVEL_GUARANTEE = (
+    "No user-level privacy guarantee is possible without a bound on the number of examples per user."
+)
+USER_LEVEL_METHOD = "Ganesh 2024 MoG dominating pair; Vadhan 2017 Lemma 2.2 group privacy"
+
+
+def unit_fields(strategy: Any, epsilon: float) -> dict[str, Any]:
+    """What the ε covers (``docs/user-level.md``): the privacy unit, its adjacency and count, q and the expected
+    batch in units, the public per-unit bounds, and a TF-Privacy-shaped statement. Never the number of
+    examples of a user-level run, per-user counts or rows per step: those are statistics of the private data."""
+    unit = getattr(strategy, "privacy_unit", None)
+    if not isinstance(unit, PrivacyUnit):
+        return {}
+    engine = strategy.engine
+    sampler = engine.sampler
+    user = unit.kind == "user"
+    config = getattr(strategy, "config", None)
+    fields: dict[str, Any] = {
+        "privacy_unit": unit.kind,
+        "adjacency": unit.adjacency,
+        "unit_key": _key_name(getattr(config, "user_key", None)),
+        "num_units": unit.num_units,
+        "sample_rate": sampler.sample_rate,
+        "expected_batch_size": sampler.expected_batch_size,
+        "examples_per_unit": unit.examples_per_user if user else 1,
+        "unit_selection": getattr(sampler, "selection", None) if user else None,
+        "unit_reduction": getattr(sampler, "reduction", None) if user else None,
+        "augmentation_multiplicity": unit.augmentation_multiplicity,
+    }
+    accountant = str(engine.accountant).upper()
+    sampling = (
+        f"Poisson sampling of {unit.kind}s"
+        if sampler.name in ("Poisson", "UserPoisson")
+        else (f"{sampler.name} sampling")
+    )
+    statement = (
+        f"{unit.kind.capitalize()}-level DP (add/remove one {unit.kind}, all checkpoints), δ={engine.delta:g}: "
+        f"ε = {epsilon:.4g} ({accountant}) with {sampling}"
+    )
+    if user:
+        statement += f"; each user contributes at most {unit.examples_per_user} examples per step."
+    elif unit.max_examples_per_user is not None:
+        user_level = els_statement(strategy, unit.max_examples_per_user)
+        fields["user_level"] = user_level
+        statement += f". {user_level['statement']}"
+    else:
+        statement += f". {NO_USER_LEVEL_GUARANTEE}"
+    fields["statement"] = statement
+    return fields
+
+
+def _key_name(key: Any) -> str | None:
+    """How the user ids were read, never the ids: the name given, or the kind of object."""
+    if key is None or isinstance(key, str):
+        return key
+    return f"<{getattr(key, '__name__', type(key).__name__)}>"
+
+
+def els_statement(strategy: Any, k: int) -> dict[str, Any]:
+    """The user-level ε of an example-level run whose users own at most k examples each (enforced): the tight
+    mixture-of-Gaussians PLD (None without dp-accounting, or for a ledger with events other than
+    Poisson-subsampled Gaussians) and the RDP group-privacy bound (∞ where it has no solution). Slow (seconds to a minute): computed
+    once per ledger state, at the end of fit, never per step."""
+    from lightning_dp.accounting.group import group_rdp_user_epsilon, mog_user_epsilon_of_history
+
+    engine = strategy.engine
+    ledger = engine.ledger
+    key = (ledger.steps, len(ledger.history), engine.delta, k)
+    cached = getattr(strategy, "_els_cache", None)
+    if cached is not None and cached[0] == key:
+        return dict(cached[1])
+    try:  # one mixture-of-Gaussians event per (σ, q) segment of the ledger
+        mog = mog_user_epsilon_of_history(ledger.history, k, engine.delta)
+    except ValueError:  # an event other than a subsampled Gaussian: the RDP group bound alone
+        mog = None
+    group = float(group_rdp_user_epsilon(ledger, k, engine.delta))
+    best = min(value for value in (mog, group) if value is not None)
+    parts = [f"{_number(mog)} (MoG PLD)"] if mog is not None else []
+    parts.append(f"{_number(group)} (RDP group privacy)")
+    data = {
+        "max_examples_per_user": k,
+        "epsilon": best,
+        "epsilon_pld_mog": mog,
+        "epsilon_rdp_group": group,
+        "method": USER_LEVEL_METHOD,
+        "enforced": True,
+        "statement": (
+            f"User-level DP (add/remove one user, all checkpoints), δ={engine.delta:g}, each user owning at most "
+            f"{k} examples (enforced): ε = {' or '.join(parts)}."
+        ),
+    }
+    strategy._els_cache = (key, data)
+    return dict(data)
+
+
+def _number(value: float) -> str:
+    return "∞" if math.isinf(value) else f"{value:.4g}"
 
 
 def write_report(data: dict[str, Any], ledger: Any, directory: str) -> str:

@@ -6,6 +6,7 @@ the ledger to price what they release; a slot never touches Lightning itself.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -92,6 +93,18 @@ class Sampler(Slot, ABC):
     noise refuses."""
     horizon: int | None = None
     """The run's planned steps, for samplers handed a runtime (the noise slot fits its strategy to it)."""
+    unit: str = "example"
+    """The privacy unit one draw samples: ``"example"``, or ``"user"`` (``UserPoisson``: then ``num_samples``
+    is U, the number of users, and the ledger's q is over users)."""
+
+    def bind_dataset(self, dataset: Any) -> None:
+        """Called by the strategy with the train ``Dataset`` before ``bind``, for samplers that read
+        per-example metadata (``UserPoisson``: each example's user id). Default: nothing to read."""
+        del dataset
+
+    def batches_per_epoch(self, num_samples: int, batch_size: int) -> int:
+        """The steps of one epoch (after ``bind``): each unit sampled once in expectation, ⌈N / B⌉."""
+        return max(1, math.ceil(num_samples / batch_size))
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
         """Called by the strategy before every epoch's loader is built; default: nothing to keep."""

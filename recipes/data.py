@@ -18,7 +18,13 @@ import torch
 from sklearn.model_selection import StratifiedKFold, train_test_split
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-__all__ = ["DigitsDataModule", "MNISTDataModule", "TabularDataModule", "resolve_mnist_root"]
+__all__ = [
+    "DigitsDataModule",
+    "MNISTDataModule",
+    "TabularDataModule",
+    "UserTensorDataset",
+    "resolve_mnist_root",
+]
 
 
 def _loader(dataset: Dataset, batch_size: int, shuffle: bool, num_workers: int) -> DataLoader:
@@ -81,6 +87,10 @@ class DigitsDataModule(_SplitDataModule):
         num_workers: DataLoader workers (default 0).
         flatten: give each image as a 64-vector instead of ``(1, 8, 8)`` (default False).
         normalization: ``"public"`` (default) or ``"train_stats"``, as above.
+        users: ``"shuffled"`` or ``"label_sorted"`` gives the train set synthetic users, consecutive runs of
+            ``examples_per_synthetic_user`` train examples (1,257 → 126 users), as a ``user_id`` attribute
+            for user-level DP (``configs/digits_users.yaml``); default None (no user ids).
+        examples_per_synthetic_user: examples per synthetic user (default 10).
     """
 
     num_classes = 10
@@ -94,10 +104,14 @@ class DigitsDataModule(_SplitDataModule):
         num_workers: int = 0,
         flatten: bool = False,
         normalization: str = "public",
+        users: str | None = None,
+        examples_per_synthetic_user: int = 10,
     ) -> None:
         super().__init__()
         if normalization not in ("public", "train_stats"):
             raise ValueError(f"normalization must be 'public' or 'train_stats', got {normalization!r}")
+        if users not in (None, "shuffled", "label_sorted"):
+            raise ValueError(f"users must be None, 'shuffled' or 'label_sorted', got {users!r}")
         if not (0 <= val_fraction < 1 and 0 < test_fraction < 1 and val_fraction + test_fraction < 1):
             raise ValueError("need 0 <= val_fraction, 0 < test_fraction and val_fraction + test_fraction < 1")
         self.save_hyperparameters()
@@ -108,6 +122,8 @@ class DigitsDataModule(_SplitDataModule):
         self.num_workers = num_workers
         self.flatten = flatten
         self.normalization = normalization
+        self.users = users
+        self.examples_per_synthetic_user = examples_per_synthetic_user
         self.input_shape: tuple[int, ...] = (64,) if flatten else (1, 8, 8)
         self.in_features = 64
         self.train_set: TensorDataset | None = None
@@ -144,10 +160,35 @@ class DigitsDataModule(_SplitDataModule):
         shape = (-1, 64) if self.flatten else (-1, 1, 8, 8)
         Xt = torch.from_numpy(X).reshape(shape)
         yt = torch.from_numpy(y)
+        if self.users is not None:  # synthetic users: consecutive runs of the (re-ordered) train indices
+            train_idx = _synthetic_user_order(train_idx, y, self.users)
         self.split_indices = {"train": train_idx, "val": val_idx, "test": test_idx}
         self.train_set = TensorDataset(Xt[train_idx], yt[train_idx])
+        if self.users is not None:
+            self.train_set = UserTensorDataset(
+                self.train_set.tensors, torch.arange(len(train_idx)) // self.examples_per_synthetic_user
+            )
         self.val_set = TensorDataset(Xt[val_idx], yt[val_idx])
         self.test_set = TensorDataset(Xt[test_idx], yt[test_idx])
+
+
+class UserTensorDataset(TensorDataset):
+    """A ``TensorDataset`` whose examples carry a user id: ``user_id[i]`` owns example i
+    (``DPStrategy(privacy_unit="user", user_key="user_id")`` reads the attribute)."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], user_id: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.user_id = user_id
+
+
+def _synthetic_user_order(train_idx: np.ndarray, y: np.ndarray, users: str) -> np.ndarray:
+    """The train indices in the order that makes consecutive runs users (``docs/user-level.md``, spec §5.8):
+    ``"label_sorted"`` (stable sort by label: mostly one digit per user, non-iid) or ``"shuffled"`` (a
+    permutation from ``torch.Generator().manual_seed(0)``: iid users)."""
+    if users == "label_sorted":
+        return train_idx[np.argsort(y[train_idx], kind="stable")]
+    permutation = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(0)).numpy()
+    return train_idx[permutation]
 
 
 # --------------------------------------------------------------------------------------------------

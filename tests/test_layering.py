@@ -29,6 +29,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
             "losses.py",
             "version.py",
             "_logging.py",
+            "privacy_unit.py",
         ),
     ),
     ("accounting", ("accounting/",)),

@@ -13,7 +13,6 @@ Each hook is a short checklist; the work is in the modules beside this one:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +35,8 @@ from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError
 from lightning_dp.prepare import OnBatchNorm, prepare_module
-from lightning_dp.strategies import checkpoints, loaders, refusals, routing
+from lightning_dp.privacy_unit import PrivacyUnit
+from lightning_dp.strategies import checkpoints, loaders, refusals, routing, units
 from lightning_dp.strategies.config import PrivacyConfig
 from lightning_dp.strategies.norm_pass import sampler_runtime
 from lightning_dp.strategies.optim import DPOptimizer
@@ -74,6 +74,9 @@ class DPStrategyBase(Strategy):
         self._realised_sizes: loaders.RealisedSizes | None = None
         self.step_counts = checkpoints.StepCounts()
         self._bound_data: loaders.BoundData | None = None
+        self._bounded = units.BoundedData()
+        self.privacy_unit: PrivacyUnit | None = None
+        """What this run's ε covers (example or user, and how many), once the train loader is bound."""
 
     # -- conveniences for users and callbacks ---------------------------------------------------------
     @property
@@ -184,8 +187,9 @@ class DPStrategyBase(Strategy):
         views = self.config.augmentation_multiplicity
         self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches), views)
         return loaders.private_loader(
-            loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity, views
-        )
+            loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity, views,
+            dataset=self._bounded.dataset,
+        )  # fmt: skip
 
     def _bind_sampler(self, loader: DataLoader) -> int:
         """Fix N and the logical batch in the sampler slot (q = batch / N); the batches of an epoch."""
@@ -195,17 +199,21 @@ class DPStrategyBase(Strategy):
         public = self.config.data_changes == "public"
         bound = loaders.BoundData(loader.dataset, num_samples, logical_batch)
         self._bound_data = loaders.check_reloaded_data(self._bound_data, bound, public)
-        self.engine.train_data = (loader.dataset, loaders.CollateWithEmpty(loader.collate_fn))
+        sampler = self.engine.sampler
+        dataset = self._bounded.of(self.config, loader.dataset, sampler.unit == "user")
+        num_samples = len(dataset)  # an example-level run with max_examples_per_user: the bounded set
+        self.engine.train_data = (dataset, loaders.CollateWithEmpty(loader.collate_fn))
         self._check_ranks_agree({"N (training examples)": num_samples, "logical batch": logical_batch})
         try:
-            self.engine.sampler.bind(
-                num_samples, logical_batch, rank=self.global_rank, world_size=self.world_size
-            )
+            sampler.bind_dataset(dataset)
+            sampler.bind(num_samples, logical_batch, rank=self.global_rank, world_size=self.world_size)
         except ValueError as err:
             raise DPConfigurationError(str(err)) from err
+        self.privacy_unit = units.privacy_unit_of(self.config, self.engine)
+        self._check_ranks_agree({"privacy units": self.privacy_unit.num_units})
         checkpoints.check_resumed_data(self.engine, self.step_counts, public)
-        refusals.warn_on_large_delta(self.engine.delta, num_samples)
-        return max(1, math.ceil(num_samples / logical_batch))
+        refusals.warn_on_large_delta(self.engine.delta, self.privacy_unit.num_units, self.privacy_unit.kind)
+        return sampler.batches_per_epoch(num_samples, logical_batch)
 
     def _plan_noise(self, trainer: Trainer, loader: DataLoader, num_batches: int) -> None:
         """σ for the planned steps (or the sampler's own schedule); refuse a budget short of one step."""
@@ -219,6 +227,8 @@ class DPStrategyBase(Strategy):
         self._check_ranks_agree(
             {"q (sample rate)": sampler.sample_rate, "noise multiplier": loaders.first_sigma(engine)}
         )
+        assert self.privacy_unit is not None
+        rank_zero_info(units.fit_start_line(self.privacy_unit, engine))  # what the ε covers
 
     def _sampler_runtime(self, trainer: Trainer, loader: DataLoader, num_batches: int) -> Any:
         assert self.lightning_module is not None

@@ -21,15 +21,19 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
-from lightning_dp.sampling import Poisson
+from lightning_dp.sampling import Poisson, UserPoisson
 from lightning_dp.sampling.dpis import DPIS
+from lightning_dp.sampling.user_ids import UserKey
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 from lightning_dp.steps.dp_agd import AdaptiveGD
 from lightning_dp.steps.line_search import LineSearch
+from lightning_dp.strategies.refusals import refuse_with_users
 from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
 Accountant = Literal["rdp", "prv", "pld", "pure"]
+PrivacyUnitKind = Literal["example", "user"]
+"""What one neighbouring data set adds or removes: one example (default) or one user with all their examples."""
 DataChanges = Literal["refuse", "public"]
 """What a change of the training set between epochs does: ``"refuse"`` it (the default), or price each
 epoch's N and q as they come, the user declaring that no private data chose them (``"public"``)."""
@@ -65,6 +69,13 @@ class PrivacyConfig:
     data_changes: DataChanges = "refuse"
     augmentation_multiplicity: int = 1
     """K augmented views of each example, averaged before the clip (De et al. 2022); ε unchanged."""
+    privacy_unit: PrivacyUnitKind = "example"
+    user_key: UserKey | None = None
+    examples_per_user: int | None = None
+    users_per_step: int | None = None
+    unit_selection: Literal["random", "cycle"] = "random"
+    unit_reduction: Literal["mean", "sum"] = "mean"
+    max_examples_per_user: int | None = None
     owner: str = dataclasses.field(default="DPStrategy", compare=False)
     """The class named in error messages."""
 
@@ -81,6 +92,7 @@ class PrivacyConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "public_buffers", tuple(self.public_buffers or ()))
         _validate(self)
+        _validate_unit(self)
         no_noise_given = self.noise_multiplier is None and (self.noise is None or not self.noise.is_set)
         if self.target_epsilon is None and no_noise_given:
             object.__setattr__(self, "target_epsilon", DEFAULT_TARGET_EPSILON)
@@ -90,7 +102,7 @@ class PrivacyConfig:
     def build_engine(self) -> PrivateStepEngine:
         """The engine with this config's slots (defaults filled in), budget and clipping bound."""
         return PrivateStepEngine(
-            sampler=self.sampler if self.sampler is not None else Poisson(seed=self.seed),
+            sampler=self.sampler if self.sampler is not None else self._default_sampler(),
             clipping=self.clipping if self.clipping is not None else FlatClipping(),
             noise=self.noise if self.noise is not None else ConstantNoise(self.noise_multiplier),
             step=self.step if self.step is not None else Step(),
@@ -103,6 +115,97 @@ class PrivacyConfig:
             grad_sample_mode=self.grad_sample_mode,
             max_physical_batch_size=self.max_physical_batch_size,
         )
+
+    def _default_sampler(self) -> Sampler:
+        """Poisson over examples, or over users for ``privacy_unit="user"`` (the keyword form of UserPoisson)."""
+        if self.privacy_unit != "user":
+            return Poisson(seed=self.seed)
+        assert self.examples_per_user is not None
+        assert self.users_per_step is not None
+        return UserPoisson(
+            user_key=self.user_key,
+            examples_per_user=self.examples_per_user,
+            users_per_step=self.users_per_step,
+            selection=self.unit_selection,
+            reduction=self.unit_reduction,
+            max_examples_per_user=self.max_examples_per_user,
+            seed=self.seed,
+        )
+
+    @property
+    def user_level(self) -> bool:
+        """Whether the run's privacy unit is the user (the keyword form or a ``UserPoisson`` slot)."""
+        return self.privacy_unit == "user" or (self.sampler is not None and self.sampler.unit == "user")
+
+
+_PUBLIC_KNOBS = (
+    "Each is a public hyperparameter: choose it from public knowledge, not from the private per-user counts "
+    "(k = the median examples per user is a statistic of the data, which ε does not cover; pay for a search "
+    "with lightning-dp tune)."
+)
+
+
+def _validate_unit(config: PrivacyConfig) -> None:
+    """The privacy-unit arguments (``docs/user-level.md``), and what user-level runs refuse in v1."""
+    owner = config.owner
+    if config.privacy_unit not in ("example", "user"):
+        raise DPConfigurationError(
+            f"{owner}: privacy_unit must be 'example' or 'user', got {config.privacy_unit!r}."
+        )
+    if config.unit_selection not in ("random", "cycle"):
+        raise DPConfigurationError(
+            f"{owner}: unit_selection must be 'random' or 'cycle', got {config.unit_selection!r}."
+        )
+    if config.unit_reduction not in ("mean", "sum"):
+        raise DPConfigurationError(
+            f"{owner}: unit_reduction must be 'mean' or 'sum', got {config.unit_reduction!r}."
+        )
+    for name in ("examples_per_user", "users_per_step", "max_examples_per_user"):
+        number(getattr(config, name), name, owner=owner, low=1, integer=True, optional=True)
+    keywords = {
+        "examples_per_user": config.examples_per_user,
+        "users_per_step": config.users_per_step,
+        "unit_selection": None if config.unit_selection == "random" else config.unit_selection,
+        "unit_reduction": None if config.unit_reduction == "mean" else config.unit_reduction,
+    }
+    given = [name for name, value in keywords.items() if value is not None]
+    if config.privacy_unit == "user" and config.sampler is not None and config.sampler.unit != "user":
+        raise DPConfigurationError(
+            f"{owner}: privacy_unit='user' samples users, but sampler={config.sampler.name} samples "
+            f"examples: {config.sampler.name} with users is not priced in this version. Leave sampler unset "
+            "(the keywords build UserPoisson), or pass sampler=UserPoisson(...)."
+        )
+    if config.sampler is not None and config.sampler.unit == "user":
+        if given or config.user_key is not None or config.max_examples_per_user is not None:
+            raise DPConfigurationError(
+                f"{owner}: give the user sampling either as keywords (user_key, examples_per_user, users_per_step, "
+                "unit_selection, unit_reduction, max_examples_per_user) or as sampler=UserPoisson(...), not both."
+            )
+    elif config.privacy_unit == "user":
+        missing = [
+            name
+            for name in ("user_key", "examples_per_user", "users_per_step")
+            if getattr(config, name) is None
+        ]
+        if missing:
+            raise DPConfigurationError(
+                f"{owner}: privacy_unit='user' needs {', '.join(missing)}: user_key says whose each example is, "
+                "examples_per_user (k) bounds the rows a sampled user contributes to a step and users_per_step "
+                f"(B_u) is the expected users per step (q = B_u / U). {_PUBLIC_KNOBS}"
+            )
+    elif given:
+        raise DPConfigurationError(
+            f"{owner}: {', '.join(given)} only apply with privacy_unit='user'. Add privacy_unit='user' for "
+            "user-level DP, or remove them (for a user-level statement about an example-level run, give "
+            "user_key and max_examples_per_user)."
+        )
+    if config.max_examples_per_user is not None and config.user_key is None and not config.user_level:
+        raise DPConfigurationError(
+            f"{owner}: max_examples_per_user={config.max_examples_per_user} needs user_key=... (whose each "
+            "example is) to keep at most that many examples per user."
+        )
+    if config.user_level:
+        refuse_with_users(config, owner)
 
 
 def _validate(config: PrivacyConfig) -> None:

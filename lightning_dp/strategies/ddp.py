@@ -24,9 +24,10 @@ from typing_extensions import override
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
+from lightning_dp.sampling.user_ids import UserKey
 from lightning_dp.slots import Clipping, Noise, Sampler, Slot, Step, iter_slots
 from lightning_dp.strategies.base import DPStrategyBase
-from lightning_dp.strategies.config import DataChanges, PrivacyConfig
+from lightning_dp.strategies.config import DataChanges, PrivacyConfig, PrivacyUnitKind
 from lightning_dp.strategies.refusals import refuse_laplace_shares
 
 
@@ -158,6 +159,13 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         public_buffers: Sequence[str] = (),
         data_changes: DataChanges = "refuse",
         augmentation_multiplicity: int = 1,
+        privacy_unit: PrivacyUnitKind = "example",
+        user_key: UserKey | None = None,
+        examples_per_user: int | None = None,
+        users_per_step: int | None = None,
+        unit_selection: Literal["random", "cycle"] = "random",
+        unit_reduction: Literal["mean", "sum"] = "mean",
+        max_examples_per_user: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",

@@ -103,10 +103,13 @@ def private_loader(
     carries_batch_info: bool,
     integrity: BatchIntegrity | None = None,
     views: int = 1,
+    dataset: Any = None,
 ) -> DataLoader:
     """The user's loader with the sampler slot's ``batches``; its workers and memory settings kept.
-    ``views`` > 1: each drawn example is fetched that many times (augmentation multiplicity)."""
-    dataset = AugmentedDataset(loader.dataset, views) if views > 1 else loader.dataset
+    ``views`` > 1: each drawn example is fetched that many times (augmentation multiplicity).
+    ``dataset``: what the batches index, when not the loader's own (a run's contribution-bounded subset)."""
+    dataset = loader.dataset if dataset is None else dataset
+    dataset = AugmentedDataset(dataset, views) if views > 1 else dataset
     private = PrivateLoader(
         InfoDataset(dataset) if carries_batch_info else dataset,
         batch_sampler=batches,

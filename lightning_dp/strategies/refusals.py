@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -19,6 +20,7 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError
 from lightning_dp.prepare import check_train_sampler
 from lightning_dp.rng import SEEDED_RUN_WARNING
+from lightning_dp.slots import Slot
 
 NO_PASS = object()
 """``refuse_several_train_loaders``'s marker before the first train loader of a fit."""
@@ -176,8 +178,17 @@ def refuse_unsupported_loader(loader: object) -> DataLoader:
     return loader
 
 
-def warn_on_large_delta(delta: float, num_samples: int) -> None:
-    if delta >= 1.0 / num_samples:
+def warn_on_large_delta(delta: float, num_samples: int, unit: str = "example") -> None:
+    """δ ≥ 1/N (1/U for users) allows publishing one random unit outright."""
+    if delta < 1.0 / num_samples:
+        return
+    if unit == "user":
+        warnings.warn(
+            f"delta={delta:g} is not below 1/U = {1.0 / num_samples:.3g} (U users): a mechanism that publishes "
+            "all the data of one random user outright would meet this δ. Use delta well below 1/U.",
+            stacklevel=4,
+        )
+    else:
         warnings.warn(
             f"delta={delta:g} is not below 1/N = {1.0 / num_samples:.3g}: a mechanism that "
             "publishes one random example outright would meet this δ. Use delta well below 1/N.",
@@ -238,3 +249,59 @@ def explain_batch_dimension(
         "batch does not fit in memory, use DPStrategy(max_physical_batch_size=...) with automatic "
         "optimization, which splits it and adds the noise once."
     )
+
+
+def refuse_with_users(config: Any, owner: str) -> None:
+    """What a user-level run (``privacy_unit="user"`` or ``UserPoisson``) does not price in this version,
+    each refused with the fix (``docs/user-level.md``; spec §6)."""
+    from lightning_dp.clipping import AdaCliP, L1Clipping
+    from lightning_dp.noise import BLT, BandMF
+    from lightning_dp.steps import AdaptiveGD
+    from lightning_dp.steps.line_search import LineSearch
+
+    slots: list[Slot] = [
+        s for s in (config.sampler, config.clipping, config.noise, config.step) if s is not None
+    ]
+    laplace = [s.name for s in slots if s.mechanism == "laplace"]
+    if config.accountant == "pure" or laplace:
+        what = f"{', '.join(laplace)} (Laplace noise)" if laplace else "accountant='pure'"
+        raise DPConfigurationError(
+            f"{owner}: user-level DP with {what} is not priced in this version: pure ε-DP over users needs an L1 "
+            "bound per user that user-level clipping does not give. Use Gaussian noise with accountant='rdp', "
+            "'prv' or 'pld'."
+        )
+    refused: dict[type[Slot], str] = {
+        L1Clipping: "it bounds each example's L1 norm, not a user's",
+        AdaCliP: "its per-coordinate transform is not defined on a user's grouped gradient yet",
+        LineSearch: "it queries per-example losses, whose sensitivity over a user's examples is not priced",
+        AdaptiveGD: "it queries per-example losses, whose sensitivity over a user's examples is not priced",
+        BandMF: "correlated noise needs cyclic participation over users (v1.1)",
+        BLT: "correlated noise needs cyclic participation over users (v1.1)",
+    }
+    for slot in slots:
+        for kind, why in refused.items():
+            if isinstance(slot, kind):
+                raise DPConfigurationError(
+                    f"{owner}: {slot.name} cannot be used with user-level DP in this version: {why}. Use the "
+                    "default slot (FlatClipping, ConstantNoise, the optimizer, or HeavyBall/Nesterov steps), or "
+                    "train at the example level."
+                )
+    if config.data_changes == "public":
+        raise DPConfigurationError(
+            f"{owner}: data_changes='public' cannot be used with user-level DP in this version: the number of users "
+            "U, and so q = users_per_step / U, would change between epochs. Keep the training set fixed "
+            "(data_changes='refuse')."
+        )
+    sampler = config.sampler
+    per_unit = sampler.examples_per_user if sampler is not None else config.examples_per_user
+    views = int(getattr(config, "augmentation_multiplicity", 1) or 1)
+    chunk = config.max_physical_batch_size
+    if chunk is not None and per_unit is not None and per_unit * views > chunk:
+        rows = f"examples_per_user={per_unit}" + (
+            f" × augmentation_multiplicity={views} = {per_unit * views}" if views > 1 else ""
+        )
+        raise DPConfigurationError(
+            f"{owner}: a user contributes up to {rows} rows, more than one physical chunk "
+            f"of {chunk} rows: a user split across chunks would be clipped once per part, which doubles the "
+            f"sensitivity. Set max_physical_batch_size ≥ {per_unit * views} (or unset it), or lower examples_per_user."
+        )

@@ -13,9 +13,10 @@ from typing_extensions import override
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
+from lightning_dp.sampling.user_ids import UserKey
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 from lightning_dp.strategies.base import DPStrategyBase
-from lightning_dp.strategies.config import DataChanges, PrivacyConfig
+from lightning_dp.strategies.config import DataChanges, PrivacyConfig, PrivacyUnitKind
 
 
 class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
@@ -62,6 +63,16 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         augmentation_multiplicity: K (default 1): the train ``Dataset`` is called K times per sampled
             index (its random transforms draw K views), ``training_step`` sees the K views as consecutive
             rows, and their gradients are averaged before the clip (De et al. 2022); ε does not change.
+        privacy_unit: ``"example"`` (default: add/remove one item) or ``"user"`` (add/remove one user with all
+            their examples; ``docs/user-level.md``): then ``user_key``, ``examples_per_user`` (k rows per sampled
+            user per step) and ``users_per_step`` (B_u, q = B_u / U) are required, all public hyperparameters.
+        user_key: where each example's user id is: a column, attribute or item-key name, a sequence or tensor of
+            ids aligned with the dataset's indices, or a callable index -> id.
+        examples_per_user, users_per_step, unit_selection, unit_reduction: :class:`~lightning_dp.UserPoisson`'s
+            ``examples_per_user``, ``users_per_step``, ``selection`` (``"random"``/``"cycle"``) and
+            ``reduction`` (``"mean"``/``"sum"`` of a user's rows before the clip).
+        max_examples_per_user: keep at most this many examples per user (a seeded per-user choice, enforced).
+            On an example-level run it gives the report a user-level ε line (group privacy over k examples).
         device: force a device; by default it comes from the Trainer's accelerator and devices.
 
     The privacy arguments are those of :class:`~lightning_dp.strategies.PrivacyConfig` (validated there);
@@ -92,6 +103,13 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         public_buffers: Sequence[str] = (),
         data_changes: DataChanges = "refuse",
         augmentation_multiplicity: int = 1,
+        privacy_unit: PrivacyUnitKind = "example",
+        user_key: UserKey | None = None,
+        examples_per_user: int | None = None,
+        users_per_step: int | None = None,
+        unit_selection: Literal["random", "cycle"] = "random",
+        unit_reduction: Literal["mean", "sum"] = "mean",
+        max_examples_per_user: int | None = None,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,

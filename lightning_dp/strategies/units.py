@@ -1,0 +1,75 @@
+"""The run's privacy unit, built at set-up: the bounded training set (ELS), the ``PrivacyUnit`` and the
+fit-start line that says what the ε covers (``docs/user-level.md``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.privacy_unit import PrivacyUnit
+from lightning_dp.sampling.contribution_bound import ContributionBound
+from lightning_dp.strategies.config import PrivacyConfig
+
+
+class BoundedData:
+    """The training set an example-level run with ``max_examples_per_user`` trains on: at most k examples
+    per user, computed once per data set (a loader set up again on the same data reuses it)."""
+
+    def __init__(self) -> None:
+        self._source: Any = None
+        self._bounded: Any = None
+        self.dataset: Any = None
+        """The training set the run samples from, as last returned by :meth:`of`."""
+
+    def of(self, config: PrivacyConfig, dataset: Any, user_level: bool) -> Any:
+        """``dataset`` itself, or its bounded subset for example-level runs that declare a bound (user-level
+        runs cap inside ``UserPoisson``, over the same choice)."""
+        if config.max_examples_per_user is None or user_level:
+            self.dataset = dataset
+        else:
+            if dataset is not self._source:
+                assert config.user_key is not None  # PrivacyConfig refuses a bound without user_key
+                bound = ContributionBound(config.user_key, config.max_examples_per_user, config.seed)
+                self._bounded, self._source = bound.apply(dataset, owner=config.owner), dataset
+            self.dataset = self._bounded
+        return self.dataset
+
+
+def privacy_unit_of(config: PrivacyConfig, engine: PrivateStepEngine) -> PrivacyUnit:
+    """The unit the bound sampler prices: N examples, or U users with k rows each per step."""
+    sampler = engine.sampler
+    user = sampler.unit == "user"
+    return PrivacyUnit(
+        kind="user" if user else "example",
+        num_units=int(sampler.num_samples),
+        examples_per_user=getattr(sampler, "examples_per_user", None) if user else None,
+        max_examples_per_user=getattr(sampler, "max_examples_per_user", None)
+        if user
+        else config.max_examples_per_user,
+        augmentation_multiplicity=int(getattr(config, "augmentation_multiplicity", 1) or 1),
+    )
+
+
+def fit_start_line(unit: PrivacyUnit, engine: PrivateStepEngine) -> str:
+    """One line: the unit, U or N, q and σ per unit, and which knobs are public (none are data statistics)."""
+    sampler = engine.sampler
+    sigma = engine.noise.noise_multiplier(0) if engine.noise.is_set and not sampler.schedules_noise else None
+    budget = f"ε={engine.target_epsilon:g}" if engine.target_epsilon is not None else "the ledger's ε"
+    noise = f"σ={sigma:.4g} for {budget}" if sigma is not None else f"noise for {budget}"
+    rate = f"q={sampler.sample_rate:.4g} ({sampler.expected_batch_size:g} {unit.kind}s/step)"
+    if unit.kind == "user":
+        selection = getattr(sampler, "reduction", "mean")
+        return (
+            f"lightning-dp: user-level DP over {unit.num_units} users (≤{unit.examples_per_user} examples each, "
+            f"{selection} then clip), {rate}, {noise} (δ={engine.delta:g}) per user; k and users_per_step are public"
+        )
+    line = (
+        f"lightning-dp: example-level DP over {unit.num_units} examples ({unit.adjacency}), {rate}, {noise} "
+        f"(δ={engine.delta:g}) per example"
+    )
+    if unit.max_examples_per_user is not None:
+        line += (
+            f"; at most {unit.max_examples_per_user} examples per user (enforced): the report adds a "
+            "user-level ε by group privacy"
+        )
+    return line
