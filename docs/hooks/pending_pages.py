@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-PENDING: tuple[str, ...] = ("user-level.md", "grouped-clipping.md")
+PENDING: tuple[str, ...] = ()
 DOCS = Path(__file__).resolve().parents[1]
 
 

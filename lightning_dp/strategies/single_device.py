@@ -68,9 +68,13 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             user per step) and ``users_per_step`` (B_u, q = B_u / U) are required, all public hyperparameters.
         user_key: where each example's user id is: a column, attribute or item-key name, a sequence or tensor of
             ids aligned with the dataset's indices, or a callable index -> id.
-        examples_per_user, users_per_step, unit_selection, unit_reduction: :class:`~lightning_dp.UserPoisson`'s
-            ``examples_per_user``, ``users_per_step``, ``selection`` (``"random"``/``"cycle"``) and
-            ``reduction`` (``"mean"``/``"sum"`` of a user's rows before the clip).
+        examples_per_user: k, the most rows (examples) one sampled user contributes to a step (required with
+            ``privacy_unit="user"``; public). ε does not depend on it.
+        users_per_step: B_u, the expected number of users per step (required with ``privacy_unit="user"``;
+            public): q = B_u / U, and the private gradient is divided by B_u.
+        unit_selection: which of a sampled user's examples form its k rows: ``"random"`` (default, a uniform
+            subset each step) or ``"cycle"`` (the next k, from a random start).
+        unit_reduction: ``"mean"`` (default) or ``"sum"`` of a user's row gradients before the clip to C.
         max_examples_per_user: keep at most this many examples per user (a seeded per-user choice, enforced).
             On an example-level run it gives the report a user-level ε line (group privacy over k examples).
         device: force a device; by default it comes from the Trainer's accelerator and devices.
