@@ -81,12 +81,9 @@ def user_level_line(run: str, result: dict[str, Any]) -> str:
     """The user-level ε of the run: the ledger's for ULS, the group bounds at k = 10 for the others."""
     if run == "ULS":
         return f"{result['epsilon']:.4f} (RDP, exact)"
-    try:
-        from lightning_dp.accounting.group import group_rdp_user_epsilon, mog_user_epsilon
+    from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
+    from lightning_dp.accounting.group import group_rdp_user_epsilon, mog_user_epsilon
 
-        from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
-    except ImportError:
-        return "n/a (lightning_dp.accounting.group not installed)"
     ledger = PrivacyLedger(delta=DELTA)
     ledger.record(PoissonGaussian(result["sigma"], result["sample_rate"]), count=result["steps"])
     mog = mog_user_epsilon(result["sigma"], result["sample_rate"], K, result["steps"], DELTA)
