@@ -55,7 +55,7 @@ from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live t
     run_on_changed_batch,
 )
 from lightning_dp.checks.fingerprint import _columns
-from lightning_dp.checks.state import ParameterValues
+from lightning_dp.checks.state import ParameterValues, parameter_write_message
 from lightning_dp.checks.user_step import ModuleState, dry_training_step
 from lightning_dp.clipping import clip_factors
 from lightning_dp.errors import DPConfigurationError
@@ -593,14 +593,3 @@ def _change_floor(norms: Tensor, max_grad_norm: float) -> float:
 def _negligible(max_grad_norm: float) -> float:
     """A gradient change too small to matter: ``NEGLIGIBLE_MOVE·C`` (0 without a finite C)."""
     return NEGLIGIBLE_MOVE * max_grad_norm if math.isfinite(max_grad_norm) else 0.0
-
-
-def parameter_write_message(names: list[str], where: str) -> str:
-    return (
-        f"The parameters {names} were written in place during {where} (not by the optimizer step): a layer "
-        "that changes its own weights from the batch in forward (nn.Embedding or nn.EmbeddingBag with max_norm, "
-        "which renormalises the looked-up rows) or code that assigns to a parameter there writes private data "
-        "into the model without noise, and the released gradient no longer describes the update. Remove "
-        "max_norm (clip the embedding's output or penalise its norm in the loss instead), and change "
-        "parameters only through the optimizer."
-    )

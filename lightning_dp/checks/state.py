@@ -189,8 +189,6 @@ class StateWatch:
         entry = self._at_entry
         written_params = _changed(entry.param_names, entry.params, now.param_names, now.params)
         if written_params:
-            from lightning_dp.checks.mixing import parameter_write_message
-
             raise DPConfigurationError(parameter_write_message(written_params, "the training step"))
         changed = _changed(entry.buffer_names, entry.buffers, now.buffer_names, now.buffers)
         written = [n for n in changed if not self._public(n)]
@@ -243,3 +241,15 @@ class ParameterValues:
                     p.data = values.clone()
                 elif not same_values(values, p.detach()):
                     p.copy_(values)
+
+
+def parameter_write_message(names: list[str], where: str) -> str:
+    """The refusal for parameters written in place during the step, naming the usual causes and the fix."""
+    return (
+        f"The parameters {names} were written in place during {where} (not by the optimizer step): a layer "
+        "that changes its own weights from the batch in forward (nn.Embedding or nn.EmbeddingBag with max_norm, "
+        "which renormalises the looked-up rows) or code that assigns to a parameter there writes private data "
+        "into the model without noise, and the released gradient no longer describes the update. Remove "
+        "max_norm (clip the embedding's output or penalise its norm in the loss instead), and change "
+        "parameters only through the optimizer."
+    )
