@@ -197,4 +197,22 @@ for name, slots in (("dpsgd", {}), ("dpis", {"sampler": DPIS(k=2)})):
 os.urandom = draws.real
 dump("secrets", t.strategy, draws=[d.hex() for d in draws.draws])
 
+# 12. User-level DP (issue #38, spec §5.7 test 7): users sharded by rank. Each rank's draws (empty ones too), the
+# rows its training_step saw, U, q, σ and ε; rank 0 saves the weights of the σ = 0 runs (one process repeats them).
+from user_runs import RUNS, UserRows, batch_size, record_draws  # noqa: E402
+
+for name, (args, fit) in RUNS.items():
+    torch.manual_seed(0)
+    module = UserRows(batch_size(name))
+    strategy = DPDDPStrategy(**args)
+    drawn = record_draws(strategy.engine.sampler)
+    t = trainer(strategy, **fit)
+    t.fit(module)
+    if t.global_rank == 0:
+        torch.save(module.state_dict(), OUT / f"users_{name}.pt")
+    dump(
+        f"users_{name}", t.strategy, draws=drawn, rows=module.rows, num_units=t.strategy.engine.sampler.num_samples,
+        sigma=t.strategy.engine.noise_multiplier(),
+    )  # fmt: skip
+
 _worker.finish_distributed()

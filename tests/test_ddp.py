@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,86 @@ def test_an_unseeded_ddp_runs_files_hold_no_seed_generator_state_or_private_stat
         assert len(state["ranks"]) == 2
     assert any(p.name == "privacy_report.json" for p in files)
     assert not found, "\n".join(found)
+
+
+# -- user-level DP under DDP (issue #38, spec §5.7 test 7): ddp_worker.py's scenario 12 ------------------------
+def single_process_user_run(name: str):
+    """``user_runs.RUNS[name]`` on one process: (the trained module, its strategy)."""
+    from user_runs import RUNS, UserRows, batch_size
+
+    args, fit = RUNS[name]
+    torch.manual_seed(0)
+    module = UserRows(batch_size(name))
+    strategy = DPStrategy(**args)
+    make_trainer(strategy, **fit).fit(module)
+    return module, strategy
+
+
+def users_by_step(ranks: list[dict]) -> list[list[list[int]]]:
+    """For each rank, each step's sampled users (relabelled indices, sorted), read from its drawn rows."""
+    from user_runs import relabel, user_ids
+
+    owner = relabel(user_ids())
+    return [[sorted({int(owner[i]) for i in rows}) for rows in rank["draws"]] for rank in ranks]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["exact", "clipped"])
+def test_user_level_ddp_releases_the_single_process_gradient(ddp_results, name):
+    """σ = 0, q_u = 1, k = max n_u: the two ranks' users together are the one-process batch, so every released
+    (all-reduced) gradient and the weights equal one process's: no user split over ranks (its halves would be
+    clipped, or averaged, apart), the divisor B_u over all ranks. ``clipped``: C binds, summed units, chunks."""
+    from user_runs import NUM_USERS
+
+    out, load = ddp_results
+    single, strategy = single_process_user_run(name)
+    ddp_state = torch.load(out / f"users_{name}.pt", weights_only=True)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(ddp_state[key], value, rtol=1e-5, atol=1e-6)
+    ranks = load(f"users_{name}")
+    assert [r["steps"] for r in ranks] == [strategy.engine.steps] * 2
+    for step, (zero, one) in enumerate(zip(*users_by_step(ranks), strict=True)):
+        assert sorted(zero + one) == list(range(NUM_USERS)), step  # every user once, on one rank
+    if name == "clipped":
+        assert max(len(rows) for r in ranks for rows in r["rows"]) <= 5  # physical chunks of ≤ 5 rows
+
+
+@pytest.mark.slow
+def test_user_level_ddp_ranks_sample_disjoint_users_at_the_single_process_rate_and_epsilon(ddp_results):
+    """q_u = 8/40, k = 2, 50 steps, σ calibrated to ε = 4. Each rank samples only its own users (u ≡ r mod 2),
+    each with min(n_u, k) of their own rows, and trains on exactly the rows it drew; the union of the ranks'
+    draws is Poisson over all U users at q_u (loose: 4 s.e. on the total, 4.5 s.e. per user, Bonferroni over
+    40 users, at a fixed seed); U, q_u, σ, the steps and ε equal the one-process run's."""
+    from user_runs import COUNTS, NUM_USERS, relabel, user_ids
+
+    _, load = ddp_results
+    ranks = load("users_sampled")
+    owner = relabel(user_ids())
+    _, single = single_process_user_run("sampled")
+    q, steps, k = 8 / NUM_USERS, 50, 2
+    assert single.engine.steps == steps
+    for rank, record in enumerate(ranks):
+        assert (record["num_units"], record["sample_rate"]) == (NUM_USERS, q)
+        assert (record["steps"], record["sigma"], record["epsilon"]) == (
+            single.engine.steps, single.engine.noise_multiplier(), single.epsilon,
+        )  # fmt: skip
+        assert len(record["draws"]) == steps  # one draw per step, empty or not
+        assert [i for rows in record["rows"] for i in rows] == [i for rows in record["draws"] for i in rows]
+        for rows in record["draws"]:
+            assert len(rows) == len(set(rows))  # no example twice in a step
+            per_user = Counter(int(owner[i]) for i in rows)
+            assert all(u % 2 == rank for u in per_user)  # this rank's share only
+            assert all(n == min(int(COUNTS[u]), k) for u, n in per_user.items())
+    assert single.epsilon == pytest.approx(
+        compute_epsilon(
+            noise_multiplier=single.engine.noise_multiplier(), sample_rate=q, steps=steps, delta=1e-5
+        )
+    )
+    assert 3.9 < single.epsilon <= 4.0
+    zero, one = users_by_step(ranks)
+    assert all(not set(a) & set(b) for a, b in zip(zero, one, strict=True))
+    union = Counter(u for a, b in zip(zero, one, strict=True) for u in a + b)
+    total, expected = sum(union.values()), NUM_USERS * q * steps
+    assert abs(total - expected) < 4 * math.sqrt(expected * (1 - q))
+    for user in range(NUM_USERS):
+        assert abs(union[user] / steps - q) < 4.5 * math.sqrt(q * (1 - q) / steps), user
