@@ -1,4 +1,4 @@
-"""DPDDPStrategy on 2 CPU processes (gloo): exactness, noise added once, lock-step under tiny q."""
+"""DPDDPStrategy on 2 CPU processes (gloo): exactness, noise added once, lock-step under tiny q, users sharded by rank."""
 
 from __future__ import annotations
 
