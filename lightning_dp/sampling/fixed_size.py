@@ -7,29 +7,12 @@ fresh uniform subset every step (epoch-wise shuffling does not qualify). It rele
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.pure_laplace import SubsampledLaplace
 from lightning_dp.draws import uniform_subset
-from lightning_dp.sampling.seeded import SeededSampler
-
-
-class FixedSizeBatchSampler(torch.utils.data.Sampler[list[int]]):
-    """Yields ``num_batches`` independent uniform m-subsets of range(n) per epoch."""
-
-    def __init__(self, sampler: FixedSize, num_batches: int) -> None:
-        self.sampler = sampler
-        self.num_batches = num_batches
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for _ in range(self.num_batches):
-            yield self.sampler.sample_indices().tolist()
+from lightning_dp.sampling.seeded import DrawnBatches, SeededSampler
 
 
 class FixedSize(SeededSampler):
@@ -67,8 +50,12 @@ class FixedSize(SeededSampler):
         assert self.generator is not None, "bind() first"
         return uniform_subset(self.num_samples, self.batch_size, self.generator)
 
-    def batch_sampler(self, num_batches: int) -> FixedSizeBatchSampler:
-        return FixedSizeBatchSampler(self, num_batches)
+    def draw(self) -> list[int]:
+        """One batch: a uniform m-subset of range(n), as a list."""
+        return self.sample_indices().tolist()
+
+    def batch_sampler(self, num_batches: int) -> DrawnBatches:
+        return DrawnBatches(self.draw, num_batches)
 
     def event(self, noise_multiplier: float) -> PrivacyEvent:
         return SubsampledLaplace(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)

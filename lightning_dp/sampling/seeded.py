@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,3 +49,18 @@ class SeededSampler(Sampler):
             else:
                 self._pending_state = state["generator"]
         self.restored_shape = (state.get("num_samples"), state.get("sample_rate"))
+
+
+class DrawnBatches(torch.utils.data.Sampler[list[int]]):
+    """Yields ``num_batches`` index batches per pass, each a fresh call of a sampler's ``draw``."""
+
+    def __init__(self, draw: Callable[[], list[int]], num_batches: int) -> None:
+        self.draw = draw
+        self.num_batches = num_batches
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self.num_batches):
+            yield self.draw()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -31,29 +30,14 @@ from lightning_dp.sampling.contribution_bound import (
     segment_positions,
     user_index,
 )
-from lightning_dp.sampling.seeded import SeededSampler
+from lightning_dp.sampling.seeded import DrawnBatches, SeededSampler
 from lightning_dp.sampling.user_ids import UserIds, UserKey, resolve_user_ids
 from lightning_dp.validation import number
 
-__all__ = ["UserBatchSampler", "UserPoisson"]
+__all__ = ["UserPoisson"]
 
 Selection = Literal["random", "cycle"]
 Reduction = Literal["mean", "sum"]
-
-
-class UserBatchSampler(torch.utils.data.Sampler[list[int]]):
-    """Yields ``num_batches`` index batches per pass, each one Poisson draw over this rank's users."""
-
-    def __init__(self, sampler: UserPoisson, num_batches: int) -> None:
-        self.sampler = sampler
-        self.num_batches = num_batches
-
-    def __len__(self) -> int:
-        return self.num_batches
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for _ in range(self.num_batches):
-            yield self.sampler.draw()
 
 
 class UserPoisson(SeededSampler):
@@ -216,9 +200,9 @@ class UserPoisson(SeededSampler):
         self._cursor[users] = (start + taken) % np.maximum(counts, 1)
         return rows, segment
 
-    def batch_sampler(self, num_batches: int) -> UserBatchSampler:
+    def batch_sampler(self, num_batches: int) -> DrawnBatches:
         assert self.generator is not None, "bind() first"
-        return UserBatchSampler(self, num_batches)
+        return DrawnBatches(self.draw, num_batches)
 
     def event(self, noise_multiplier: float) -> PrivacyEvent:
         """One step: the Poisson-subsampled Gaussian over users (k does not enter)."""
