@@ -50,7 +50,16 @@ MECHANISMS: dict[str, Callable[[], dict[str, Any]]] = {
     "Nesterov+NoiseDividing": lambda: {"step": Nesterov(momentum=0.9), "noise": NoiseDividing()},
     "CyclicPoisson+BandMF": lambda: {"sampler": CyclicPoisson(2), "noise": BandMF()},
     "CyclicPoisson+BLT": lambda: {"sampler": CyclicPoisson("auto"), "noise": BLT()},
+    "UserPoisson": lambda: {
+        "privacy_unit": "user", "user_key": _user_of, "examples_per_user": 2, "users_per_step": 10
+    },
+    "augmentation multiplicity": lambda: {"augmentation_multiplicity": 2, "max_physical_batch_size": 64},
 }
+
+
+def _user_of(index: int) -> int:
+    """Three consecutive examples per user (a function of the index: any N has users)."""
+    return index // 3
 
 
 class Logged(TinyModule):
@@ -108,12 +117,16 @@ def test_an_unseeded_runs_files_logs_and_messages_hold_no_seed_no_generator_stat
                  ckpt_path=root / "saved.ckpt", module=Logged(n=N - 11, batch_size=BATCH))  # fmt: skip
         except DPConfigurationError as err:
             refusal = str(err)
-    assert "N=211" in refusal
+    units = 71 if mechanism == "UserPoisson" else N  # the ledger's unit: 211 examples or 71 users
+    assert f"N={units}" in refusal
     assert not [w for w in caught if "this run is seeded" in str(w.message)]
     assert draws.draws, "the run drew no os.urandom seed: the scan would prove nothing"
 
-    secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4})
+    secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4, units})
     found, files = scan_files(root, secrets)
+    if units != N:  # a per-user array (which users a step drew) is as private as a per-example one
+        per_user = Secrets(draws, units, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4, units})
+        found += scan_files(root, per_user)[0]
     names = {p.name for p in files}
     assert {"saved.ckpt", "privacy_report.json", "privacy_curve.png", "hparams.yaml"} <= names
     assert len([p for p in files if p.suffix == ".ckpt"]) >= 3
