@@ -15,14 +15,36 @@ import torch
 
 
 def make_generator(seed: int | None, stream: str, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for one named stream; independent streams come from one user seed via hashing."""
+    """A generator for one named stream; independent streams come from one user seed via hashing.
+    Unseeded: an :class:`UnseededGenerator` (its state never leaves the process)."""
     if seed is None:
-        value = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
-    else:
-        digest = hashlib.sha256(f"{seed}:{stream}".encode()).digest()
-        value = int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+        return _fresh_unseeded(str(device))
+    digest = hashlib.sha256(f"{seed}:{stream}".encode()).digest()
     generator = torch.Generator(device=device)
-    generator.manual_seed(value)
+    generator.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    return generator
+
+
+class UnseededGenerator(torch.Generator):
+    """A generator seeded from ``os.urandom`` whose state is not written by ``pickle``.
+
+    Its state is its seed: pickling a sampler, a slot or a ``DataLoader`` that holds one (to save it, or
+    to send it to another process) would let whoever reads the bytes regenerate every draw. Unpickled, it
+    is a new generator with a fresh ``os.urandom`` seed; ``copy.deepcopy`` (in the process) keeps the state.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_fresh_unseeded, (str(self.device),))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> UnseededGenerator:
+        copied = UnseededGenerator(device=self.device)
+        copied.set_state(self.get_state())
+        return copied
+
+
+def _fresh_unseeded(device: str) -> UnseededGenerator:
+    generator = UnseededGenerator(device=device)
+    generator.manual_seed(int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1))
     return generator
 
 

@@ -51,7 +51,10 @@ MECHANISMS: dict[str, Callable[[], dict[str, Any]]] = {
     "CyclicPoisson+BandMF": lambda: {"sampler": CyclicPoisson(2), "noise": BandMF()},
     "CyclicPoisson+BLT": lambda: {"sampler": CyclicPoisson("auto"), "noise": BLT()},
     "UserPoisson": lambda: {
-        "privacy_unit": "user", "user_key": _user_of, "examples_per_user": 2, "users_per_step": 10
+        "privacy_unit": "user",
+        "user_key": _user_of,
+        "examples_per_user": 2,
+        "users_per_step": 10,
     },
     "augmentation multiplicity": lambda: {"augmentation_multiplicity": 2, "max_physical_batch_size": 64},
 }
@@ -125,7 +128,9 @@ def test_an_unseeded_runs_files_logs_and_messages_hold_no_seed_no_generator_stat
     secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4, units})
     found, files = scan_files(root, secrets)
     if units != N:  # a per-user array (which users a step drew) is as private as a per-example one
-        per_user = Secrets(draws, units, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4, units})
+        per_user = Secrets(
+            draws, units, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4, units}
+        )
         found += scan_files(root, per_user)[0]
     names = {p.name for p in files}
     assert {"saved.ckpt", "privacy_report.json", "privacy_curve.png", "hparams.yaml"} <= names
@@ -273,4 +278,46 @@ def test_an_unseeded_audit_writes_no_canary_draw(tmp_path, monkeypatch):
     found, files = scan_files(root, Secrets(draws, N, public_ints={N, BATCH, 4, 64}))
     assert {"privacy_audit.png", "privacy_report.json", "saved.ckpt"} <= {p.name for p in files}
     found += [f"audit result: {what}" for what in search_text(repr(result.summary()), Secrets(draws, N))]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("mechanism", ["DP-SGD", "DPIS", "LineSearch", "CyclicPoisson+BLT", "UserPoisson"])
+def test_pickling_the_slots_or_the_train_loader_of_an_unseeded_run_writes_no_seed(
+    mechanism, tmp_path, monkeypatch
+):
+    """A user may pickle what they built (the sampler they passed, the loader): an unseeded generator pickles
+    as a fresh one (rng.UnseededGenerator), so the bytes hold no seed and no generator state."""
+    import pickle
+
+    draws = UrandomDraws()
+    monkeypatch.setattr(os, "urandom", draws)
+    trainer, module = _fit(
+        DPStrategy(target_epsilon=3.0, **MECHANISMS[mechanism]()), tmp_path / "run", max_steps=3
+    )
+    engine = trainer.strategy.engine
+    objects = {
+        "sampler": engine.sampler, "noise": engine.noise, "clipping": engine.clipping, "step": engine.step_slot,
+        "train_dataloader": trainer.train_dataloader,
+    }  # fmt: skip
+    out = tmp_path / "pickles"
+    out.mkdir()
+    pickled = []
+    for name, value in objects.items():
+        try:
+            data = pickle.dumps(value)
+        except (
+            TypeError,
+            AttributeError,
+            pickle.PicklingError,
+        ):  # cannot be pickled: then nothing is written
+            continue
+        (out / f"{name}.pkl").write_bytes(data)
+        assert type(pickle.loads(data)) is type(value)  # it loads again (unseeded streams with fresh seeds)
+        pickled.append(name)
+    assert "noise" in pickled, pickled
+    assert len(pickled) >= 3, pickled  # (DPIS's sampler holds a local function: it does not pickle)
+    secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 3, 71})
+    found, files = scan_files(out, secrets)
+    assert len(files) == len(pickled)
+    assert draws.draws
     assert not found, "\n".join(found)
