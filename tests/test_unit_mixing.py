@@ -9,6 +9,7 @@ Everything here goes through the Trainer with the checks at their defaults.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_dp import DPConfigurationError, DPStrategy, checking
+from lightning_dp.batches import UnitInfo
+from lightning_dp.checks.mixing import choose_units
 
 PER_USER = 4
 
@@ -132,6 +135,55 @@ def test_a_loss_that_couples_a_users_own_rows_trains_under_the_default_checks(lo
     # The same coupling read per example: the rows of one user are different examples, and it is refused.
     with pytest.raises(DPConfigurationError, match="mixes examples"):
         make_trainer(DPStrategy(noise_multiplier=1.0, seed=0), max_steps=1).fit(UserModule(loss))
+
+
+def test_a_per_user_loss_with_dropout_trains_when_every_changed_user_is_replaced():
+    """A step that draws random numbers gets every changed user replaced (same shapes, same masks): the
+    copied rows keep their own user's id field, so they do not join a kept user's group in the loss."""
+    LOSSES["user_centred_dropout"] = lambda m, x, y, u: F.cross_entropy(
+        F.dropout(m(x), 0.3) - 0.5 * user_mean(m(x), u), y
+    )
+    try:
+        for users, users_per_step in ((24, 8), (200, 128)):
+            module = UserModule("user_centred_dropout", users=users, batch_size=users_per_step * PER_USER)
+            strategy = fit_users(module, users_per_step=users_per_step, steps=1)
+            assert strategy.checks.mixing.checked_steps == [0]
+    finally:
+        del LOSSES["user_centred_dropout"]
+
+
+def test_under_virtual_batching_the_first_chunk_is_checked_with_its_own_users():
+    """Chunks hold whole users; the check runs on the first with that chunk's unit map (renumbered)."""
+    strategy = fit_users(UserModule("user_contrastive", users=40), 16, steps=2, max_physical_batch_size=8)
+    assert strategy.checks.mixing.checked_steps[:1] == [0]
+    with pytest.raises(DPConfigurationError, match="mixes users"):
+        fit_users(UserModule("batch_centred", users=40), 16, steps=1, max_physical_batch_size=8)
+
+
+@pytest.mark.parametrize("num_units", [2, 3, 8, 128])
+def test_any_one_user_is_changed_with_probability_at_least_one_half(num_units):
+    """Which units pass B changes: at least one kept, their number coprime with the units', every unit
+    holding a field's extreme always (unless the batch is too small to keep about half), any unit with
+    probability ≥ 1/2 (as rows are, alone)."""
+    rows_per_unit = torch.arange(num_units) % 3 + 1
+    units = UnitInfo(torch.repeat_interleave(torch.arange(num_units), rows_per_unit))
+    rows = int(rows_per_unit.sum())
+    x = torch.zeros(rows, 4)
+    x[rows // 2] = 1.0  # the extreme
+    extreme_unit = int(units.unit_of_row[rows // 2])
+    g = torch.Generator().manual_seed(0)
+    draws = 400
+    counts = torch.zeros(num_units)
+    for _ in range(draws):
+        changed = choose_units((x,), units, torch.ones(rows, dtype=torch.float64),
+                               torch.ones(num_units, dtype=torch.float64), g)  # fmt: skip
+        kept = num_units - len(changed)
+        assert kept >= 1
+        assert math.gcd(kept, num_units) == 1
+        assert extreme_unit in changed or num_units < 8  # a few units: all but a random quarter change
+        counts[list(changed)] += 1
+    rate = counts / draws
+    assert float(rate.min()) >= 0.5 - 5 * math.sqrt(0.25 / draws)
 
 
 # -- (b) coupling rows of different users is refused, in small and large batches ---------------------------
