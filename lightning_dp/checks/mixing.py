@@ -636,7 +636,7 @@ class MixingCheck:
             "(cross_entropy over flattened tokens with ignore_index, or a Hugging Face model's labels= loss): "
             "return lightning_dp.per_example_token_loss(logits, labels).mean(); an operation that mixes "
             "examples (mixup or cutmix across the batch, attention or pooling over the batch dimension, an "
-            "in-batch contrastive or triplet loss): mix within one example only; a batch statistic "
+            f"in-batch contrastive or triplet loss): mix within one {noun} only; a batch statistic "
             "(standardising or min-max scaling by the batch's mean, std, min or max, class weights from the "
             "batch's label counts, weights relative to the batch's largest loss, top-k hard-example mining, "
             "a running mean or an observer updated from the batch): normalise each example on its own "
