@@ -539,11 +539,11 @@ class MixingCheck:
             or not torch.equal(full.buffers[name], other.buffers[name])
         )
         a, b = full.norms[kept_full], other.norms[kept_changed]
-        worst, worst_position = _worst_norm_change(a, b, c)
         magnitudes = full.norms
         if units is not None:
             assert full.row_norms is not None
             magnitudes = items.magnitudes(full.row_norms, full.norms)
+        worst, worst_position = _worst_norm_change(a, b, c, magnitudes[kept_full])
         clipped = (factors[kept_full] * magnitudes[kept_full]).where(torch.isfinite(a), 0.0)
         rho = example_rounding(str(precision.precision), device)
         terms = None if units is None else len(items.rows_of(kept_full))
@@ -710,16 +710,20 @@ def _distance(a: list[Tensor], b: list[Tensor]) -> float:
     return math.sqrt(total)
 
 
-def _worst_norm_change(a: Tensor, b: Tensor, max_grad_norm: float) -> tuple[float, int]:
+def _worst_norm_change(
+    a: Tensor, b: Tensor, max_grad_norm: float, magnitudes: Tensor | None = None
+) -> tuple[float, int]:
     """The largest relative change between the norms ``a`` and ``b`` (and its position), each measured
-    against at least :func:`_change_floor`."""
+    against at least :func:`_change_floor`, and against a unit's magnitude (Σ_r w_r‖g_r‖, ``magnitudes``)
+    when given: rows of one unit that cancel leave a small norm with the rounding of the large rows."""
     floor = _change_floor(torch.maximum(a, b), max_grad_norm)
+    sizes = [0.0] * len(a) if magnitudes is None else magnitudes.nan_to_num(0.0, 0.0, 0.0).tolist()
     worst, position = 0.0, 0
-    for i, (x, y) in enumerate(zip(a.tolist(), b.tolist(), strict=True)):
+    for i, (x, y, size) in enumerate(zip(a.tolist(), b.tolist(), sizes, strict=True)):
         if not (math.isfinite(x) and math.isfinite(y)):
             change = 0.0 if math.isfinite(x) == math.isfinite(y) else math.inf
         else:
-            scale = max(x, y, floor)
+            scale = max(x, y, floor, size)
             change = abs(x - y) / scale if scale > 0 else 0.0
         if change > worst:
             worst, position = change, i
