@@ -28,6 +28,16 @@ must not be written at all (compared by value, so ``.data`` writes and flag-guar
 Nothing is released, priced or stepped, and the random streams, ``.grad``, parameters and buffers are put
 back, so the real step is the step without the check.
 
+With privacy units (a user's rows under ``privacy_unit="user"``, an example's views under
+``augmentation_multiplicity``) the same check works on units, not rows: each unit is clipped as one, so
+its own rows may depend on each other and only a dependence between units breaks the guarantee. Pass A's
+gradients are grouped as the clipping groups them (unit norms, unit clip factors); pass B changes whole
+units (:func:`choose_units`: every unit holding a row :func:`choose_rows` would single out, the units'
+norm extremes, a random half of the others), removing one with all its rows (its unit map
+``UnitInfo.without``) and replacing the others' rows by copies of kept units' rows that keep their own
+unit's id field (``batch_edit.unit_id_fields``); the criterion is the kept units' clipped sum, with a
+rounding allowance over the rows the sums add (:meth:`_Items.magnitudes`).
+
 Which steps: the first sampled batch of every fit, and then steps drawn at random while the time spent
 checking stays within ``overhead`` of the training time (default 5 %); ``"every_step"`` checks every step.
 A step whose ``training_step`` returns no loss moves the check to the next batch.
