@@ -297,6 +297,29 @@ def test_a_consistency_loss_between_an_examples_views_trains_and_a_batch_statist
     assert "with all their augmented views" in str(refusal.value)
 
 
+class JitteredUsers(UserData):
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor]:
+        return self.x[i] + 0.1 * torch.randn(self.x.shape[1]), self.y[i], self.users[i]
+
+
+class AugmentedUsers(UserModule):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(JitteredUsers(self.x, self.y, self.users), batch_size=self.batch_size)
+
+
+def test_users_with_augmented_views_are_compared_as_users():
+    """Users and augmentation multiplicity together: a unit is a user's examples × K views."""
+    strategy = fit_users(
+        AugmentedUsers("user_contrastive", users=40), 8, steps=2, augmentation_multiplicity=2
+    )
+    assert strategy.checks.mixing.checked_steps[:1] == [0]
+    with pytest.raises(DPConfigurationError, match="mixes users"):
+        fit_users(AugmentedUsers("batch_centred", users=40), 8, steps=1, augmentation_multiplicity=2)
+    isolated = fit_users(AugmentedUsers("batch_centred", users=40), 8, steps=2, augmentation_multiplicity=2,
+                         isolate_examples=True)  # fmt: skip
+    assert isolated.engine.steps == 2
+
+
 # -- (d) isolate_examples isolates units -----------------------------------------------------------------------
 class BatchMeanForward(UserModule):
     """A forward that centres its inputs on the mean of the rows it is given: across the batch unless each
