@@ -15,6 +15,7 @@ the per-batch side channel from the sampler to the step. The bottom floor: no sl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,20 +41,29 @@ def batch_length(batch: Any) -> int | None:
     return found[0] if found else None
 
 
-def split_batch(batch: Any, size: int, units: UnitInfo | None = None) -> list[Any]:
+def split_batch(
+    batch: Any, size: int | None, units: UnitInfo | None = None, isolate: bool = False
+) -> list[Any]:
     """Chunks of at most ``size`` examples; tensors without the batch dimension are passed whole.
 
     With ``units`` the cuts fall between units only (:func:`unit_chunks`): a unit's rows are clipped as
-    one, so a unit cut in two would be clipped twice and count twice against the sensitivity.
+    one, so a unit cut in two would be clipped twice and count twice against the sensitivity. ``isolate``:
+    a cut at every unit boundary (every row without units), so no two units share a chunk.
     """
     length = batch_length(batch)
-    if length is None or length <= size:
+    if length is None:
         return [batch]
-    bounds = (
-        [(start, min(start + size, length)) for start in range(0, length, size)]
-        if units is None
-        else [(start, stop) for start, stop, _ in unit_chunks(units, size)]
-    )
+    if units is None:
+        step = 1 if isolate else size
+        if step is None or length <= step:
+            return [batch]
+        bounds = [(start, min(start + step, length)) for start in range(0, length, step)]
+    else:
+        if size is not None and length <= size and not isolate:
+            return [batch]
+        bounds = [(start, stop) for start, stop, _ in unit_chunks(units, size, isolate)]
+        if len(bounds) == 1:
+            return [batch]
 
     def part(start: int, stop: int) -> Any:
         return apply_to_collection(
@@ -63,13 +73,14 @@ def split_batch(batch: Any, size: int, units: UnitInfo | None = None) -> list[An
     return [part(start, stop) for start, stop in bounds]
 
 
-def unit_chunks(units: UnitInfo, size: int) -> list[tuple[int, int, UnitInfo]]:
-    """Row ranges [start, stop) of at most ``size`` rows that hold whole units, packed in order, with each
-    chunk's own :class:`UnitInfo` (units renumbered from 0). A unit of more than ``size`` rows is refused:
-    clipping its two halves separately would let it move the released sum by 2C."""
+def unit_chunks(units: UnitInfo, size: int | None, isolate: bool = False) -> list[tuple[int, int, UnitInfo]]:
+    """Row ranges [start, stop) of at most ``size`` rows (None: no limit) that hold whole units, packed in
+    order, or one unit each with ``isolate``, with each chunk's own :class:`UnitInfo` (units renumbered
+    from 0). A unit of more than ``size`` rows is refused: clipping its two halves separately would let it
+    move the released sum by 2C."""
     counts = units.rows_per_unit().tolist()
     largest = max(counts, default=0)
-    if largest > size:
+    if size is not None and largest > size:
         raise DPConfigurationError(
             f"A privacy unit (a user's rows, or an example's augmented views) has {largest} rows, more than "
             f"max_physical_batch_size={size}. A unit is clipped as one, so it must fit one physical chunk: "
@@ -78,8 +89,9 @@ def unit_chunks(units: UnitInfo, size: int) -> list[tuple[int, int, UnitInfo]]:
         )
     chunks: list[tuple[int, int, UnitInfo]] = []
     start = stop = first = 0
+    limit = math.inf if size is None else size
     for unit, count in enumerate(counts):
-        if stop + count - start > size:
+        if stop > start and (isolate or stop + count - start > limit):
             chunks.append((start, stop, units.slice(first, unit)))
             start, first = stop, unit
         stop += count

@@ -9,7 +9,7 @@ hooks only call these methods; ``docs/guarantees.md`` has the table):
   fit, which layer calls are shared by the batch (``structure``); the batch is the sampled batch,
   unchanged by hooks (``integrity``); no buffer was written between steps (``state``); and, on the first
   batch of a fit and on randomly drawn later ones, the mixing check (``mixing``) runs the user's step on
-  this very batch with one example removed or replaced.
+  this very batch with examples removed or replaced (whole units: a user's rows, an example's views).
 * **each release** (:meth:`RunChecks.before_release`): no parameter was written during the step; buffers
   the forward wrote are ones a check showed to be independent of the batch (else the next step is checked).
 * **after each optimizer step** (:meth:`RunChecks.after_step`): the state later writes are measured from.
@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from lightning_dp.batches import EmptyBatch
+from lightning_dp.batches import EmptyBatch, UnitInfo
 from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.checks.mixing import DEFAULT_OVERHEAD, CheckSetting, MixingCheck, MixingResult
 from lightning_dp.checks.state import StateWatch
@@ -69,6 +69,8 @@ class RunChecks:
     integrity: BatchIntegrity = field(default_factory=BatchIntegrity)
     isolate_examples: bool = False
     public_buffers: tuple[str, ...] = ()
+    unit: str = "example"
+    """What the run's privacy unit is called in refusals ("example" or "user")."""
     state: StateWatch | None = None
     _checked_this_step: bool = False
 
@@ -80,8 +82,11 @@ class RunChecks:
         seed: int | None = None,
         isolate_examples: bool = False,
         public_buffers: tuple[str, ...] = (),
+        unit: str = "example",
     ) -> RunChecks:
-        return cls(MixingCheck(setting, overhead, seed), BatchIntegrity(), isolate_examples, public_buffers)
+        return cls(
+            MixingCheck(setting, overhead, seed), BatchIntegrity(), isolate_examples, public_buffers, unit
+        )
 
     # -- set-up -------------------------------------------------------------------------------------------
     def setup(self, module: nn.Module, convert_input: Any) -> None:
@@ -113,9 +118,11 @@ class RunChecks:
         check_batch: Any,
         precision: Any,
         device: torch.device,
+        check_units: UnitInfo | None = None,
     ) -> None:
         """``batch``: what training_step receives; ``check_batch``: what one forward sees (a physical chunk
-        under virtual batching). Raises before user code runs when a check fails."""
+        under virtual batching), ``check_units``: its privacy units (a user's rows, an example's augmented
+        views; None: every row is its own unit). Raises before user code runs when a check fails."""
         with self._counted():
             self._checked_this_step = False
             if engine.grads is not None and engine.train_data is not None:  # structure, not a check: always
@@ -127,7 +134,9 @@ class RunChecks:
             if isinstance(batch, EmptyBatch):
                 return
             if not self.isolate_examples and self.mixing.due():
-                result = self.mixing.run(engine, module, check_batch, batch_idx, precision, device)
+                result = self.mixing.run(
+                    engine, module, check_batch, batch_idx, precision, device, check_units, self.unit
+                )
                 self._checked_this_step = result is not None
             if self.state is not None:
                 self.state.at_entry()

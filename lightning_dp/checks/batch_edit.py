@@ -178,6 +178,13 @@ def _different_row(batch: Any, rows: int, row: int, kept: list[int], draw: int) 
     return kept[draw % len(kept)]
 
 
+def _field_hashes(field_: Tensor | list[Any], rows: int) -> list[int]:
+    """One hash per example of one per-example field."""
+    if isinstance(field_, Tensor):
+        return [int(h) for h in row_hashes(field_, rows).cpu().tolist()]
+    return [_value_hash(v) for v in field_]
+
+
 def _example_hashes(batch: Any, rows: int) -> list[int] | None:
     """One hash per example over all its per-example fields (None when the batch has none)."""
     fields = per_example_fields(batch, rows)
@@ -185,12 +192,38 @@ def _example_hashes(batch: Any, rows: int) -> list[int] | None:
         return None
     total = [0] * rows
     for field_ in fields:
-        if isinstance(field_, Tensor):
-            part = [int(h) for h in row_hashes(field_, rows).cpu().tolist()]
-        else:
-            part = [_value_hash(v) for v in field_]
+        part = _field_hashes(field_, rows)
         total = [(a * 1_000_003 + b) & ((1 << 63) - 1) for a, b in zip(total, part, strict=True)]
     return total
+
+
+def _id_like(field_: Tensor | list[Any], rows: int) -> bool:
+    """One integer, string or flag per example: what a user id or an example index looks like."""
+    if isinstance(field_, Tensor):
+        return not (field_.is_floating_point() or field_.is_complex()) and field_.numel() == rows
+    return all(isinstance(v, str | bytes | int) for v in field_)
+
+
+def unit_id_fields(batch: Any, rows: int, unit_of_row: list[int]) -> frozenset[int]:
+    """The per-example fields (by position, in :func:`per_example_fields`' order) that name the row's unit:
+    one integer or string per row, the same on every row of a unit and different between units (a user id
+    column, an example's index shared by its augmented views). A row replaced by a copy of another unit's
+    row keeps these, so it stays in its own unit instead of joining the other one (a per-user loss that
+    groups rows by this id would otherwise see the kept user's rows change)."""
+    found: set[int] = set()
+    if len(set(unit_of_row)) < 2:
+        return frozenset()
+    for position, field_ in enumerate(per_example_fields(batch, rows)):
+        if not _id_like(field_, rows):
+            continue
+        of_unit: dict[int, int] = {}
+        constant = all(
+            of_unit.setdefault(u, h) == h
+            for u, h in zip(unit_of_row, _field_hashes(field_, rows), strict=True)
+        )
+        if constant and len(set(of_unit.values())) == len(of_unit):
+            found.add(position)
+    return frozenset(found)
 
 
 def _rows_of(
@@ -201,22 +234,30 @@ def _rows_of(
     return map_examples(batch, rows, pick, pick_list)
 
 
-def replace_rows(batch: Any, rows_changed: tuple[int, ...], sources: list[int]) -> Any:
+def replace_rows(
+    batch: Any, rows_changed: tuple[int, ...], sources: list[int], keep: frozenset[int] = frozenset()
+) -> Any:
     """The batch with each example in ``rows_changed`` replaced by a copy of the matching ``sources`` example
-    (every per-example field: tensors whose dim 0 is the batch, lists of per-example values): same shapes."""
+    (every per-example field: tensors whose dim 0 is the batch, lists of per-example values): same shapes.
+    The fields at positions ``keep`` (:func:`unit_id_fields`) are left as they are."""
     rows = batch_length(batch)
     assert rows is not None
     if not rows_changed:
         return batch
     target = torch.tensor(rows_changed, dtype=torch.long)
     source = torch.tensor(sources, dtype=torch.long)
+    position = iter(range(1 << 62))  # the fields in per_example_fields' order
 
     def tensor(t: Tensor) -> Tensor:
+        if next(position) in keep:
+            return t
         out = t.clone()
         out[target.to(t.device)] = t[source.to(t.device)]
         return out
 
     def values(x: list[Any]) -> list[Any]:
+        if next(position) in keep:
+            return list(x)
         out = list(x)
         for r, s in zip(rows_changed, sources, strict=True):
             out[r] = x[s]
@@ -260,6 +301,7 @@ def run_on_changed_batch(
     draw: Callable[[int], int],
     run: Callable[[Any, int, list[int]], T],
     reset: Callable[[], None],
+    keep_fields: frozenset[int] = frozenset(),
 ) -> ChangedPass[T]:
     """``run(changed_batch, its_rows, kept_rows_in_it)`` on ``batch`` with the ``removed`` examples removed
     and the ``replaced`` ones replaced by copies of kept examples (``draw(n)`` picks among n).
@@ -268,12 +310,13 @@ def run_on_changed_batch(
     group size made in the ``collate_fn``), every changed example is replaced instead, so every shape stays
     as the loader makes it. If that raises too, a :class:`DPConfigurationError` quotes the step's exception
     and says what makes the model checkable. ``reset`` puts the module's state back before a second try.
+    ``keep_fields``: fields a replaced example keeps (its unit's id, :func:`unit_id_fields`).
     """
     changed = removed + replaced
 
     def replacing(targets: tuple[int, ...]) -> Any:
         sources = [_different_row(batch, rows, r, kept, draw(len(kept))) for r in targets]
-        return replace_rows(batch, targets, sources)
+        return replace_rows(batch, targets, sources, keep_fields)
 
     first_error: BaseException | None = None
     if removed:

@@ -28,6 +28,16 @@ must not be written at all (compared by value, so ``.data`` writes and flag-guar
 Nothing is released, priced or stepped, and the random streams, ``.grad``, parameters and buffers are put
 back, so the real step is the step without the check.
 
+With privacy units (a user's rows under ``privacy_unit="user"``, an example's views under
+``augmentation_multiplicity``) the same check works on units, not rows: each unit is clipped as one, so
+its own rows may depend on each other and only a dependence between units breaks the guarantee. Pass A's
+gradients are grouped as the clipping groups them (unit norms, unit clip factors); pass B changes whole
+units (:func:`choose_units`: every unit holding a row :func:`choose_rows` would single out, the units'
+norm extremes, a random half of the others), removing one with all its rows (its unit map
+``UnitInfo.without``) and replacing the others' rows by copies of kept units' rows that keep their own
+unit's id field (``batch_edit.unit_id_fields``); the criterion is the kept units' clipped sum, with a
+rounding allowance over the rows the sums add (:meth:`_Items.magnitudes`).
+
 Which steps: the first sampled batch of every fit, and then steps drawn at random while the time spent
 checking stays within ``overhead`` of the training time (default 5 %); ``"every_step"`` checks every step.
 A step whose ``training_step`` returns no loss moves the check to the next batch.
@@ -45,7 +55,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_dp.batches import batch_length
+from lightning_dp.batches import UnitInfo, batch_length
 from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live there; re-exported here
     _different_row,  # noqa: F401
     _example_hashes,  # noqa: F401
@@ -53,6 +63,7 @@ from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live t
     remove_rows,  # noqa: F401
     replace_rows,  # noqa: F401
     run_on_changed_batch,
+    unit_id_fields,
 )
 from lightning_dp.checks.fingerprint import _columns
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
@@ -112,18 +123,22 @@ def example_rounding(precision: str, device: torch.device) -> float:
     return max(FP32_EXAMPLE_ROUNDING, 4 * _compute_eps(precision, device))
 
 
-def move_tolerance(clipped_norms: Tensor, max_grad_norm: float, rho: float) -> float:
+def move_tolerance(
+    clipped_norms: Tensor, max_grad_norm: float, rho: float, terms: int | None = None
+) -> float:
     """The largest move of the kept examples' clipped sum (in units of C) that rounding explains.
 
     Two parts, from the kept examples' clipped norms c_j = f_j‖g_j‖ (each ≤ C): the fp32 summation of the
     K terms, certified in any order (2·γ_K·Σ_j c_j, γ_K = K·u/(1 − K·u), Higham §3.1, for both passes);
     and each example's own recomputation over other rows, ρ·c_j, whose errors come from different inputs
     and do not align (ρ·√Σ_j c_j², where a batch dependence moves the examples together: Σ_j). Plus
-    :data:`NEGLIGIBLE_MOVE`. The size of the sum itself plays no part.
+    :data:`NEGLIGIBLE_MOVE`. The size of the sum itself plays no part. For units, ``clipped_norms`` are
+    the clipped magnitudes f_u·Σ_{r∈u} w_r‖g_r‖ (the rows' terms as the sums add them) and ``terms`` the
+    kept rows (K in γ_K).
     """
     c = max_grad_norm if math.isfinite(max_grad_norm) and max_grad_norm > 0 else 1.0
     finite = clipped_norms[torch.isfinite(clipped_norms)].double()
-    k = int(finite.numel())
+    k = int(finite.numel()) if terms is None else terms
     gamma = k * _U32 / max(1 - k * _U32, 0.5)
     summed = 2 * gamma * float(finite.sum())
     recomputed = rho * float(finite.square().sum().sqrt())
@@ -137,8 +152,9 @@ class MixingResult:
     change: str
     """What pass B did, e.g. "examples [0, 3, 7] removed"."""
     changed: tuple[int, ...]
-    """The examples removed or replaced (their rows in the batch)."""
+    """The examples (or units) removed or replaced (their indices in the batch)."""
     examples: int
+    """The examples in the checked batch (its units, when its rows carry units)."""
     move: float
     """How far the clipped sum of the kept examples moved, in units of C (the proof's quantity)."""
     move_tolerance: float
@@ -150,6 +166,10 @@ class MixingResult:
     """The per-example test's relative tolerance."""
     buffers: tuple[str, ...] = ()
     """Buffers the forward wrote differently in the two passes (computed from the batch)."""
+    unit: str = "example"
+    """What one compared item is: "example" or "user"."""
+    grouped: str = ""
+    """With units: what one unit's rows are ("rows", "augmented views"), which may depend on each other."""
 
     @property
     def passed(self) -> bool:
@@ -161,9 +181,11 @@ class _Pass:
     samples: PerExampleGradients | None
     """Until its kept rows' sum is taken."""
     norms: Tensor
-    """Certified per-example norms, fp64 [rows] on the CPU."""
+    """Certified per-example norms, fp64 [rows] on the CPU (per unit, when the batch carries units)."""
     buffers: dict[str, Tensor]
     written_parameters: list[str]
+    row_norms: Tensor | None = None
+    """With units: each row's certified norm (pass A only)."""
 
 
 def _batch_tensors(batch: Any, rows: int) -> list[Tensor]:
@@ -235,16 +257,26 @@ def norm_extremes(norms: Tensor) -> list[int]:
 
 def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> tuple[int, ...]:
     """The rows pass B changes: one drawn at random, the first and the last, the gradient norms' extremes,
-    the rarest label values, every field's extremes, then a random half of the others. A record that holds
-    an extreme is changed on every check, any other record with probability at least 1/2. About half the
-    batch is kept (at least one row): where the extremes and half the others do not fit (a small
-    batch with many columns), the first, the last and all but a random quarter of the others are changed. The number of rows
-    kept is coprime with the batch size (a few more rows are changed, or kept in a small batch, until it
-    is): then no share of the batch (of labelled rows, of a class) is the same in both passes, since
-    n'/K = n/B has no solution with 0 < n < B."""
-    keep_at_least = max(1, rows // 4)
-    limit = rows - keep_at_least
-    special = [
+    the rarest label values, every field's extremes, then a random half of the others (:func:`_choose`)."""
+    return _choose(rows, _special_rows(batch, rows, norms, generator), generator)
+
+
+def choose_units(
+    batch: Any, units: UnitInfo, row_norms: Tensor, unit_norms: Tensor, generator: torch.Generator
+) -> tuple[int, ...]:
+    """The units pass B changes: every unit holding a row :func:`choose_rows` would single out (drawn at
+    random, first, last, the rows' norm extremes, rarest labels, fields' extremes), the units with the
+    largest and the smallest gradient norm, then a random half of the other units (:func:`_choose`)."""
+    rows = units.unit_of_row.numel()
+    unit_of_row = units.unit_of_row.cpu().tolist()
+    special = [unit_of_row[r] for r in _special_rows(batch, rows, row_norms, generator)]
+    return _choose(units.num_units, special + norm_extremes(unit_norms), generator)
+
+
+def _special_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> list[int]:
+    """The rows where a dependence hides: one drawn at random, the first and the last, the gradient norms'
+    extremes, the rarest label values and every field's extremes."""
+    return [
         int(torch.randint(rows, (), generator=generator)),
         0,
         rows - 1,
@@ -252,21 +284,82 @@ def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator
         *rare_values(batch, rows),
         *field_extremes(batch, rows),
     ]
+
+
+def _choose(count: int, special: list[int], generator: torch.Generator) -> tuple[int, ...]:
+    """Which of ``count`` items (rows, or units) pass B changes: the ``special`` ones, then a random half of
+    the others. A special item is changed on every check, any other with probability at least 1/2. About
+    half the items are kept (at least one): where the special ones and half the others do not fit (a
+    small batch with many columns), the first, the last and all but a random quarter of the others are
+    changed. The number kept is coprime with ``count`` (a few more items are changed, or kept in a small
+    batch, until it is): then no share of the batch (of labelled rows, of a class) is the same in both
+    passes, since n'/K = n/B has no solution with 0 < n < B."""
+    keep_at_least = max(1, count // 4)
+    limit = count - keep_at_least
     chosen = list(dict.fromkeys(special))
     taken = set(chosen)
-    rest = [i for i in range(rows) if i not in taken]
+    rest = [i for i in range(count) if i not in taken]
     half = (len(rest) + 1) // 2
     if len(chosen) + half > limit:  # a small batch, mostly extremes: all but a random quarter of it
-        size = next(k for k in range(keep_at_least, rows) if math.gcd(k, rows) == 1)
-        inner = rows > 3  # keep neither the first nor the last (mixing along the rows) unless too few
-        drawn = torch.randperm(rows - 2 if inner else rows, generator=generator)[:size]
+        size = next(k for k in range(keep_at_least, count) if math.gcd(k, count) == 1)
+        inner = count > 3  # keep neither the first nor the last (mixing along the rows) unless too few
+        drawn = torch.randperm(count - 2 if inner else count, generator=generator)[:size]
         kept = (drawn + 1 if inner else drawn).tolist()
     else:
         order = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
-        size = next(k for k in range(len(rest) - half, 0, -1) if math.gcd(k, rows) == 1)
+        size = next(k for k in range(len(rest) - half, 0, -1) if math.gcd(k, count) == 1)
         kept = order[:size]
     taken = set(kept)
-    return tuple(i for i in range(rows) if i not in taken)
+    return tuple(i for i in range(count) if i not in taken)
+
+
+@dataclass(frozen=True)
+class _Items:
+    """What pass B changes and the criterion compares: the batch's rows (each its own unit), or its
+    privacy units (a user's rows, an example's augmented views), each clipped as one, whose rows may
+    depend on each other."""
+
+    rows: int
+    units: UnitInfo | None = None
+
+    @property
+    def count(self) -> int:
+        return self.rows if self.units is None else self.units.num_units
+
+    def rows_of(self, items: list[int] | tuple[int, ...]) -> list[int]:
+        """The rows of ``items``, in order."""
+        if self.units is None:
+            return sorted(items)
+        chosen = torch.zeros(self.count, dtype=torch.bool)
+        chosen[torch.as_tensor(list(items), dtype=torch.long)] = True
+        return chosen[self.units.unit_of_row.cpu()].nonzero().squeeze(1).tolist()
+
+    def without(self, removed: list[int]) -> tuple[_Items, list[int]]:
+        """The items left when ``removed`` go (renumbered from 0), and each item's new index (-1: removed)."""
+        if not removed:
+            return self, list(range(self.count))
+        gone = set(removed)
+        if self.units is None:
+            left = [i for i in range(self.count) if i not in gone]
+            rest = _Items(self.rows - len(removed))
+        else:
+            rows_gone, unit_map, left_ids = self.units.without(removed)
+            left = left_ids.tolist()
+            rest = _Items(self.rows - len(rows_gone), unit_map)
+        index = [-1] * self.count
+        for new, old in enumerate(left):
+            index[old] = new
+        return rest, index
+
+    def magnitudes(self, row_norms: Tensor, item_norms: Tensor) -> Tensor:
+        """Each item's gradient magnitude as the fp32 sums add it up (fp64, CPU): the norm of an example;
+        Σ_{r∈u} w_r‖g_r‖ for a unit, never below its norm, far above it where its rows cancel."""
+        if self.units is None:
+            return item_norms
+        weights = self.units.row_weights().double().cpu()
+        terms = (row_norms * weights).where(torch.isfinite(row_norms), 0.0)
+        sums = torch.zeros(self.count, dtype=torch.float64).index_add_(0, self.units.unit_of_row.cpu(), terms)
+        return torch.maximum(sums, item_norms.where(torch.isfinite(item_norms), 0.0))
 
 
 @dataclass
@@ -335,12 +428,16 @@ class MixingCheck:
         batch_idx: int,
         precision: Any,
         device: torch.device,
+        units: UnitInfo | None = None,
+        unit: str = "example",
     ) -> MixingResult | None:
         """Check ``batch`` (the batch the next release is computed from); None when it cannot be checked
-        (``training_step`` returned no loss: the check moves to the next batch). Raises on a failure."""
+        (``training_step`` returned no loss: the check moves to the next batch). Raises on a failure.
+        ``units``: the batch's privacy units (``unit``: "user" or "example"); whole units are then changed
+        and compared, and a unit's rows may depend on each other."""
         begin = time.perf_counter()
         try:
-            result = self._measure(engine, module, batch, batch_idx, precision, device)
+            result = self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
         finally:
             self._last_cost = time.perf_counter() - begin  # the budget's lookahead (RunChecks adds the time)
         if result is None:
@@ -362,50 +459,80 @@ class MixingCheck:
         batch_idx: int,
         precision: Any,
         device: torch.device,
+        units: UnitInfo | None = None,
+        unit: str = "example",
     ) -> MixingResult | None:
         grads = engine.grads
         assert grads is not None, "attach() first"
         rows = batch_length(batch)
         if rows is None or rows < 2:  # one example (or none) cannot mix with another: this batch is fine
             return None if rows is None else _vacuous(rows)
+        if units is not None and units.unit_of_row.numel() != rows:
+            units = None  # not this batch's map: the rows are compared (stricter); the engine refuses it
+        items = _Items(rows, units)
+        if items.count < 2:  # one unit may mix its own rows: nothing to compare it with
+            return _vacuous(items.count)
+        noun = "user" if units is not None and unit == "user" else "example"
+        grouped = "" if units is None else ("rows" if noun == "user" else "augmented views")
         c = engine.max_grad_norm
         state = ModuleState.save(module, device)
         values = ParameterValues.take(module)
         hint = grads._batch_hint
         try:
-            full = self._pass(engine, module, batch, batch_idx, precision, rows, state, values)
+            full = self._pass(engine, module, batch, batch_idx, precision, rows, state, values, units, True)
             if full is None:
                 return None
-            changed_rows = choose_rows(batch, rows, full.norms, self.generator)
-            changed_set = set(changed_rows)
-            kept_full = [i for i in range(rows) if i not in changed_set]
+            if units is None:
+                changed = choose_rows(batch, rows, full.norms, self.generator)
+            else:
+                assert full.row_norms is not None
+                changed = choose_units(batch, units, full.row_norms, full.norms, self.generator)
+            changed_set = set(changed)
+            kept_full = [i for i in range(items.count) if i not in changed_set]
             factors = clip_factors(full.norms.float(), c).double()  # pass A's, used in both sums
-            full_sum = _kept_sum(full, factors, kept_full, rows)
+            full_sum = _kept_sum(full, factors, kept_full, items.count)
             grads.clear()
             # Random draws (dropout): replace only, so every shape and every draw stays the same. Else remove
-            # one changed example and replace the others by copies of kept ones: the batch's content moves,
-            # and its size moves by exactly one, as between neighbours (a function of the size alone, such as
-            # its parity, can stay put when many rows go at once).
-            removed: tuple[int, ...] = changed_rows[:1]
-            replaced: tuple[int, ...] = changed_rows[1:]
+            # one changed example (unit) and replace the others by copies of kept ones: the batch's content
+            # moves, and its size moves by exactly one unit, as between neighbours (a function of the size
+            # alone, such as its parity, can stay put when many go at once).
+            removed: tuple[int, ...] = changed[:1]
+            replaced: tuple[int, ...] = changed[1:]
             if state.drew_random_numbers():
-                removed, replaced = (), changed_rows
+                removed, replaced = (), changed
+            after_removal, index = items.without(list(removed))
+            keep_fields = (
+                frozenset()
+                if units is None
+                else unit_id_fields(batch, rows, units.unit_of_row.cpu().tolist())
+            )
+
+            def units_after(n: int) -> UnitInfo | None:  # pass B's unit map: one unit fewer, or as in pass A
+                return units if n == rows else after_removal.units
+
             edit = run_on_changed_batch(  # removal falls back to replacement where the step cannot run on it
                 batch,
                 rows,
-                removed,
-                replaced,
-                kept_full,
+                tuple(items.rows_of(removed)),
+                tuple(items.rows_of(replaced)),
+                items.rows_of(kept_full),
                 self.pick,
-                lambda b, n, kept: self._pass(engine, module, b, batch_idx, precision, n, state, values),
+                lambda b, n, kept: self._pass(
+                    engine, module, b, batch_idx, precision, n, state, values, units_after(n)
+                ),
                 state.restore,
+                keep_fields,
             )
-            other, removed, replaced, kept_changed = edit.result, edit.removed, edit.replaced, edit.kept
+            other = edit.result
             if other is None:
                 return None
-            weights = torch.zeros(rows - len(removed), dtype=torch.float64)
+            if not edit.removed:  # nothing removed (random draws, or the fallback): every item in place
+                after_removal, index = items, list(range(items.count))
+                removed, replaced = (), changed
+            kept_changed = [index[i] for i in kept_full]
+            weights = torch.zeros(after_removal.count, dtype=torch.float64)
             weights[kept_changed] = factors[kept_full]
-            other_sum = _kept_sum(other, weights, kept_changed, rows - len(removed))
+            other_sum = _kept_sum(other, weights, kept_changed, after_removal.count)
         finally:
             state.restore()
             values.restore()
@@ -422,19 +549,26 @@ class MixingCheck:
             or not torch.equal(full.buffers[name], other.buffers[name])
         )
         a, b = full.norms[kept_full], other.norms[kept_changed]
-        worst, worst_position = _worst_norm_change(a, b, c)
-        clipped = (factors[kept_full] * a).where(torch.isfinite(a), 0.0)
+        magnitudes = full.norms
+        if units is not None:
+            assert full.row_norms is not None
+            magnitudes = items.magnitudes(full.row_norms, full.norms)
+        worst, worst_position = _worst_norm_change(a, b, c, magnitudes[kept_full])
+        clipped = (factors[kept_full] * magnitudes[kept_full]).where(torch.isfinite(a), 0.0)
         rho = example_rounding(str(precision.precision), device)
+        terms = None if units is None else len(items.rows_of(kept_full))
         return MixingResult(
-            _describe(removed, replaced),
-            changed_rows,
-            rows,
+            _describe(removed, replaced, noun, grouped),
+            changed,
+            items.count,
             _distance(full_sum, other_sum) / (c if math.isfinite(c) and c > 0 else 1.0),
-            move_tolerance(clipped, c, rho),
+            move_tolerance(clipped, c, rho, terms),
             worst,
             kept_full[worst_position],
             relative_tolerance(str(precision.precision), device),
             buffers,
+            noun,
+            grouped,
         )
 
     def _pass(
@@ -447,8 +581,11 @@ class MixingCheck:
         rows: int,
         state: ModuleState,
         values: ParameterValues,
+        units: UnitInfo | None = None,
+        with_row_norms: bool = False,
     ) -> _Pass | None:
-        """One dry pass from the saved state: its per-example gradients and norms, and what it wrote."""
+        """One dry pass from the saved state: its per-example gradients and norms (per unit, grouped as the
+        clipping groups them, when ``units`` is given), and what it wrote."""
         state.restore()
         values.restore()
         grads = engine.grads
@@ -463,11 +600,17 @@ class MixingCheck:
             grads.clear()
             return None
         samples, _ = grads.collect(expected=rows)
+        row_norms = None
+        if units is not None:
+            if with_row_norms:
+                row_norms = samples.sq_norms().double().sqrt().cpu()
+            samples = samples.grouped(units.unit_of_row, units.reduction, units.views)
         norms = samples.sq_norms().double().sqrt().cpu()
-        return _Pass(samples, norms, state.written_buffers(), values.written())
+        return _Pass(samples, norms, state.written_buffers(), values.written(), row_norms)
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""
+        noun = result.unit
         if result.buffers:
             what = (
                 f"buffers {list(result.buffers)} were written from the batch in the forward (a running "
@@ -476,27 +619,40 @@ class MixingCheck:
             )
         else:
             what = (
-                f"when the batch had {result.change}, the clipped gradients of the other examples moved by "
+                f"when the batch had {result.change}, the clipped gradients of the other {noun}s moved by "
                 f"{result.move:.3g}·C in total (rounding explains {result.move_tolerance:.2g}·C), and "
-                f"example {result.worst_example}'s gradient norm by {result.worst_change:.1%}"
+                f"{noun} {result.worst_example}'s gradient norm by {result.worst_change:.1%}"
             )
+        rows = result.grouped
+        if not rows:
+            need = (
+                "DP-SGD needs each example's gradient to depend on that example alone; here the loss or the "
+                "forward mixes examples, so one example can move the released sum by more than max_grad_norm"
+            )
+            isolate = "each example then runs through training_step alone, so nothing can mix (it costs one "
+            isolate += "forward per example)"
+        else:
+            need = (
+                f"each {noun} is clipped as one unit (all its {rows} together), so its {rows} may depend on each "
+                f"other, but the unit's gradient must not depend on another {noun}'s; here the loss or the "
+                f"forward mixes {noun}s, so one {noun} can move the released sum by more than max_grad_norm"
+            )
+            isolate = f"each {noun} then runs through training_step alone with all its {rows}, so no two "
+            isolate += f"{noun}s can mix (it costs one forward per {noun})"
         return (
             f"Sensitivity check failed on step {releases_before} (a real sampled batch of {result.examples} "
-            f"examples): {what}. DP-SGD needs each example's gradient to depend on that example alone; here "
-            "the loss or the forward mixes examples, so one example can move the released sum by more than "
-            "max_grad_norm and the reported ε does not hold. This step releases nothing. "
-            f"{self.coverage(releases_before)} Likely causes and fixes: a token-level mean over the whole batch "
+            f"{noun}s): {what}. {need[0].upper()}{need[1:]} and the reported ε does not hold. This step releases "
+            f"nothing. {self.coverage(releases_before)} Likely causes and fixes: a token-level mean over the whole batch "
             "(cross_entropy over flattened tokens with ignore_index, or a Hugging Face model's labels= loss): "
             "return lightning_dp.per_example_token_loss(logits, labels).mean(); an operation that mixes "
             "examples (mixup or cutmix across the batch, attention or pooling over the batch dimension, an "
-            "in-batch contrastive or triplet loss): mix within one example only; a batch statistic "
+            f"in-batch contrastive or triplet loss): mix within one {noun} only; a batch statistic "
             "(standardising or min-max scaling by the batch's mean, std, min or max, class weights from the "
             "batch's label counts, weights relative to the batch's largest loss, top-k hard-example mining, "
             "a running mean or an observer updated from the batch): normalise each example on its own "
             "(LayerNorm, GroupNorm) with constants fixed from public data; a loss summed over the batch while "
             "loss_reduction='mean': return the mean. To train such a model unchanged, pass "
-            "DPStrategy(isolate_examples=True): each example then runs through training_step alone, so "
-            "nothing can mix (it costs one forward per example). See docs/writing-a-loss.md. Only if the model "
+            f"DPStrategy(isolate_examples=True): {isolate}. See docs/writing-a-loss.md. Only if the model "
             "is verified otherwise (the neighbour test), DPStrategy(check_sensitivity=False) turns the check off."
         )
 
@@ -530,16 +686,19 @@ def _vacuous(rows: int) -> MixingResult:
     return MixingResult("nothing changed", (), rows, 0.0, 1.0)
 
 
-def _describe(removed: tuple[int, ...], replaced: tuple[int, ...]) -> str:
-    rows = removed or replaced
-    shown = ", ".join(str(r) for r in rows[:8]) + (", …" if len(rows) > 8 else "")
+def _describe(
+    removed: tuple[int, ...], replaced: tuple[int, ...], noun: str = "example", grouped: str = ""
+) -> str:
+    items = removed or replaced
+    shown = ", ".join(str(r) for r in items[:8]) + (", …" if len(items) > 8 else "")
     how = "removed" if removed else "replaced by copies of others"
-    return f"examples [{shown}] {how} ({len(rows)} of them)"
+    whole = f" (with all their {grouped})" if grouped else ""
+    return f"{noun}s [{shown}]{whole} {how} ({len(items)} of them)"
 
 
 def _kept_sum(run: _Pass, weights: Tensor, kept: list[int], rows: int) -> list[Tensor]:
-    """Σ over the ``kept`` rows of the pass's per-example gradients times ``weights`` (pass A's clip
-    factors), in fp64 on the CPU; the pass's gradients are let go."""
+    """Σ over the ``kept`` rows (units) of the pass's per-example (per-unit) gradients times ``weights``
+    (pass A's clip factors), in fp64 on the CPU; the pass's gradients are let go."""
     samples, run.samples = run.samples, None
     assert samples is not None
     mask = torch.zeros(rows, dtype=torch.float64)
@@ -561,16 +720,20 @@ def _distance(a: list[Tensor], b: list[Tensor]) -> float:
     return math.sqrt(total)
 
 
-def _worst_norm_change(a: Tensor, b: Tensor, max_grad_norm: float) -> tuple[float, int]:
+def _worst_norm_change(
+    a: Tensor, b: Tensor, max_grad_norm: float, magnitudes: Tensor | None = None
+) -> tuple[float, int]:
     """The largest relative change between the norms ``a`` and ``b`` (and its position), each measured
-    against at least :func:`_change_floor`."""
+    against at least :func:`_change_floor`, and against a unit's magnitude (Σ_r w_r‖g_r‖, ``magnitudes``)
+    when given: rows of one unit that cancel leave a small norm with the rounding of the large rows."""
     floor = _change_floor(torch.maximum(a, b), max_grad_norm)
+    sizes = [0.0] * len(a) if magnitudes is None else magnitudes.nan_to_num(0.0, 0.0, 0.0).tolist()
     worst, position = 0.0, 0
-    for i, (x, y) in enumerate(zip(a.tolist(), b.tolist(), strict=True)):
+    for i, (x, y, size) in enumerate(zip(a.tolist(), b.tolist(), sizes, strict=True)):
         if not (math.isfinite(x) and math.isfinite(y)):
             change = 0.0 if math.isfinite(x) == math.isfinite(y) else math.inf
         else:
-            scale = max(x, y, floor)
+            scale = max(x, y, floor, size)
             change = abs(x - y) / scale if scale > 0 else 0.0
         if change > worst:
             worst, position = change, i

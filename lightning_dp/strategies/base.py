@@ -58,13 +58,17 @@ class DPStrategyBase(Strategy):
         self.config = config
         self.engine: PrivateStepEngine = config.build_engine()
         self.check_sensitivity = config.check_sensitivity
-        self.max_physical_batch_size = 1 if config.isolate_examples else config.max_physical_batch_size
+        self.max_physical_batch_size = config.max_physical_batch_size
+        self.chunking = routing.Chunking(config.max_physical_batch_size, config.isolate_examples)
+        """How a sampled batch goes through training_step: whole, in chunks of whole units, or one unit
+        (one example without units) per chunk with isolate_examples."""
         self.checks = RunChecks.build(
             config.check_sensitivity,
             config.check_overhead,
             config.seed,
             config.isolate_examples,
             tuple(config.public_buffers),
+            unit="user" if config.user_level else "example",
         )
         self.on_batchnorm: OnBatchNorm = config.on_batchnorm
         self.setup_notes: list[str] = []
@@ -237,7 +241,7 @@ class DPStrategyBase(Strategy):
             lambda batch: self.batch_to_device(batch, self.root_device),
             planned_steps=loaders.planned_steps(trainer, num_batches),
             steps_per_epoch=loaders.steps_per_epoch(trainer, num_batches),
-            chunk=self.max_physical_batch_size or loader.batch_size or 256,
+            chunk=1 if self.chunking.isolate else self.max_physical_batch_size or loader.batch_size or 256,
         )  # fmt: skip
 
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
@@ -268,10 +272,12 @@ class DPStrategyBase(Strategy):
         if isinstance(batch, EmptyBatch):
             self.step_counts.noise_only(module)
             return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
-        if self.max_physical_batch_size is None:
+        if self.chunking.whole:
             return super().training_step(*args, **kwargs)
-        user_step, chunk = super().training_step, self.max_physical_batch_size
-        return routing.virtual_batch_step(user_step, self.engine, module, batch, chunk, *args[1:], **kwargs)
+        user_step, chunking = super().training_step, self.chunking
+        return routing.virtual_batch_step(
+            user_step, self.engine, module, batch, chunking, *args[1:], **kwargs
+        )
 
     def _module(self) -> Any:
         module = self.lightning_module
@@ -284,11 +290,11 @@ class DPStrategyBase(Strategy):
         module = self.lightning_module
         assert module is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        check_batch = routing.first_chunk(batch, self.max_physical_batch_size, self.engine.units)
+        check_batch, check_units = routing.first_chunk(batch, self.chunking, self.engine.units)
         self._refuse_together(
             lambda: self.checks.before_user_code(
                 self.engine, module, self._trainer(), batch, batch_idx, check_batch,
-                self.precision_plugin, self.root_device,
+                self.precision_plugin, self.root_device, check_units,
             )
         )  # fmt: skip
 

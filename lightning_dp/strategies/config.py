@@ -217,7 +217,9 @@ def _validate(config: PrivacyConfig) -> None:
     validation.flag(config.isolate_examples, "isolate_examples", owner=owner)
     if not all(isinstance(name, str) for name in config.public_buffers):
         raise DPConfigurationError(f"{owner}: public_buffers must be buffer names or patterns (strings).")
-    if config.isolate_examples and config.max_physical_batch_size not in (None, 1):
+    units = config.user_level or config.augmentation_multiplicity != 1
+    if config.isolate_examples and config.max_physical_batch_size not in (None, 1) and not units:
+        # With units, isolate_examples runs each unit alone and max_physical_batch_size bounds its rows.
         raise DPConfigurationError(
             f"{owner}: isolate_examples=True runs each example through training_step alone; "
             f"max_physical_batch_size={config.max_physical_batch_size} would group them again. Leave it unset."
@@ -266,17 +268,13 @@ def _validate_augmentation(config: PrivacyConfig) -> None:
     number(views, "augmentation_multiplicity", owner=owner, low=1, integer=True)
     if views == 1:
         return
-    chunk = 1 if config.isolate_examples else config.max_physical_batch_size
+    chunk = config.max_physical_batch_size
     if chunk is not None and views > chunk:
-        setting = (
-            "isolate_examples=True (one row per chunk)"
-            if config.isolate_examples
-            else f"max_physical_batch_size={chunk}"
-        )
         raise DPConfigurationError(
-            f"{owner}: augmentation_multiplicity={views} with {setting}: an example's {views} views are clipped "
-            "as one unit, so they must go through one physical chunk (clipped in two chunks, the example would "
-            f"count 2C). Set max_physical_batch_size to at least {views} (and leave isolate_examples off)."
+            f"{owner}: augmentation_multiplicity={views} with max_physical_batch_size={chunk}: an example's "
+            f"{views} views are clipped as one unit, so they must go through one physical chunk (clipped in two "
+            f"chunks, the example would count 2C). Set max_physical_batch_size to at least {views}, or unset it "
+            "(isolate_examples=True runs each example with all its views alone)."
         )
     if isinstance(config.step, AdaptiveGD | LineSearch):
         raise DPConfigurationError(

@@ -8,6 +8,7 @@ the user's step on each chunk while the engine accumulates the clipped sums and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,11 +73,36 @@ def begin_sampled_batch(
     return False
 
 
-def first_chunk(batch: Any, chunk_size: int | None, units: UnitInfo | None = None) -> Any:
-    """What the first forward of a sampled batch sees: the batch, or its first physical chunk (whole units)."""
-    if chunk_size is None or isinstance(batch, EmptyBatch):
-        return batch
-    return split_batch(batch, chunk_size, units)[0]
+@dataclass(frozen=True)
+class Chunking:
+    """How a sampled batch goes through ``training_step``: whole; in physical chunks of at most ``size``
+    rows that hold whole units (``max_physical_batch_size``); or, with ``isolate`` (``isolate_examples``),
+    one privacy unit per chunk: one example, or all the rows of one unit (a user's rows, an example's
+    augmented views), which the clipping groups as usual."""
+
+    size: int | None = None
+    isolate: bool = False
+
+    @property
+    def whole(self) -> bool:
+        """The batch goes through ``training_step`` in one piece."""
+        return self.size is None and not self.isolate
+
+    def split(self, batch: Any, units: UnitInfo | None) -> list[tuple[Any, UnitInfo | None]]:
+        """The physical chunks of ``batch`` in order, each with its own unit map (renumbered from 0)."""
+        if self.whole or isinstance(batch, EmptyBatch):
+            return [(batch, units)]
+        parts = split_batch(batch, self.size, units, self.isolate)
+        if units is None or len(parts) == 1:
+            return [(part, units) for part in parts]
+        maps = [chunk_units for _, _, chunk_units in unit_chunks(units, self.size, self.isolate)]
+        return list(zip(parts, maps, strict=True))
+
+
+def first_chunk(batch: Any, chunking: Chunking, units: UnitInfo | None = None) -> tuple[Any, UnitInfo | None]:
+    """What the first forward of a sampled batch sees (the batch, or its first physical chunk of whole
+    units), with that chunk's own unit map."""
+    return chunking.split(batch, units)[0]
 
 
 def noise_only_step(
@@ -101,7 +127,7 @@ def virtual_batch_step(
     engine: PrivateStepEngine,
     module: LightningModule,
     batch: Any,
-    chunk_size: int,
+    chunking: Chunking,
     *args: Any,
     **kwargs: Any,
 ) -> Any:
@@ -112,13 +138,8 @@ def virtual_batch_step(
             "batch yourself and call engine.accumulate_chunk() between backward passes."
         )
     kwargs.pop("batch", None)
-    units = engine.units
-    parts = split_batch(batch, chunk_size, units)
-    unit_maps: list[UnitInfo | None] = [units] * len(parts)
-    if units is not None and len(parts) > 1:
-        unit_maps = [chunk_units for _, _, chunk_units in unit_chunks(units, chunk_size)]
-    *chunks, last = parts
-    for chunk, chunk_units in zip(chunks, unit_maps[:-1], strict=True):
+    *chunks, (last, last_units) = chunking.split(batch, engine.units)
+    for chunk, chunk_units in chunks:
         engine.chunk_batch = batch_length(chunk)
         engine.units = chunk_units  # whole units: each is clipped once, over all its rows
         output = user_step(chunk, *args, **kwargs)
@@ -128,5 +149,5 @@ def virtual_batch_step(
         engine.accumulate_chunk()
     if chunks:
         engine.chunk_batch = batch_length(last)
-        engine.units = unit_maps[-1]
+        engine.units = last_units
     return user_step(last, *args, **kwargs)

@@ -53,7 +53,8 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
             (default 0.05: a fit takes about 1.05 times as long as with the checks off; the first batch's
             check always runs, so a fit of a few steps takes longer).
         isolate_examples: run each example through ``training_step`` alone (one forward and backward per
-            example), so no loss or forward can mix examples by construction; slower.
+            example), so no loss or forward can mix examples by construction; slower. With users or
+            ``augmentation_multiplicity`` > 1, each unit (a user's rows, an example's views) runs alone.
         public_buffers: names (or fnmatch patterns) of buffers written between steps or in forward from the
             weights, the step count or public constants only (an EMA of the weights); others are refused.
         data_changes: ``"refuse"`` (default) refuses a train loader whose data set, N or batch size
