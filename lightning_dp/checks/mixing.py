@@ -379,8 +379,6 @@ class MixingCheck:
     """Time spent in every check so far (added by ``RunChecks``), against ``overhead`` × the time since start
     spent outside the checks."""
     started: float | None = None
-    largest_move: float = 0.0
-    """The largest move (in C) a passed check measured, for the report."""
     _last_cost: float = 0.0
     _generator: torch.Generator | None = None
 
@@ -447,7 +445,6 @@ class MixingCheck:
         self.due_next = result.examples < 2  # one example cannot mix: the next batch is checked instead
         if not result.passed:
             raise DPConfigurationError(self.refusal(result, engine.steps))
-        self.largest_move = max(self.largest_move, result.move)
         self.checked_steps.append(engine.steps)
         return result
 
@@ -670,6 +667,8 @@ class MixingCheck:
         )
 
     def summary(self) -> dict[str, Any]:
+        """For the privacy report: public settings and counts only (a measured move is a statistic of the
+        private gradients, so it stays in the process)."""
         return {
             "setting": "every step"
             if self.setting == "every_step"
@@ -677,7 +676,6 @@ class MixingCheck:
             "overhead_budget": self.overhead,
             "checked_steps": len(self.checked_steps),
             "last_checked_step": self.checked_steps[-1] if self.checked_steps else None,
-            "largest_move_in_c": self.largest_move,
             "moved_for_no_loss": self.moved,
         }
 
