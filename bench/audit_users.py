@@ -8,7 +8,10 @@ train examples, shuffled), logistic regression, 300 steps, δ = 1e-5, 95 % confi
 * **user-level**: ``privacy_unit="user"``, k = 10 examples per user, B_u = 13 users a step (q_u = 13/126);
   each gradient canary is a user, Poisson-sampled at q_u, adding one user's sensitivity C; the claim is
   the ledger's user-level ε;
-* **example-level**: DP-SGD, batch 128 of N = 1,257 (q = 128/1257, about q_u), at the same claimed ε.
+* **example-level**: DP-SGD, batch 128 of N = 1,257 (q = 128/1257, about q_u), at the same claimed ε;
+* **user-level, bug** (``--bug``, on by default): the user-level run with a planted bug, its ledger pricing
+  each step at B_u / N (the rate over examples, spec pitfall P1) while users are drawn at q_u: it claims
+  far less than it spends, and is caught where the audited bound exceeds that claim.
 
 For each claimed ε: the audited lower bound, mean ± std over seeds (strategy seeds 0…, canary seeds 1000…),
 and its ratio to the claim. The seed fixes the initialisation, sampling, noise and canaries (a benchmark).
@@ -33,23 +36,39 @@ import torch
 from _harness import trainer_kwargs
 from lightning.pytorch import Trainer
 
-from lightning_dp import DPStrategy, PrivacyCallback
+from lightning_dp import DPStrategy, PrivacyCallback, UserPoisson
+from lightning_dp.accounting import PoissonGaussian
 from lightning_dp.audit import audit
 from recipes import DigitsDataModule, ImageClassifier
 
 STEPS, DELTA, K, USERS_PER_STEP = 300, 1e-5, 10, 13
 
 
-def strategy_for(unit: str, epsilon: float, seed: int) -> DPStrategy:
-    if unit == "user":
+class ExampleRateLedger(UserPoisson):
+    """The planted bug: users drawn at q_u = B_u / U, each step priced at B_u / N (over examples)."""
+
+    def event(self, noise_multiplier: float) -> PoissonGaussian:
+        assert self.users is not None
+        rate = self.users_per_step / len(self.users.user_of_example)
+        return PoissonGaussian(noise_multiplier=noise_multiplier, sample_rate=rate)
+
+
+def strategy_for(run: str, epsilon: float, seed: int) -> DPStrategy:
+    if run == "user, bug":
+        sampler = ExampleRateLedger(
+            user_key="user_id", examples_per_user=K, users_per_step=USERS_PER_STEP, seed=seed
+        )
+        return DPStrategy(target_epsilon=epsilon, delta=DELTA, sampler=sampler, seed=seed)
+    if run == "user":
         return DPStrategy(target_epsilon=epsilon, delta=DELTA, privacy_unit="user", user_key="user_id",
                           examples_per_user=K, users_per_step=USERS_PER_STEP, seed=seed)  # fmt: skip
     return DPStrategy(target_epsilon=epsilon, delta=DELTA, seed=seed)
 
 
-def one(unit: str, epsilon: float, m: int, seed: int) -> dict[str, Any]:
-    """One audited run: the claimed ε (the ledger's, per ``unit``) and the audited lower bound."""
-    strategy = strategy_for(unit, epsilon, seed)
+def one(run: str, epsilon: float, m: int, seed: int) -> dict[str, Any]:
+    """One audited run: the claimed ε (the ledger's, per user or per example) and the audited lower bound."""
+    strategy = strategy_for(run, epsilon, seed)
+    unit = run.split(",")[0]
     trainer = Trainer(
         **trainer_kwargs(strategy=strategy, max_steps=STEPS, callbacks=[PrivacyCallback(report=False)])
     )
@@ -72,6 +91,7 @@ def main() -> None:
     parser.add_argument("--canaries", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0])
+    parser.add_argument("--bug", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     for name in ("lightning.pytorch", "lightning_dp"):
@@ -81,17 +101,19 @@ def main() -> None:
         f"digits, 126 users of 10 (shuffled), {STEPS} steps, δ = {DELTA:g}, m = {args.canaries} white-box "
         f"canaries, 95% confidence, {args.seeds} seeds"
     )
-    print("| unit | q | σ | claimed ε | audited ε ≥ (mean ± std) | max over seeds | audited / claimed |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| run | q | σ | target ε | claimed ε | audited ε ≥ (mean ± std) | max over seeds | audited / claimed |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     std = statistics.stdev if args.seeds > 1 else (lambda _: 0.0)
     for epsilon in args.epsilons:
-        for unit in ("user", "example"):
+        for run in ("user", "example", "user, bug")[: 3 if args.bug else 2]:
             start = time.time()
-            runs = [one(unit, epsilon, args.canaries, seed) for seed in range(args.seeds)]
+            runs = [one(run, epsilon, args.canaries, seed) for seed in range(args.seeds)]
             bounds = [r["bound"] for r in runs]
             claimed = statistics.mean(r["claimed"] for r in runs)
             print(
-                f"| {unit} | {runs[0]['q']:.4f} | {runs[0]['sigma']:.3f} | {claimed:.3f} | "
+                f"| {run} | {runs[0]['q']:.4f} | {runs[0]['sigma']:.3f} | {epsilon:g} | {claimed:.3f} | "
                 f"{statistics.mean(bounds):.3f} ± {std(bounds):.3f} | {max(bounds):.3f} | "
                 f"{statistics.mean(bounds) / claimed:.2f} |  <!-- {time.time() - start:.0f} s -->",
                 flush=True,
