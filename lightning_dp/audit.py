@@ -190,7 +190,8 @@ def evaluate_guesses(
 
 # -- white-box canaries -------------------------------------------------------------------------------
 class GradientCanaries(ReleaseHook):
-    """Canary gradients of norm = the clipping sensitivity, Poisson-sampled like a real example."""
+    """Canary gradients of norm = the clipping sensitivity, Poisson-sampled like a real unit (an example,
+    or on a user-level run a user: the sampler's rate is then q_u, and the sensitivity one user's)."""
 
     def __init__(
         self,
@@ -460,7 +461,6 @@ def _canary_users(strategy: Any, dataset: Any, sizes: list[int]) -> Iterator[Non
         yield
 
 
-@torch.no_grad()
 def canary_scores(model: torch.nn.Module, canaries: TensorDataset, examples_per_canary: int) -> Tensor:
     """Each canary's score: the mean logit margin over its examples (one, or a canary user's k)."""
     margins = logit_margins(model, canaries).double()

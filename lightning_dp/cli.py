@@ -71,7 +71,8 @@ def audit_main(args: list[str]) -> int:
 
 
 def canaries_line(result: AuditResult) -> str:
-    """ "256 gradient canaries", or on a user-level run "256 input canary users of 10 examples each"."""
+    """The canaries in words: "256 gradient canaries"; on a user-level run "256 input canary users of 10
+    examples each"."""
     if result.privacy_unit != "user":
         return f"{result.num_canaries} {result.canary} canaries"
     held = f" of {result.examples_per_canary} examples each" if result.examples_per_canary else ""
