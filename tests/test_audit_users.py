@@ -205,6 +205,31 @@ def test_a_users_examples_clipped_one_by_one_fail_the_black_box_audit(sampler, t
         assert result.passed
 
 
+USER_KEYS = {
+    "names from a function": lambda i: f"user-{i // 8}",
+    "float ids": [float(i // 8) for i in range(400)],
+    "int tensor": torch.arange(400) // 8 * 7 + 3,
+}
+
+
+@pytest.mark.parametrize("key", list(USER_KEYS.values()), ids=list(USER_KEYS))
+def test_canary_users_join_a_run_whatever_its_user_ids_are(key, tmp_path):
+    """Any user_key (with a cap and cyclic selection too): the real users keep theirs, each canary is new."""
+    dp = DPStrategy(
+        target_epsilon=CLAIMED, seed=0, privacy_unit="user", user_key=key, examples_per_user=4, users_per_step=8,
+        unit_selection="cycle", max_examples_per_user=6,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = audit(
+            audit_trainer(dp, 20, tmp_path), LowRankUsers(), canary="input", num_canaries=64, seed=1
+        )
+    assert (result.privacy_unit, result.examples_per_canary) == ("user", 4)
+    assert dp.privacy_unit.num_units == 50 + result.num_included
+    assert dp.engine.sampler.user_key is key
+    assert result.passed
+
+
 # -- the pieces --------------------------------------------------------------------------------------------
 def test_new_users_get_fresh_ids_and_existing_users_keep_theirs():
     ints = resolve_user_ids(range(5), torch.tensor([7, 3, 7, 9, 3]))
@@ -235,8 +260,8 @@ def test_a_canary_user_holds_k_distinct_examples_with_one_label():
     )  # closer than other canaries
 
 
-def test_canary_users_need_a_user_level_run(tiny):
-    trainer = audit_trainer(DPStrategy(target_epsilon=1.0), 1, None)
+def test_canary_users_need_a_user_level_run(tiny, tmp_path):
+    trainer = audit_trainer(DPStrategy(target_epsilon=1.0), 1, tmp_path)
     with pytest.raises(DPConfigurationError, match="examples_per_canary=4 makes each canary a group"):
         audit(trainer, tiny, canary="input", examples_per_canary=4)
     with pytest.raises(ValueError, match="examples_per_canary applies to canary='input'"):
