@@ -19,6 +19,11 @@ Two kinds of canary:
   logit margin of the canary's label under the final model (classifiers with ``forward`` → logits and
   ``(x, y)`` batches), minus its margin under the initial weights.
 
+On a user-level run (``privacy_unit="user"``) the canaries are users and the claim is the ledger's
+user-level ε: a gradient canary is Poisson-sampled at the user rate q_u and adds one unit's sensitivity; an
+input canary is a canary user with k examples (the canary input and small perturbations of it, one label, a
+fresh user id), sampled, grouped and clipped by the run's own ``UserPoisson`` and scored by its mean margin.
+
 A lower bound that stays below the claimed ε is what a correct implementation must show; it is not a
 proof of privacy (see docs/audit.md).
 """
@@ -27,7 +32,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -41,11 +47,14 @@ from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.release import ReleaseHook
 from lightning_dp.rng import make_generator
+from lightning_dp.sampling.user_ids import resolve_user_ids, with_new_users
 from lightning_dp.slots import StepContext
 
 CanaryKind = Literal["gradient", "input"]
 Placement = Literal["isolated", "model"]
 AUDIT_PLOT_NAME = "privacy_audit.png"
+JITTER = 0.25
+"""How far a canary user's examples lie from its direction, relative to the direction's length."""
 
 
 # -- the bound (Theorem 3) ------------------------------------------------------------------------
@@ -107,6 +116,9 @@ class AuditResult:
         confidence: the probability with which the lower bound holds.
         delta: the run's δ.
         canary: ``"gradient"`` or ``"input"``, the kind of canary audited.
+        privacy_unit: ``"example"`` or ``"user"``: what one canary is, and what the claimed ε protects.
+        examples_per_canary: input canaries: the examples each canary holds (k for a canary user, else 1);
+            None for gradient canaries (each adds one unit's sensitivity, whatever the unit).
         num_canaries: r, the number of canaries; ``num_included`` of them were in the training set.
         num_included: how many canaries were included (each with probability 1/2).
         num_guesses: how many canaries the best (k₊, k₋) guessed (the rest abstained).
@@ -122,6 +134,8 @@ class AuditResult:
     confidence: float
     delta: float
     canary: str
+    privacy_unit: str
+    examples_per_canary: int | None
     num_canaries: int
     num_included: int
     num_guesses: int
@@ -176,7 +190,8 @@ def evaluate_guesses(
 
 # -- white-box canaries -------------------------------------------------------------------------------
 class GradientCanaries(ReleaseHook):
-    """Canary gradients of norm = the clipping sensitivity, Poisson-sampled like a real example."""
+    """Canary gradients of norm = the clipping sensitivity, Poisson-sampled like a real unit (an example,
+    or on a user-level run a user: the sampler's rate is then q_u, and the sensitivity one user's)."""
 
     def __init__(
         self,
@@ -238,13 +253,15 @@ def _unflatten(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
 
 # -- black-box canaries -----------------------------------------------------------------------------
 def make_input_canaries(
-    dataset: Dataset, num_canaries: int, num_classes: int, seed: int | None
+    dataset: Dataset, num_canaries: int, num_classes: int, seed: int | None, examples_per_canary: int = 1
 ) -> TensorDataset:
     """Out-of-distribution inputs with random labels, in the directions the data barely varies along.
 
     Each canary is the data mean plus a random vector in the span of the lower half of the principal
     directions of (a sample of) the inputs, scaled to the data's typical distance from its mean: real
     examples hardly move the model along those directions, so a canary's own influence stands out.
+    With ``examples_per_canary`` = k > 1 (a canary user) canary i is rows i·k … i·k + k − 1: its direction
+    plus small independent perturbations in the same span (each row its own input), all with its label.
     """
     g = make_generator(seed, stream="audit/input-canaries")
     n = len(dataset)  # type: ignore[arg-type]
@@ -257,10 +274,17 @@ def make_input_canaries(
     _, _, vh = torch.linalg.svd(centred, full_matrices=True)
     low = vh[vh.shape[0] // 2 :]  # the lower half of the principal directions (incl. the null space)
     radius = centred.norm(dim=1).median()
-    noise = torch.randn((num_canaries, low.shape[0]), generator=g, dtype=torch.float64) @ low
-    x = mean + radius * noise / noise.norm(dim=1, keepdim=True)
+    noise = torch.randn((num_canaries, low.shape[0]), generator=g, dtype=torch.float64)
     y = torch.randint(num_classes, (num_canaries,), generator=g)
-    return TensorDataset(x.float().reshape(num_canaries, *shape), y)
+    k = examples_per_canary
+    if k > 1:  # one canary user: k rows around its direction, JITTER of its length apart
+        jitter = torch.randn((num_canaries, k, low.shape[0]), generator=g, dtype=torch.float64)
+        scale = JITTER * noise.norm(dim=1, keepdim=True) / math.sqrt(low.shape[0])
+        noise = (noise[:, None] + scale[:, None] * jitter).reshape(num_canaries * k, -1)
+        y = y.repeat_interleave(k)
+    direction = noise @ low
+    x = mean + radius * direction / direction.norm(dim=1, keepdim=True)
+    return TensorDataset(x.float().reshape(len(x), *shape), y)
 
 
 @torch.no_grad()
@@ -288,6 +312,7 @@ def audit(
     confidence: float = 0.95,
     guesses: Sequence[tuple[int, int]] | None = None,
     placement: Placement = "isolated",
+    examples_per_canary: int | None = None,
     seed: int | None = None,
     write_report: bool = True,
 ) -> AuditResult:
@@ -296,6 +321,8 @@ def audit(
     ``seed`` fixes which canaries are included (and the canaries themselves); by default it comes
     from ``os.urandom``. The result is also written into ``privacy_report.json`` (field ``"audit"``)
     next to a ``privacy_audit.png`` score plot, when the run writes a report.
+
+    On a user-level run the canaries are users and the claim is the user-level ε (``docs/audit.md``).
 
     Args:
         trainer: a ``Trainer`` whose strategy is a DP strategy; it runs the fit.
@@ -310,6 +337,8 @@ def audit(
             None (default): 8 choices, the confidence split between them.
         placement: gradient canaries only: ``"isolated"`` (default: each owns a coordinate of an extra
             released block) or ``"model"`` (each owns a random coordinate of the model's gradient; weaker).
+        examples_per_canary: input canaries only: k, the examples of each canary user (default None: the run's
+            ``examples_per_user`` on a user-level run, 1 otherwise); more than 1 needs a user-level run.
         seed: fixes the canaries and which are included (default None: ``os.urandom``).
         write_report: add the result to ``privacy_report.json`` and plot ``privacy_audit.png`` (default True).
     """
@@ -321,6 +350,8 @@ def audit(
         raise ValueError(f"num_canaries must be ≥ 2, got {num_canaries}")
     strategy = dp_strategy_of(trainer)
     engine = strategy.engine
+    user_level = engine.sampler.unit == "user"
+    per_canary = _examples_per_canary(canary, examples_per_canary, engine, user_level)
     included = torch.rand(num_canaries, generator=make_generator(seed, stream="audit/included")) < 0.5
     if canary == "gradient" and engine.noise.correlated:
         raise DPConfigurationError(
@@ -341,16 +372,18 @@ def audit(
         loader = _train_loader(model, datamodule)
         with torch.no_grad():
             num_classes = int(model(torch.as_tensor(loader.dataset[0][0])[None].float()).shape[-1])
-        canaries = make_input_canaries(loader.dataset, num_canaries, num_classes, seed)
-        before = logit_margins(model, canaries).double()  # initial weights: fixed before seeing data
-        chosen = Subset(canaries, [int(i) for i in torch.nonzero(included).flatten()])
+        k = per_canary or 1
+        canaries = make_input_canaries(loader.dataset, num_canaries, num_classes, seed, k)
+        before = canary_scores(model, canaries, k)  # initial weights: fixed before seeing data
+        rows = [int(i) * k + j for i in torch.nonzero(included).flatten() for j in range(k)]
         train: DataLoader[Any] = DataLoader(
-            ConcatDataset([loader.dataset, chosen]),
+            ConcatDataset([loader.dataset, Subset(canaries, rows)]),
             batch_size=loader.batch_size,
             collate_fn=loader.collate_fn,
         )
-        trainer.fit(model, train_dataloaders=train)
-        scores = logit_margins(model, canaries).double() - before
+        with _canary_users(strategy, loader.dataset, [k] * int(included.sum())):
+            trainer.fit(model, train_dataloaders=train)
+        scores = canary_scores(model, canaries, k) - before
     eps, r, v = evaluate_guesses(scores, included, engine.delta, confidence, guesses)
     result = AuditResult(
         claimed_epsilon=float(engine.ledger.epsilon()),
@@ -358,6 +391,8 @@ def audit(
         confidence=confidence,
         delta=engine.delta,
         canary=canary,
+        privacy_unit=_unit_kind(strategy),
+        examples_per_canary=per_canary,
         num_canaries=num_canaries,
         num_included=int(included.sum()),
         num_guesses=r,
@@ -375,6 +410,61 @@ def audit(
         add_audit(callback.report_path, result.summary())
         plot_audit(result, os.path.join(directory, AUDIT_PLOT_NAME))
     return result
+
+
+def _unit_kind(strategy: Any) -> str:
+    """What the claimed ε protects: the fit's privacy unit ("example" or "user")."""
+    unit = getattr(strategy, "privacy_unit", None)
+    return str(unit.kind) if unit is not None else str(strategy.engine.sampler.unit)
+
+
+def _examples_per_canary(
+    canary: CanaryKind, examples_per_canary: int | None, engine: PrivateStepEngine, user_level: bool
+) -> int | None:
+    """k for input canaries: the given one, else the run's ``examples_per_user`` (user-level) or 1."""
+    if canary == "gradient":
+        if examples_per_canary is not None:
+            raise ValueError(
+                "examples_per_canary applies to canary='input': a gradient canary adds one unit's sensitivity "
+                "after the clipping, whatever the unit holds."
+            )
+        return None
+    if examples_per_canary is None:
+        return int(getattr(engine.sampler, "examples_per_user", 1)) if user_level else 1
+    if (
+        isinstance(examples_per_canary, bool)
+        or not isinstance(examples_per_canary, int)
+        or examples_per_canary < 1
+    ):
+        raise ValueError(f"examples_per_canary must be an integer ≥ 1, got {examples_per_canary!r}")
+    if examples_per_canary > 1 and not user_level:
+        raise DPConfigurationError(
+            f"examples_per_canary={examples_per_canary} makes each canary a group of {examples_per_canary} "
+            "examples, but this run protects one example: its ε says nothing about groups, so the audit would "
+            "fail a correct run. Use examples_per_canary=1 here, or train (and audit) with privacy_unit='user'."
+        )
+    return examples_per_canary
+
+
+@contextmanager
+def _canary_users(strategy: Any, dataset: Any, sizes: list[int]) -> Iterator[None]:
+    """For the fit inside: the real examples keep their users and each canary is a new user (``sizes[j]``
+    examples of canary user j, appended after the real data). Nothing to do for a run without users."""
+    from lightning_dp.strategies import units
+
+    key = units.user_key_of(strategy)
+    if key is None:
+        yield
+        return
+    extended = with_new_users(resolve_user_ids(dataset, key, owner="audit"), sizes)
+    with units.users_from(strategy, extended):
+        yield
+
+
+def canary_scores(model: torch.nn.Module, canaries: TensorDataset, examples_per_canary: int) -> Tensor:
+    """Each canary's score: the mean logit margin over its examples (one, or a canary user's k)."""
+    margins = logit_margins(model, canaries).double()
+    return margins.view(-1, examples_per_canary).mean(1)
 
 
 def _train_loader(model: Any, datamodule: Any) -> DataLoader:

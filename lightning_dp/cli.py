@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import lightning_dp
 from lightning_dp.lightning_cli import DPLightningCLI, command_line_args
+
+if TYPE_CHECKING:
+    from lightning_dp.audit import AuditResult
 
 
 def audit_main(args: list[str]) -> int:
@@ -32,6 +36,12 @@ def audit_main(args: list[str]) -> int:
     parser.add_argument("--num_canaries", type=int, default=256)
     parser.add_argument("--confidence", type=float, default=0.95)
     parser.add_argument(
+        "--examples_per_canary",
+        type=int,
+        default=None,
+        help="input canaries on a user-level run: examples per canary user (default: examples_per_user)",
+    )
+    parser.add_argument(
         "--audit_seed", type=int, default=None, help="fixes the canaries (default: os.urandom)"
     )
     known, rest = parser.parse_known_args(args)
@@ -45,6 +55,7 @@ def audit_main(args: list[str]) -> int:
         canary=known.canary,
         num_canaries=known.num_canaries,
         confidence=known.confidence,
+        examples_per_canary=known.examples_per_canary,
         seed=known.audit_seed,
     )
     if cli.trainer.is_global_zero:
@@ -52,11 +63,20 @@ def audit_main(args: list[str]) -> int:
             "no evidence against the claim" if result.passed else "FAILED: the run leaks more than claimed"
         )
         print(
-            f"lightning-dp audit: claimed ε = {result.claimed_epsilon:.4f}, audited ε ≥ {result.epsilon_lower_bound:.4f} "
-            f"at {result.confidence:.0%} confidence ({result.num_correct}/{result.num_guesses} guesses correct, "
-            f"{result.num_canaries} {result.canary} canaries): {verdict}"
+            f"lightning-dp audit: claimed ε = {result.claimed_epsilon:.4f} per {result.privacy_unit}, audited "
+            f"ε ≥ {result.epsilon_lower_bound:.4f} at {result.confidence:.0%} confidence ({result.num_correct}/"
+            f"{result.num_guesses} guesses correct, {canaries_line(result)}): {verdict}"
         )
     return 0 if result.passed else 1
+
+
+def canaries_line(result: AuditResult) -> str:
+    """The canaries in words: "256 gradient canaries"; on a user-level run "256 input canary users of 10
+    examples each"."""
+    if result.privacy_unit != "user":
+        return f"{result.num_canaries} {result.canary} canaries"
+    held = f" of {result.examples_per_canary} examples each" if result.examples_per_canary else ""
+    return f"{result.num_canaries} {result.canary} canary users{held}"
 
 
 def tune_main(args: list[str]) -> int:

@@ -10,17 +10,15 @@ import json
 import math
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from audits import audit_trainer, dropped_noise
 from scipy import stats
 
-from lightning_dp import DPIS, AdaCliP, ConstantNoise, DPStrategy, HeavyBall, LineSearch, Noise
+from lightning_dp import DPIS, AdaCliP, DPStrategy, HeavyBall, LineSearch
 from lightning_dp.audit import audit, default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
 from recipes import DigitsDataModule, ImageClassifier
 
@@ -87,36 +85,15 @@ def test_trying_several_guess_counts_pays_a_union_bound():
 
 
 # -- audits of real runs -------------------------------------------------------------------------------
-class SilentNoise(ConstantNoise):
-    """The worst silent failure: σ is calibrated and priced, but no noise is ever added."""
-
-    def add_noise(self, sums, std, generator):
-        return sums
-
-
 def run_audit(
     mechanism: str, canary: str, broken: bool, tmp_path, steps: int = 100, lr: float = 2.0, **options: Any
 ):
     extra = MECHANISMS[mechanism]()
     strategy = DPStrategy(target_epsilon=CLAIMED, seed=0, **extra)
-    trainer = Trainer(
-        strategy=strategy,
-        max_steps=steps,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=str(tmp_path),
-    )
+    trainer = audit_trainer(strategy, steps, tmp_path)
     torch.manual_seed(0)
     model = ImageClassifier(arch="logreg", in_features=64, lr=lr)
-    # broken: σ is calibrated and priced, but no noise is ever added, whichever noise slot the
-    # mechanism installs (some steps replace the noise slot with their own)
-    dropped = mock.patch.object(Noise, "add_noise", SilentNoise.add_noise) if broken else nullcontext()
-    with warnings.catch_warnings(), dropped:
+    with warnings.catch_warnings(), dropped_noise(broken):
         warnings.simplefilter("ignore")
         return audit(
             trainer,
@@ -178,7 +155,7 @@ def test_cli_audit_exits_1_when_the_noise_is_missing(tmp_path, capsys):
 
     args = ["audit", "--config", str(ROOT / "configs" / "digits_dpsgd.yaml"), "--trainer.max_epochs", "4"]
     args += ["--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]
-    args += ["--trainer.strategy.init_args.noise", "test_audit.SilentNoise", "--audit_seed", "0"]
+    args += ["--trainer.strategy.init_args.noise", "audits.SilentNoise", "--audit_seed", "0"]
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 1

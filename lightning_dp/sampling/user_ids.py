@@ -170,3 +170,33 @@ def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def with_new_users(users: UserIds, sizes: Sequence[int]) -> Tensor | list[Hashable]:
+    """A ``user_key`` for the examples ``users`` describes followed by ``len(sizes)`` new users (new user j
+    owns the next ``sizes[j]`` examples), each with a fresh id no existing user has.
+
+    The existing users keep their own ids, so whatever depends on a user's id (the contribution bound's
+    choice of examples) is unchanged for them: an audit's canary users join the data without moving anyone.
+    """
+    raw = users.raw_ids
+    ints = [v for v in raw if isinstance(v, int) and not isinstance(v, bool)]
+    if (
+        len(ints) == len(raw)
+        and min(ints, default=0) >= -(2**63)
+        and max(ints, default=0) + len(sizes) < 2**63
+    ):
+        start = max(ints, default=-1) + 1  # integer ids: the next integers
+        fresh = torch.arange(start, start + len(sizes)).repeat_interleave(
+            torch.as_tensor(sizes, dtype=torch.long)
+        )
+        return torch.cat([torch.tensor(ints, dtype=torch.long)[users.user_of_example], fresh])
+    own = [raw[u] for u in users.user_of_example.tolist()]
+    taken = set(raw)
+    names = []
+    for j in range(len(sizes)):
+        name = f"lightning-dp-new-user-{j}"
+        while name in taken:
+            name += "'"
+        names.append(name)
+    return own + [name for name, size in zip(names, sizes, strict=True) for _ in range(size)]

@@ -3,11 +3,15 @@ fit-start line that says what the ε covers (``docs/user-level.md``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.privacy_unit import PrivacyUnit
 from lightning_dp.sampling.contribution_bound import ContributionBound
+from lightning_dp.sampling.user_ids import UserKey
+from lightning_dp.sampling.user_poisson import UserPoisson
 from lightning_dp.strategies.config import PrivacyConfig
 
 
@@ -20,6 +24,8 @@ class BoundedData:
         self._bounded: Any = None
         self.dataset: Any = None
         """The training set the run samples from, as last returned by :meth:`of`."""
+        self.user_key: UserKey | None = None
+        """Read the users from this key instead of the config's (see :func:`users_from`)."""
 
     def of(self, config: PrivacyConfig, dataset: Any, user_level: bool) -> Any:
         """``dataset`` itself, or its bounded subset for example-level runs that declare a bound (user-level
@@ -28,11 +34,37 @@ class BoundedData:
             self.dataset = dataset
         else:
             if dataset is not self._source:
-                assert config.user_key is not None  # PrivacyConfig refuses a bound without user_key
-                bound = ContributionBound(config.user_key, config.max_examples_per_user, config.seed)
+                key = self.user_key if self.user_key is not None else config.user_key
+                assert key is not None  # PrivacyConfig refuses a bound without user_key
+                bound = ContributionBound(key, config.max_examples_per_user, config.seed)
                 self._bounded, self._source = bound.apply(dataset, owner=config.owner), dataset
             self.dataset = self._bounded
         return self.dataset
+
+
+def user_key_of(strategy: Any) -> UserKey | None:
+    """Where the run reads each example's user: the ``UserPoisson`` slot's key, else the strategy's
+    ``user_key`` (None: the run has no users)."""
+    sampler = strategy.engine.sampler
+    return sampler.user_key if isinstance(sampler, UserPoisson) else strategy.config.user_key
+
+
+@contextmanager
+def users_from(strategy: Any, key: UserKey) -> Iterator[None]:
+    """The fits inside read each example's user from ``key`` instead of the run's ``user_key``; the run's key
+    is restored on exit. The one way to train on a training set the key was not written for (an audit's: the
+    real examples, then canary users); a normal run never enters it."""
+    sampler, bounded = strategy.engine.sampler, strategy._bounded
+    saved = sampler.user_key if isinstance(sampler, UserPoisson) else None
+    if isinstance(sampler, UserPoisson):
+        sampler.user_key = key
+    bounded.user_key = key
+    try:
+        yield
+    finally:
+        bounded.user_key = None
+        if isinstance(sampler, UserPoisson):
+            sampler.user_key = saved
 
 
 def privacy_unit_of(config: PrivacyConfig, engine: PrivateStepEngine) -> PrivacyUnit:
