@@ -41,9 +41,9 @@ _dry_passes = 0
 
 
 def checking() -> bool:
-    """True while lightning-dp runs your ``training_step`` itself, for a check or a probe (a dry pass:
-    nothing is logged, stepped or released). Test it to keep your own counters and lists to real steps:
-    ``if not lightning_dp.checking(): self.seen.append(len(x))``."""
+    """True while lightning-dp runs your ``training_step`` (and, before it, your per-batch hooks) itself, for
+    a check or a probe (a dry pass: nothing is logged, stepped or released). Test it to keep state the checks
+    cannot put back (a global, a file) to real steps: ``if not lightning_dp.checking(): log_file.write(...)``."""
     return _dry_passes > 0
 
 
