@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPConfigurationError, DPStrategy, checking
-from lightning_dp.checks.user_step import PythonState, ReplayingIterator, batch_hooks
+from lightning_dp.checks.user_step import PythonState, ReplayingIterator, batch_hooks, hook_note
 
 SETTINGS = [True, "every_step"]
 SETTING_IDS = ["default", "every-step"]
@@ -133,6 +133,7 @@ def test_a_batch_statistic_computed_in_a_hook_is_refused_before_any_release(case
         trainer.fit(module, **fit_kwargs)
     assert strategy.engine.steps == 0
     assert hook in [h.name for h in batch_hooks(module)]  # the hooks the dry passes re-ran
+    assert hook in hook_note(module)  # what the mixing refusal adds about them
 
 
 def test_the_hooks_re_run_are_the_users_own_in_lightnings_order():

@@ -331,6 +331,20 @@ def run_batch_hooks(module: LightningModule, batch: Any, batch_idx: int) -> None
             raise DPConfigurationError(hook_failure_message(hook.name, error)) from error
 
 
+def hook_note(module: LightningModule, batch_idx: int = 0) -> str:
+    """For a mixing refusal: the user's per-batch hooks both passes re-ran, by name ("" when none), since a
+    statistic of the batch computed in one of them and read by the step mixes examples too."""
+    names = [hook.name for hook in batch_hooks(module, batch_idx)]
+    if not names:
+        return ""
+    return (
+        f" Your per-batch hooks {', '.join(names)} ran before training_step in both passes, each on its own "
+        "batch: a statistic of the batch computed there (a mean or std to standardise with, a min or max to "
+        "scale by, class counts) and read by the step mixes examples as if computed in the step; compute it "
+        "from each example alone, or from public data, inside training_step."
+    )
+
+
 def hook_failure_message(name: str, error: BaseException) -> str:
     """The refusal for a per-batch hook that raised when a dry pass re-ran it (one line: it is quoted)."""
     return (
