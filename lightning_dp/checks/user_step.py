@@ -242,7 +242,7 @@ class BatchHook:
     """One hook of the user's that Lightning runs on a training batch before ``training_step``."""
 
     name: str
-    """How a message names it: ``"Std.on_train_batch_start"`` (the class that defines it, and the hook)."""
+    """How a message names it: ``"Std.on_train_batch_start"`` (the class of the object it runs on, and the hook)."""
     call: Callable[[Any], Any]
     """Run it on a batch (its return value is not used: the batch-integrity check already refuses a hook
     that returns another batch or edits it)."""
