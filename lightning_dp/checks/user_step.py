@@ -1,12 +1,16 @@
 """Running the user's ``training_step`` as a dry pass: nothing logged, stepped, released or left behind.
 
 The checks (and DPIS's norm pass) run the user's own step on a batch to read per-example gradients.
-A dry pass detaches ``self.log``; under manual optimization it also gives ``training_step`` optimizers and
-schedulers whose ``step`` does nothing and a ``manual_backward`` that only backpropagates, so the loop's
-counters, the optimizer state and the ledger never see it. :class:`ModuleState` puts back what the pass
+A dry pass first re-runs, on its own batch, the per-batch hooks the user wrote (:func:`batch_hooks`: the
+transfer hooks, every callback's and the module's ``on_train_batch_start``), so a statistic a hook computes
+from the batch is one of that pass's batch, as it is one of the real batch in the real step. It detaches
+``self.log``, and gives ``training_step`` optimizers and schedulers whose ``step`` does nothing (and, under
+manual optimization, a ``manual_backward`` that only backpropagates), so the loop's counters, the optimizer
+state, the learning rates and the ledger never see it. :class:`ModuleState` puts back what the pass
 touched: ``.grad``, buffers (values, and objects the forward replaced), the global random streams, and the
-Python state of the module and its submodules (:class:`PythonState`: counters, lists, dicts, sets, the
-user's own generators), so the same program trains the same with the checks on or off.
+Python state of the module, its submodules, the user's callbacks and datamodule (:class:`PythonState`:
+counters, lists, dicts, sets, the user's own generators; iterators and Python generators are replayed, not
+copied: :class:`ReplayingIterator`), so the same program trains the same with the checks on or off.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import io
 import operator
 import random
 import sys
@@ -25,16 +30,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
+
+from lightning_dp.checks.integrity import TRANSFER_HOOKS
+from lightning_dp.errors import DPConfigurationError
 
 _dry_passes = 0
 
 
 def checking() -> bool:
-    """True while lightning-dp runs your ``training_step`` itself, for a check or a probe (a dry pass:
-    nothing is logged, stepped or released). Test it to keep your own counters and lists to real steps:
-    ``if not lightning_dp.checking(): self.seen.append(len(x))``."""
+    """True while lightning-dp runs your ``training_step`` (and, before it, your per-batch hooks) itself, for
+    a check or a probe (a dry pass: nothing is logged, stepped or released). Test it to keep state the checks
+    cannot put back (a global, a file) to real steps: ``if not lightning_dp.checking(): log_file.write(...)``."""
     return _dry_passes > 0
 
 
@@ -56,7 +65,11 @@ def training_step_loss(
 
     ``keep_python_state``: put the module tree's Python state back after the call (:class:`PythonState`:
     DPIS's norm pass); off where the caller's :class:`ModuleState` does it (and reads the draws first)."""
-    saved = PythonState.save(module, _optimizer_settings(module)) if keep_python_state else None
+    saved = (
+        PythonState.save(module, _optimizer_settings(module), _companions(module))
+        if keep_python_state
+        else None
+    )
     try:
         with _detached_logging(module), warnings.catch_warnings(), _dry():
             warnings.simplefilter("ignore")
@@ -93,6 +106,34 @@ def _no_op(*args: Any, **kwargs: Any) -> None:
     del args, kwargs
 
 
+class _DryLogger:
+    """What the trainer's loggers are in a dry pass: what a hook or the step writes through them (metrics,
+    hyperparameters, a graph, a save) goes nowhere; every other attribute is the logger's own (its
+    ``experiment`` too: what is written there directly is written)."""
+
+    def __init__(self, logger: Any) -> None:
+        self._logger = logger
+
+    log_metrics = log_hyperparams = log_graph = save = finalize = after_save_checkpoint = staticmethod(_no_op)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._logger, name)
+
+
+@contextlib.contextmanager
+def _detached_loggers(module: LightningModule) -> Iterator[None]:
+    trainer = module._trainer
+    saved = getattr(trainer, "loggers", None) if trainer is not None else None
+    if not saved:
+        yield
+        return
+    trainer.loggers = [_DryLogger(logger) for logger in saved]  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        trainer.loggers = saved  # type: ignore[union-attr]
+
+
 class _DryOptimizer:
     """What ``self.optimizers()`` returns in a dry pass: ``zero_grad`` and ``step`` move nothing; a closure
     given to ``step`` still runs once (it computes the loss and backpropagates)."""
@@ -112,6 +153,8 @@ class _DryOptimizer:
 
 
 class _DryScheduler:
+    """What ``self.lr_schedulers()`` returns in a dry pass: ``step`` does nothing (reads go to the scheduler)."""
+
     def __init__(self, scheduler: Any) -> None:
         self._scheduler = scheduler
 
@@ -120,6 +163,25 @@ class _DryScheduler:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._scheduler, name)
+
+
+def _dry_handles(read: Callable[..., Any], wrap: Callable[[Any], Any]) -> Callable[..., Any]:
+    """A stand-in for ``self.optimizers`` or ``self.lr_schedulers``: what ``read`` returns (one object, a list
+    or None), each wrapped once per pass (the same wrapper on every call)."""
+    wrapped: dict[int, Any] = {}
+
+    def one(x: Any) -> Any:
+        if id(x) not in wrapped:
+            wrapped[id(x)] = wrap(x)
+        return wrapped[id(x)]
+
+    def handles(*args: Any, **kwargs: Any) -> Any:
+        found = read(*args, **kwargs)
+        if found is None:
+            return None
+        return [one(x) for x in found] if isinstance(found, list) else one(found)
+
+    return handles
 
 
 @dataclass
@@ -138,9 +200,10 @@ class DryPass:
 def dry_training_step(
     module: LightningModule, batch: Any, batch_idx: int, precision: Any, forward_only: bool = False
 ) -> DryPass:
-    """Run ``training_step`` once without side effects on training; backpropagate its loss (automatic
-    optimization: here, outside the precision context as Lightning does; manual: ``manual_backward``),
-    unless ``forward_only``."""
+    """Run the user's per-batch hooks (:func:`batch_hooks`) and ``training_step`` once on ``batch`` without
+    side effects on training; backpropagate its loss (automatic optimization: here, outside the precision
+    context as Lightning does; manual: ``manual_backward``), unless ``forward_only``. A hook that raises is
+    refused by name (:func:`hook_failure_message`)."""
     result = DryPass()
 
     def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
@@ -148,36 +211,160 @@ def dry_training_step(
         if not forward_only:
             loss.backward(*args, **kwargs)
 
-    if module.automatic_optimization:
+    kind = type(module)
+    shadows: dict[str, Any] = {
+        "optimizers": _dry_handles(functools.partial(kind.optimizers, module), _DryOptimizer),
+        "lr_schedulers": _dry_handles(functools.partial(kind.lr_schedulers, module), _DryScheduler),
+    }
+    if not module.automatic_optimization:
+        shadows["manual_backward"] = manual_backward
+    with _dry(), _shadowed(module, **shadows), _detached_loggers(module):
+        with _detached_logging(module), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run_batch_hooks(module, batch, batch_idx)
         with precision.train_step_context():
             result.loss = training_step_loss(module, batch, batch_idx, keep_python_state=False)
-        if forward_only:
+        if not module.automatic_optimization or forward_only:
             return result
         if result.loss is not None and result.loss.requires_grad:
             result.loss.backward()
             result.backward_calls = 1
-        return result
-    optimizers = module.optimizers()
-    schedulers = module.lr_schedulers()
-    dry_optimizers: Any = (
-        [_DryOptimizer(o) for o in optimizers] if isinstance(optimizers, list) else _DryOptimizer(optimizers)
-    )
-    dry_schedulers: Any = (
-        [_DryScheduler(s) for s in schedulers]
-        if isinstance(schedulers, list)
-        else (None if schedulers is None else _DryScheduler(schedulers))
-    )
-    with (
-        _shadowed(
-            module,
-            optimizers=lambda use_pl_optimizer=True: dry_optimizers,
-            lr_schedulers=lambda: dry_schedulers,
-            manual_backward=manual_backward,
-        ),
-        precision.train_step_context(),
-    ):
-        result.loss = training_step_loss(module, batch, batch_idx, keep_python_state=False)
     return result
+
+
+# -- the user's per-batch hooks, re-run in a dry pass ----------------------------------------------------
+
+_LIBRARY_PACKAGES = frozenset({"lightning", "pytorch_lightning", "lightning_fabric", "lightning_dp"})
+
+
+@dataclass(frozen=True)
+class BatchHook:
+    """One hook of the user's that Lightning runs on a training batch before ``training_step``."""
+
+    name: str
+    """How a message names it: ``"Std.on_train_batch_start"`` (the class of the object it runs on, and the hook)."""
+    call: Callable[[Any], Any]
+    """Run it on a batch (its return value is not used: the batch-integrity check already refuses a hook
+    that returns another batch or edits it)."""
+
+
+def _users_hook(owner: Any, name: str, parent: type) -> bool:
+    """Whether ``owner``'s ``name`` is the user's own: overridden, and not defined by Lightning or lightning-dp
+    (their callbacks that log on each batch, a learning-rate or device-stats monitor, are not re-run)."""
+    if not is_overridden(name, owner, parent):
+        return False
+    defined_in = getattr(getattr(type(owner), name, None), "__module__", None) or ""
+    return defined_in.partition(".")[0] not in _LIBRARY_PACKAGES
+
+
+def _transfer_hook_owner(module: LightningModule, name: str) -> Any:
+    """The object whose ``name`` Lightning calls: the datamodule's where it overrides it, else the module's."""
+    trainer = module._trainer
+    selector = getattr(getattr(trainer, "_data_connector", None), "_datahook_selector", None)
+    if selector is None:
+        return module
+    try:
+        return selector.get_instance(name)
+    except Exception:  # no datamodule attached (a loader passed to fit): the module's hook
+        return module
+
+
+def batch_hooks(module: LightningModule, batch_idx: int = 0) -> list[BatchHook]:
+    """The per-batch hooks you wrote that Lightning runs on a training batch before ``training_step``, in its
+    order: ``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer`` (the
+    module's, or the datamodule's), every callback's ``on_train_batch_start``, then the module's. Only
+    overridden ones, and not Lightning's or lightning-dp's own callbacks."""
+    hooks: list[BatchHook] = []
+    for name in TRANSFER_HOOKS:
+        owner = _transfer_hook_owner(module, name)
+        parent = LightningModule if isinstance(owner, LightningModule) else LightningDataModule
+        if not _users_hook(owner, name, parent):
+            continue
+        method = getattr(owner, name)
+        call: Callable[[Any], Any]
+        if name == "transfer_batch_to_device":
+            call = functools.partial(_transfer, method, module)
+        else:
+            call = functools.partial(_call_with, method, 0)
+        hooks.append(BatchHook(f"{type(owner).__name__}.{name}", call))
+    trainer = module._trainer
+    for callback in list(getattr(trainer, "callbacks", None) or []) if trainer is not None else []:
+        if _users_hook(callback, "on_train_batch_start", Callback):
+            hooks.append(
+                BatchHook(
+                    f"{type(callback).__name__}.on_train_batch_start",
+                    functools.partial(_callback_batch_start, callback, trainer, module, batch_idx),
+                )
+            )
+    if _users_hook(module, "on_train_batch_start", LightningModule):
+        hooks.append(
+            BatchHook(
+                f"{type(module).__name__}.on_train_batch_start",
+                functools.partial(_call_with, module.on_train_batch_start, batch_idx),
+            )
+        )
+    return hooks
+
+
+def _call_with(method: Callable[..., Any], index: int, batch: Any) -> Any:
+    return method(batch, index)
+
+
+def _transfer(method: Callable[..., Any], module: LightningModule, batch: Any) -> Any:
+    return method(batch, module.device, 0)
+
+
+def _callback_batch_start(
+    callback: Any, trainer: Any, module: LightningModule, index: int, batch: Any
+) -> Any:
+    return callback.on_train_batch_start(trainer, module, batch, index)
+
+
+def run_batch_hooks(module: LightningModule, batch: Any, batch_idx: int) -> None:
+    """Run :func:`batch_hooks` on ``batch`` (in a dry pass): a hook that raises is refused by name."""
+    for hook in batch_hooks(module, batch_idx):
+        try:
+            hook.call(batch)
+        except DPConfigurationError:
+            raise
+        except Exception as error:  # the user's hook on a batch the check made: refused, never raised as is
+            raise DPConfigurationError(hook_failure_message(hook.name, error)) from error
+
+
+def hook_note(module: LightningModule, batch_idx: int = 0) -> str:
+    """For a mixing refusal: the user's per-batch hooks both passes re-ran, by name ("" when none), since a
+    statistic of the batch computed in one of them and read by the step mixes examples too."""
+    names = [hook.name for hook in batch_hooks(module, batch_idx)]
+    if not names:
+        return ""
+    return (
+        f" Your per-batch hooks {', '.join(names)} ran before training_step in both passes, each on its own "
+        "batch: a statistic of the batch computed there (a mean or std to standardise with, a min or max to "
+        "scale by, class counts) and read by the step mixes examples as if computed in the step; compute it "
+        "from each example alone, or from public data, inside training_step."
+    )
+
+
+def hook_failure_message(name: str, error: BaseException) -> str:
+    """The refusal for a per-batch hook that raised when a dry pass re-ran it (one line: it is quoted)."""
+    return (
+        f"Your {name} raised {_quote(error)} when lightning-dp's run-time check re-ran it on a training "
+        "batch (the sampled batch, or that batch with some examples removed or replaced). Before it runs "
+        "your training_step, the check re-runs the per-batch hooks you override on its own batch, so that a "
+        "statistic a hook computes from the batch is seen for what it is, examples mixed across the batch. "
+        "Nothing was released. Let the hook run more than once per step, on any batch of distinct or repeated "
+        "examples: compute per-example transforms in the Dataset or in training_step, no statistic of the "
+        "whole batch, and keep work that must happen once per real batch (writing a file, asserting on a "
+        "counter) behind `if not lightning_dp.checking()`."
+    )
+
+
+def _quote(error: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters)."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class GlobalRNG:
@@ -265,6 +452,98 @@ def _walked(value: Any) -> bool:
     )
 
 
+class ReplayingIterator:
+    """An iterator or generator the module (or a callback) holds, as the dry passes leave it: it yields the
+    items a dry pass drew from it first, then the iterator's own next items.
+
+    An iterator cannot be copied and put back (a DataLoader iterator over public data, a Python generator, an
+    ``itertools.count`` warmup). So when a dry pass starts, each one the module tree holds (an attribute, or an
+    item of a list or dict it holds) is replaced by this proxy, for good: inside a dry pass it draws from the
+    iterator and records each item; :meth:`PythonState.restore` rewinds it, so pass B and then the real step
+    get exactly the items pass A drew, in order, and the iterator continues after them. Outside the passes it
+    forgets each item it hands out. The program sees the same sequence of items as with the checks off; a
+    draw that drew from the global random streams (a shuffled loader's first batch) moves them the same way
+    when it is replayed from the state it was recorded in.
+
+    ``next()`` and ``iter()`` work; other attributes are read from the wrapped iterator (``send``, ``throw``
+    and ``close`` of a generator go to it directly, without replay; its own counters, such as a DataLoader
+    iterator's, count the recorded items as drawn). Not preserved: its type (``isinstance`` against
+    ``GeneratorType`` fails), ``len()``, pickling, and an iterator also held outside the module tree (a
+    global: drawing from that reference skips the recording)."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self._source = source
+        self._items: list[tuple[Any, tuple[Any, ...] | None, tuple[Any, ...] | None]] = []
+        """(item, global random state before and after drawing it: None if the draw drew no random number)"""
+        self._position = 0
+
+    def __iter__(self) -> ReplayingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._position < len(self._items):
+            item, before, after = self._items[self._position]
+            self._position += 1
+            if before is not None and after is not None:  # a draw that drew random numbers (a shuffled
+                rng = _process_rng()  # loader's first batch): replayed from the same state, it moves it too
+                if GlobalRNG.same(rng.state(), before):
+                    rng.restore(after)
+        elif checking():
+            rng = _process_rng()
+            before = rng.state()
+            item = next(self._source)
+            after = rng.state()
+            drew = not GlobalRNG.same(before, after)
+            self._items.append((item, before if drew else None, after if drew else None))
+            self._position += 1
+        else:
+            item = next(self._source)
+        if self._position and not checking():  # handed to a real step: never replayed again
+            del self._items[: self._position]
+            self._position = 0
+        return item
+
+    def _rewind(self, position: int) -> None:
+        self._position = min(position, len(self._items))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_source" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["_source"], name)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplayingIterator({self._source!r}, {len(self._items) - self._position} recorded items ahead)"
+        )
+
+
+def _process_rng() -> GlobalRNG:
+    """The process's global random streams (CUDA's too once CUDA is in use)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return GlobalRNG(torch.device("cuda" if cuda else "cpu"))
+
+
+def _replayable(x: Any) -> bool:
+    """An iterator whose state :class:`PythonState` cannot copy: a generator, an ``itertools`` or built-in
+    iterator, a DataLoader's (an iterator object of the user's own class is walked and restored instead)."""
+    return (
+        isinstance(x, Iterator)
+        and not isinstance(x, ReplayingIterator | io.IOBase | Tensor | nn.Module)
+        and not _walked(x)
+    )
+
+
+def _replay_iterators(items: dict[Any, Any] | list[Any], proxies: dict[int, ReplayingIterator]) -> None:
+    """Replace each iterator among the values of ``items`` by its :class:`ReplayingIterator` (one per iterator:
+    the same iterator held twice gets the same proxy)."""
+    pairs = list(items.items()) if isinstance(items, dict) else list(enumerate(items))
+    for key, value in pairs:
+        if _replayable(value):
+            if id(value) not in proxies:
+                proxies[id(value)] = ReplayingIterator(value)
+            items[key] = proxies[id(value)]
+
+
 @dataclass
 class PythonState:
     """The Python state of a module tree, saved so a dry pass can be undone: each module's ``__dict__``
@@ -273,21 +552,29 @@ class PythonState:
     Containers are put back *in place* (a list the user also holds elsewhere is the same list, with its old
     items), so nothing is copied but references; tensors and arrays that are not parameters or buffers are
     copied up to :data:`TENSOR_COPY_BYTES` and written back when a pass wrote them in place; the user's own
-    generators (``torch.Generator``, ``random.Random``, NumPy's) get their states back. Not covered: state
-    outside the module (globals, closures, files, a logger), objects of torch/Lightning/NumPy classes other
-    than tensors, arrays and generators, objects with ``__slots__``, and whatever lies beyond
-    :data:`MAX_OBJECTS` objects; :func:`checking` is there for those."""
+    generators (``torch.Generator``, ``random.Random``, NumPy's) get their states back; iterators and Python
+    generators, which cannot be copied, are replaced by a :class:`ReplayingIterator` and rewound. Further
+    objects (the user's callbacks and datamodule) are saved the same way. Not covered: state outside these
+    (globals, closures, files, a logger), objects of torch/Lightning/NumPy classes other than tensors, arrays
+    and generators, objects with ``__slots__``, iterators held in tuples, sets or deques, and whatever lies
+    beyond :data:`MAX_OBJECTS` objects; :func:`checking` is there for those."""
 
     undo: list[Callable[[], None]] = field(default_factory=list)
     watched: list[tuple[str, Tensor, int]] = field(default_factory=list)
     """Tensors too large to copy: (where, tensor, version at save)."""
     generators: list[tuple[Callable[[], Any], Any]] = field(default_factory=list)
     """The user's own generators: (read the state, the state at save)."""
+    proxies: dict[int, ReplayingIterator] = field(default_factory=dict)
+    """The iterators replaced by a :class:`ReplayingIterator` at save, by the id of the iterator."""
 
     @classmethod
-    def save(cls, module: nn.Module, settings: list[dict[str, Any]] | None = None) -> PythonState:
-        """``settings``: further dicts put back shallowly (the optimizers' parameter groups: a step that
-        sets or scales the learning rate on its own schedule must not do it in a dry pass)."""
+    def save(
+        cls, module: nn.Module, settings: list[dict[str, Any]] | None = None, objects: list[Any] | None = None
+    ) -> PythonState:
+        """``settings``: further dicts put back shallowly (the optimizers' parameter groups and the schedulers'
+        attributes: a step that sets or scales the learning rate on its own schedule must not do it in a dry
+        pass). ``objects``: further objects of the user's whose attributes are saved like a module's (the
+        callbacks and the datamodule, whose hooks a dry pass re-runs)."""
         state = cls()
         for group in settings or []:
             state.undo.append(functools.partial(_refill_dict, group, dict(group)))
@@ -297,13 +584,24 @@ class PythonState:
         budget = [MAX_OBJECTS, TENSOR_COPY_BYTES]
         internal = _internal_names()
         for name, m in modules:
-            attributes = {
-                k: v for k, v in m.__dict__.items() if k not in internal and not k.startswith("_dp_")
-            }
+            keys = [k for k in m.__dict__ if k not in internal and not k.startswith("_dp_")]
+            state._replay(m.__dict__, keys)
+            attributes = {k: m.__dict__[k] for k in keys}
             state.undo.append(functools.partial(_restore_attributes, m, attributes, dict(m._modules)))
             for key, value in attributes.items():
                 state._visit(value, f"{name or 'self'}.{key}", seen, budget)
+        for obj in objects or []:
+            state._visit(obj, type(obj).__name__, seen, budget)
         return state
+
+    def _replay(self, items: dict[Any, Any] | list[Any], keys: list[Any] | None = None) -> None:
+        """Put a :class:`ReplayingIterator` in place of each iterator held in ``items`` (a dict: at ``keys``)."""
+        if keys is None or isinstance(items, list):
+            _replay_iterators(items, self.proxies)
+            return
+        part = {k: items[k] for k in keys}
+        _replay_iterators(part, self.proxies)
+        items.update(part)
 
     def _visit(self, value: Any, where: str, seen: set[int], budget: list[int]) -> None:
         stack = [(value, where)]
@@ -319,10 +617,14 @@ class PythonState:
                 continue
             budget[0] -= 1
             children: Any = ()
-            if isinstance(x, list):
+            if isinstance(x, ReplayingIterator):
+                self.undo.append(functools.partial(x._rewind, x._position))
+            elif isinstance(x, list):
+                self._replay(x)
                 self.undo.append(functools.partial(_refill_list, x, list(x)))
                 children = x
             elif isinstance(x, dict):
+                self._replay(x)
                 self.undo.append(functools.partial(_refill_dict, x, dict(x)))
                 children = x.values()
             elif isinstance(x, set):
@@ -351,6 +653,7 @@ class PythonState:
                     budget[1] -= x.nbytes
                     self.undo.append(functools.partial(_refill_array, x, x.copy()))
             elif _walked(x):
+                self._replay(x.__dict__)
                 self.undo.append(functools.partial(_refill_dict, x.__dict__, dict(x.__dict__)))
                 children = x.__dict__.values()
             inner = f"{at}[…]"
@@ -412,13 +715,36 @@ def _same_state(a: Any, b: Any) -> bool:
 
 
 def _optimizer_settings(module: nn.Module) -> list[dict[str, Any]]:
-    """The parameter groups of the optimizers the module's trainer steps (lr, momentum, ...), if any."""
+    """What a dry pass could change in the optimization the module's trainer runs: the optimizers' parameter
+    groups (lr, momentum, ...) and each learning-rate scheduler's attributes (its step count, last lrs)."""
     trainer = getattr(module, "_trainer", None)
     try:
         optimizers = list(trainer.optimizers) if trainer is not None else []
+        configs = list(trainer.lr_scheduler_configs) if trainer is not None else []
     except Exception:  # no strategy or optimizers yet
         return []
-    return [g for o in optimizers for g in getattr(o, "param_groups", []) if isinstance(g, dict)]
+    groups = [g for o in optimizers for g in getattr(o, "param_groups", []) if isinstance(g, dict)]
+    schedulers = [
+        vars(c.scheduler) for c in configs if isinstance(getattr(c.scheduler, "__dict__", None), dict)
+    ]
+    return groups + schedulers
+
+
+def _companions(module: nn.Module) -> list[Any]:
+    """The objects of the user's besides the module whose state a dry pass may touch: the trainer's callbacks
+    of the user's own classes (their hooks are re-run), and the datamodule when it overrides a batch hook."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return []
+    found = [c for c in getattr(trainer, "callbacks", None) or [] if _walked(c)]
+    datamodule = getattr(trainer, "datamodule", None)
+    if (
+        isinstance(module, LightningModule)
+        and _walked(datamodule)
+        and any(_transfer_hook_owner(module, name) is datamodule for name in TRANSFER_HOOKS)
+    ):
+        found.append(datamodule)
+    return found
 
 
 def _restore_attributes(module: nn.Module, attributes: dict[str, Any], modules: dict[str, Any]) -> None:
@@ -474,8 +800,9 @@ def _refill_tensor(t: Tensor, version: int, values: Tensor) -> None:
 @dataclass
 class ModuleState:
     """Everything a dry pass may touch, saved so it can be put back exactly: the global random streams,
-    each parameter's ``.grad``, each buffer (the object and its values) and the module tree's Python state
-    (:class:`PythonState`). Parameters themselves are only watched: a pass that writes one in place is
+    each parameter's ``.grad``, each buffer (the object and its values), and the Python state
+    (:class:`PythonState`) of the module tree, of the user's callbacks and datamodule, of the optimizers'
+    parameter groups and of the learning-rate schedulers. Parameters themselves are only watched: a pass that writes one in place is
     reported by :meth:`written_parameters`."""
 
     module: nn.Module
@@ -493,7 +820,7 @@ class ModuleState:
         state.grads = [(p, p.grad) for p in module.parameters()]
         state.buffers = {n: (b, b.detach().clone()) for n, b in module.named_buffers()}
         state.param_versions = {n: (id(p), p._version) for n, p in module.named_parameters()}
-        state.python = PythonState.save(module, _optimizer_settings(module))
+        state.python = PythonState.save(module, _optimizer_settings(module), _companions(module))
         return state
 
     def drew_random_numbers(self) -> bool:
