@@ -67,7 +67,7 @@ from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live t
 )
 from lightning_dp.checks.fingerprint import _columns
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
-from lightning_dp.checks.user_step import ModuleState, dry_training_step
+from lightning_dp.checks.user_step import ModuleState, dry_training_step, hook_note
 from lightning_dp.clipping import clip_factors
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import make_generator
@@ -444,7 +444,7 @@ class MixingCheck:
             return None
         self.due_next = result.examples < 2  # one example cannot mix: the next batch is checked instead
         if not result.passed:
-            raise DPConfigurationError(self.refusal(result, engine.steps))
+            raise DPConfigurationError(self.refusal(result, engine.steps) + hook_note(module, batch_idx))
         self.checked_steps.append(engine.steps)
         return result
 
