@@ -603,7 +603,8 @@ class MixingCheck:
                 row_norms = samples.sq_norms().double().sqrt().cpu()
             samples = samples.grouped(units.unit_of_row, units.reduction, units.views)
         norms = samples.sq_norms().double().sqrt().cpu()
-        return _Pass(samples, norms, state.written_buffers(), values.written(), row_norms)
+        written = {**state.written_buffers(), **values.frozen_written()}  # frozen parameters: like buffers
+        return _Pass(samples, norms, written, values.trainable_written(), row_norms)
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""

@@ -10,8 +10,9 @@ sees, still moves it). Parameters are compared value by value, against a full co
 runs user code on a batch itself: the structure probe (the first code to see a training record, so a
 data-dependent initialisation is caught there) and both passes of every mixing check:
 
-* a parameter written during the step (from the batch reaching user code to the release) is refused;
-  parameters written between steps (an EMA teacher, weight clamping in ``on_train_batch_end``) are
+* a parameter written during the step (from the batch reaching user code to the release) is refused,
+  unless it is frozen (``requires_grad=False``: an EMA copy updated in ``training_step``), which is then
+  treated like a buffer written in the forward (below); parameters written between steps (an EMA teacher, weight clamping in ``on_train_batch_end``) are
   functions of released weights and pass;
 * a buffer written between steps (``on_train_batch_end``, a callback, ``on_train_batch_start``) is refused,
   unless declared in ``public_buffers`` (the user states it is computed from the weights, the step count or
@@ -188,9 +189,12 @@ class StateWatch:
         now = self._now()
         entry = self._at_entry
         written_params = _changed(entry.param_names, entry.params, now.param_names, now.params)
-        if written_params:
-            raise DPConfigurationError(parameter_write_message(written_params, "the training step"))
+        frozen = set(self.frozen_parameters())
+        trained = [n for n in written_params if n not in frozen]
+        if trained:
+            raise DPConfigurationError(parameter_write_message(trained, "the training step"))
         changed = _changed(entry.buffer_names, entry.buffers, now.buffer_names, now.buffers)
+        changed += [n for n in written_params if n in frozen]  # frozen parameters count as buffers
         written = [n for n in changed if not self._public(n)]
         if checked:
             self.verified_buffers |= set(written)
@@ -198,6 +202,11 @@ class StateWatch:
         new = [n for n in written if n not in self.verified_buffers]
         self.unverified_buffers |= set(new)
         return new
+
+    def frozen_parameters(self) -> list[str]:
+        """Parameters that take no gradient now (an EMA copy, a teacher): no optimizer trains them, so a write
+        in the step is treated like a buffer's (it must not depend on the batch)."""
+        return [name for name, p in self.module.named_parameters() if not p.requires_grad]
 
     def summary(self) -> dict[str, list[str]]:
         return {
@@ -230,6 +239,21 @@ class ParameterValues:
             if now.get(name) is not p or not same_values(values, p.detach())
         )
 
+    def trainable_written(self) -> list[str]:
+        """:meth:`written`, of the parameters that require a gradient (what the optimizer trains)."""
+        trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
+        return [name for name in self.written() if name in trainable]
+
+    def frozen_written(self) -> dict[str, Tensor]:
+        """The frozen parameters (``requires_grad=False``: an EMA copy, a teacher) whose values changed, with
+        their new values: like buffers, they may be written in the step if not from the batch."""
+        now = dict(self.module.named_parameters())
+        return {
+            name: now[name].detach().clone()
+            for name in self.written()
+            if name in now and not now[name].requires_grad
+        }
+
     def restore(self) -> None:
         """Put every parameter object and its values back."""
         with torch.no_grad():
@@ -250,6 +274,8 @@ def parameter_write_message(names: list[str], where: str) -> str:
         "that changes its own weights from the batch in forward (nn.Embedding or nn.EmbeddingBag with max_norm, "
         "which renormalises the looked-up rows) or code that assigns to a parameter there writes private data "
         "into the model without noise, and the released gradient no longer describes the update. Remove "
-        "max_norm (clip the embedding's output or penalise its norm in the loss instead), and change "
-        "parameters only through the optimizer."
+        "max_norm (clip the embedding's output or penalise its norm in the loss instead), and change trained "
+        "parameters only through the optimizer. A copy of the weights kept beside them (an EMA or SWA "
+        "average, a teacher) is fine once it is frozen (requires_grad_(False)): it is then checked like a "
+        "buffer, not to depend on the batch; or update it in on_train_batch_end or a callback."
     )
