@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.per_example import kernels, recurrent, vmap
+from lightning_dp.per_example import broadcast, kernels, recurrent, vmap
 from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients, tie
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
@@ -66,7 +66,8 @@ def _unique(layers: Iterator[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modul
 
 def expands_params(module: nn.Module, trainable: bool = True) -> bool:
     """A container whose own parameters all have a leading dimension of 1 (ViT's ``cls_token`` and
-    ``pos_embed``): they are batch-expanded during its forward so their gradient is per example."""
+    ``pos_embed``): during its forward they are per-example views (``broadcast``), used where they line up
+    with the batch; a call with any other use is recomputed per example instead."""
     own = direct_params(module, trainable)
     return bool(own) and all(p.dim() > 0 and p.shape[0] == 1 for _, p in own)
 
@@ -175,7 +176,7 @@ class GradientCapture:
         the batch is shared)."""
         self.probed = False
         """Whether the strategy tried to classify (once per capture)."""
-        self._expanded: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        self._expanded: dict[nn.Module, tuple[dict[str, nn.Parameter], broadcast.ExpandedCall]] = {}
         self._random_states: dict[nn.Module, list[vmap.RandomState]] = {}
         self._handles: list[RemovableHandle] = []
         self._names = {p: name for name, p in root.named_parameters()}
@@ -189,6 +190,8 @@ class GradientCapture:
         self._outside: set[nn.Parameter] = set()
         """Of those, the ones autograd still accumulated a gradient into: used outside their layer's forward."""
         self._outside_handles: list[RemovableHandle] = []
+        self._reordered: list[nn.Module] = []
+        """Layers called since the last ``collect`` on the batch's rows in another order that cannot be traced."""
         self._batched_nodes: set[Any] = set()
         """Graph nodes of this forward's layer outputs over the whole batch (``_from_batch``)."""
         self._freezing: set[nn.Module] = set()
@@ -202,7 +205,9 @@ class GradientCapture:
         for _, module in self.layers:
             path = self.path_of(module)
             if path == "direct" and expands_params(module, trainable=False):
+                self._handles.append(module.register_forward_pre_hook(self._note_random_state))
                 self._handles.append(module.register_forward_pre_hook(self._expand, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._capture_expanded, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._restore, always_call=True))
                 continue
             if id(module) not in parts and path not in ("direct", "functorch"):
@@ -341,7 +346,7 @@ class GradientCapture:
             return True
         return self.classified
 
-    def _call_rows(self, inputs: tuple[Any, ...], output: Tensor) -> RowMap | None:
+    def _call_rows(self, module: nn.Module, inputs: tuple[Any, ...], output: Tensor) -> RowMap | None:
         """The batch rows of a call on fewer rows than the batch, when its first input is provably made of
         them (``_rows_of``); None for an ordinary call, or rows that cannot be traced (refused later)."""
         batch = self._batch_hint
@@ -349,8 +354,18 @@ class GradientCapture:
         if batch is None or first is None or first.dim() == 0 or output.dim() == 0:
             return None
         size = first.shape[0]
-        if size >= batch or output.shape[0] != size:
+        if size > batch or output.shape[0] != size:
             return None
+        if size == batch and _permutation(first.grad_fn, batch) is None:
+            return None  # an ordinary call on the batch in its order
+        rows = self._traced_rows(first, batch, inputs)
+        if rows is None and size == batch:  # the batch reordered, by rows that cannot be traced
+            self._reordered.append(module)
+        return None if rows is None else RowMap(rows, batch)
+
+    def _traced_rows(self, first: Tensor, batch: int, inputs: tuple[Any, ...]) -> Tensor | None:
+        """The batch rows of a call's rows when provably so (``_rows_of``), each at most once."""
+        size = first.shape[0]
         base = first._base
         if base is not None and any(base is b for b in self.root.buffers()):
             return None  # rows of a model constant, not of the batch
@@ -360,7 +375,7 @@ class GradientCapture:
         for x in inputs[1:]:  # every other batch-sized input must be indexed the same way: not known here
             if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size and size > 1:
                 return None
-        return RowMap(rows, batch)
+        return rows
 
     def _note_output(self, output: Tensor) -> None:
         """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it)."""
@@ -405,6 +420,9 @@ class GradientCapture:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         """A layer called with keyword inputs (``fc(input=x)``) is captured like a positional call."""
+        args, kwargs = broadcast.unwrap(
+            (args, kwargs)
+        )  # an expanded parameter passed in: as the user wrote it
         return self._capture(module, positional(module, args, kwargs) if kwargs else args, output)
 
     def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
@@ -419,7 +437,7 @@ class GradientCapture:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
         inputs, output = self._broadcast(module, inputs, output)
-        rows = self._call_rows(inputs, output)
+        rows = self._call_rows(module, inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
         # shares this list and empties it when it releases or spends its inputs, so they are freed.
@@ -472,6 +490,7 @@ class GradientCapture:
         random_state = states.pop() if states else None
         if not self._active(module):
             return None
+        args, kwargs = broadcast.unwrap((args, kwargs))
         taps = vmap.output_tensors(output)
         if not taps:
             return None
@@ -546,27 +565,47 @@ class GradientCapture:
         self.batch_size = batch
 
     def _expand(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A container's own [1, ...] parameters become [B, ...] expansions for its forward."""
+        """A container's own [1, ...] parameters become per-example [B, ...] views for its forward
+        (``broadcast``): each use is checked to line up with the batch."""
         if not self._active(module):
             return
-        self._note_batch(next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None))
-        batch = self._batch_hint or 1
+        first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
+        self._note_batch(broadcast.unwrap(first))
+        call = broadcast.ExpandedCall(self._batch_hint or 1)
         saved = {}
         for name, p in direct_params(module):
-            expanded = p.expand(batch, *p.shape[1:])
-            expanded.register_hook(functools.partial(self._expanded_grad, p))
-            module._parameters[name] = expanded  # type: ignore[assignment]
+            view = broadcast.per_example_view(p, call, self._names.get(p, name))
+            with torch._C.DisableTorchFunctionSubclass():
+                view.register_hook(functools.partial(self._expanded_grad, p, call))
+            module._parameters[name] = view  # type: ignore[assignment]
             saved[name] = p
-            self._uses[p] += 1
-        self._expanded[module] = saved
+        self._expanded[module] = (saved, call)
+
+    def _capture_expanded(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """After the forward: a call whose expanded parameters were all used in line with the batch keeps
+        their views' gradients; one with another use is recomputed per example (exact for every use)."""
+        entry = self._expanded.get(module)
+        if entry is not None and entry[1].misaligned:
+            return self._capture_call(module, args, kwargs, output)
+        states = self._random_states.get(module)
+        if states:
+            states.pop()
+        if entry is not None:
+            self._uses.update(entry[0].values())
+        return None
 
     def _restore(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Undo :meth:`_expand` (also when the forward raised)."""
         del inputs, output
-        for name, p in self._expanded.pop(module, {}).items():
+        saved, _ = self._expanded.pop(module, ({}, None))
+        for name, p in saved.items():
             module._parameters[name] = p
 
-    def _expanded_grad(self, param: nn.Parameter, grad: Tensor) -> None:
+    def _expanded_grad(self, param: nn.Parameter, call: broadcast.ExpandedCall, grad: Tensor) -> None:
+        if call.misaligned:  # the call is recomputed per example instead
+            return
         batch = grad.shape[0]
         add_samples(self.grad_samples, {param: (grad.detach() * self._scale(batch)).unsqueeze(1)})
         self.batch_size = batch
@@ -583,6 +622,13 @@ class GradientCapture:
         if outside:
             self.clear()
             raise DPConfigurationError(missed_use_message([self._names.get(p, "?") for p in outside]))
+        reordered, self._reordered = self._reordered, []
+        if reordered:
+            self.clear()
+            names = list(
+                dict.fromkeys(next((n for n, m in self.layers if m is r), "<root>") for r in reordered)
+            )
+            raise DPConfigurationError(reordered_message(names))
         check_batch_dimension(self.calls, batch if expected is None else expected, self.layers)
         for sample in self.grad_samples.values():
             if sample.shape[0] != batch:
@@ -795,11 +841,21 @@ def _signature(cls: type[nn.Module]) -> inspect.Signature:
 
 def positional(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """A call's inputs in the order of the layer's ``forward`` parameters (keywords placed by name)."""
+    signature = _signature(type(module))  # type: ignore[arg-type]
     try:
-        bound = _signature(type(module)).bind(module, *args, **kwargs)  # type: ignore[arg-type]
+        bound = signature.bind(module, *args, **kwargs)
     except TypeError:
         return (*args, *kwargs.values())
-    return tuple(bound.arguments.values())[1:]
+    names = list(signature.parameters)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        return tuple(bound.arguments.values())[1:]
+    # an argument skipped before a keyword one keeps its place with its default
+    # (``bag(x, per_sample_weights=w)``: offsets=None, so the weights stay third)
+    last = max(names.index(name) for name in bound.arguments)
+    return tuple(
+        bound.arguments[name] if name in bound.arguments else signature.parameters[name].default
+        for name in names[1 : last + 1]
+    )
 
 
 class BatchDimensionError(DPConfigurationError):
@@ -857,6 +913,72 @@ def check_batch_dimension(
     raise BatchDimensionError(
         f"Layer {name!r} ({type(module).__name__}) has {size} on its batch dimension (dim 0), but this batch "
         f"has {expected} examples. Likely cause: {cause}"
+    )
+
+
+def _permutation(node: Any, batch: int) -> Tensor | None:
+    """The rows when autograd ``node`` reorders a tensor with history, ``h[perm]`` or
+    ``index_select(h, 0, perm)`` with ``perm`` a permutation of the batch other than the identity (then
+    element-wise ops only), and no reordering before it is undone by it (``pack_padded_sequence`` sorts,
+    ``pad_packed_sequence`` restores the order); None otherwise."""
+    while node is not None and _row_wise_input(node) is not None:
+        node = _row_wise_input(node)
+    rows = _reordering(node, batch)
+    if rows is None:
+        return None
+    seen: set[Any] = set()
+    todo = [n for n, _ in node.next_functions if n is not None]
+    while todo and len(seen) < GRAPH_WALK_LIMIT:  # the nearest reordering before it, if any
+        earlier = todo.pop(0)
+        if earlier in seen:
+            continue
+        seen.add(earlier)
+        inner = _reordering(earlier, batch, any_dim=True)
+        if inner is not None:
+            return (
+                None
+                if torch.equal(inner.to(rows.device)[rows], torch.arange(batch, device=rows.device))
+                else rows
+            )
+        todo.extend(n for n, _ in earlier.next_functions if n is not None)
+    return rows
+
+
+def _reordering(node: Any, batch: int, any_dim: bool = False) -> Tensor | None:
+    """The rows of an index or index_select node on dimension 0 (``any_dim``: on any dimension, a
+    sequence-first batch's 1) by a permutation of the batch (not the identity)."""
+    name = type(node).__name__
+    dim = 0
+    if name == "IndexBackward0":
+        indices = node._saved_indices
+        if len(indices) != 1 or indices[0] is None or indices[0].dtype == torch.bool:
+            return None
+        index = indices[0]
+    elif name == "IndexSelectBackward0" and (any_dim or node._saved_dim == 0):
+        index, dim = node._saved_index, node._saved_dim
+    else:
+        return None
+    sizes = node._saved_self_sym_sizes
+    if dim >= len(sizes) or sizes[dim] != batch or index.numel() != batch:
+        return None
+    rows = index.reshape(-1) % batch
+    order = torch.arange(batch, device=rows.device)
+    if torch.equal(rows, order) or not torch.equal(rows.sort().values, order):
+        return None
+    return rows
+
+
+def reordered_message(names: list[str]) -> str:
+    """The refusal for layers called on the batch's rows in an order that cannot be traced to the examples."""
+    return (
+        f"The layers {names} are called on the batch's rows reordered by an index (h[perm], index_select) "
+        "whose source cannot be traced to the examples, so their rows cannot be matched to the rows of the "
+        "layers before them: each example's per-example gradient would mix the rows of different examples. "
+        "Likely cause: the batch sorted by length for pack_padded_sequence(..., enforce_sorted=True) and the "
+        "order restored by hand (h[-1][inverse]). Pass the unsorted batch with "
+        "pack_padded_sequence(..., enforce_sorted=False), which sorts and restores the order inside the "
+        "packed sequence (exact); or reorder the input batch itself before the first layer and keep that "
+        "order to the loss."
     )
 
 
