@@ -23,6 +23,7 @@ from test_capture_cases import assert_exact_clipped_sum, assert_refused_before_r
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
+from lightning_dp import DPConfigurationError
 from lightning_dp.per_example import GradientCapture, vmap
 
 D, T, H, CLASSES = 4, 3, 5, 3
@@ -85,18 +86,19 @@ class InitialState(nn.Module):
 
 
 class Tokens(nn.Module):
-    """ViT's prefix: a (1, 1, D) cls token expanded to the batch, a (1, T+1, D) position embedding added."""
+    """ViT's prefix: a (1, 1, D) cls token expanded to the batch, a (1, T+3, D) position table sliced to the
+    sequence (minGPT's ``pos_emb[:, :t, :]``) and added."""
 
     def __init__(self) -> None:
         super().__init__()
         self.patch = nn.Linear(D, D)
         self.cls_token = nn.Parameter(torch.randn(1, 1, D))
-        self.pos_embed = nn.Parameter(torch.randn(1, T + 1, D))
+        self.pos_embed = nn.Parameter(torch.randn(1, T + 3, D))
         self.head = nn.Linear(D, CLASSES)
 
     def forward(self, x: Tensor) -> Tensor:
         h = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), self.patch(_sequence(x))], 1)
-        return self.head(torch.tanh(h + self.pos_embed).mean(1))
+        return self.head(torch.tanh(h + self.pos_embed[:, : h.shape[1], :]).mean(1))
 
 
 class RowBias(nn.Module):
@@ -161,7 +163,60 @@ class PackedGRU(nn.Module):
         return self.head(self.gru(packed)[1][-1][order.argsort()])
 
 
+class PackedOffset(nn.Module):
+    """A (1,) offset added to a sequence packed for a GRU: the container's forward cannot be recomputed
+    one example at a time (``vmap`` over the lengths), so it is pulled back per example with autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(D, H, batch_first=True)
+        self.head = nn.Linear(H, CLASSES)
+        self.offset = nn.Parameter(torch.tensor([0.3]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        lengths = 1 + (x[:, 0].abs() * 10).long() % T
+        packed = pack_padded_sequence(
+            _sequence(x) + self.offset, lengths, batch_first=True, enforce_sorted=False
+        )
+        return self.head(self.gru(packed)[1][-1])
+
+
+class Reordered(nn.Module):
+    """The hidden rows reordered before the head: ``undone`` restores the order before the head (exact),
+    else the head runs on the reordered rows and the output is put back after it (refused)."""
+
+    def __init__(self, undone: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.head = nn.Linear(D, CLASSES)
+        self.undone = undone
+
+    def forward(self, x: Tensor) -> Tensor:
+        perm = torch.arange(len(x)).flip(0)
+        h = torch.tanh(self.inp(x))[perm]
+        if self.undone:
+            return self.head(h.index_select(0, perm.argsort()))
+        return self.head(h)[perm.argsort()]
+
+
+class SortedAfterALayer(nn.Module):
+    """e37 with the sort applied to a layer's output: the GRU runs on sorted rows, the head on restored ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.gru = nn.GRU(D, H, batch_first=True)
+        self.head = nn.Linear(H, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lengths, order = (1 + (x[:, 0].abs() * 10).long() % T).sort(descending=True)
+        packed = pack_padded_sequence(self.inp(_sequence(x))[order], lengths, batch_first=True)
+        return self.head(self.gru(packed)[1][-1][order.argsort()])
+
+
 EXACT: dict[str, Callable[[], nn.Module]] = {
+    "offset-into-packed-gru": PackedOffset,
+    "reordered-and-restored": lambda: Reordered(undone=True),
     "offset-B1": lambda: Offset("B1"),
     "offset-BC": lambda: Offset("BC"),
     "offset-BTD": lambda: Offset("BTD"),
@@ -248,6 +303,30 @@ class _OffsetBody(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.mlp(x) + self.offset
+
+
+@pytest.mark.parametrize(
+    ("build", "names"),
+    [
+        (lambda: PackedGRU(by_hand=True), ["head"]),
+        (SortedAfterALayer, ["gru.ih_l0", "head"]),
+        (lambda: Reordered(undone=False), ["head"]),
+    ],
+    ids=["sorted-data", "sorted-hidden", "head-on-reordered-rows"],
+)
+def test_a_layer_on_reordered_rows_is_refused_by_name_with_the_fix(build: Any, names: list[str]) -> None:
+    torch.manual_seed(0)
+    model = build().double().train()
+    x = torch.randn(8, D, dtype=torch.float64)
+    grads = GradientCapture(model)
+    try:
+        _loss(model, x, torch.zeros(8, dtype=torch.long)).backward()
+        with pytest.raises(DPConfigurationError) as refusal:
+            grads.collect()
+    finally:
+        grads.remove()
+    assert f"The layers {names} are called on the batch's rows reordered" in str(refusal.value)
+    assert "enforce_sorted=False" in str(refusal.value)
 
 
 class OffsetRegression(TinyModule):

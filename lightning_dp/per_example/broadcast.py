@@ -138,10 +138,19 @@ def _verdict(
         if any(t.shape[0] == batch for t in same_rank):
             return "aligned"
         return "view"
+    if name == "__getitem__" and args[0] is views[0] and len(views) == 1 and _keeps_rows(args[1]):
+        return "view"  # pos_embed[:, :T]
     one = name in ROW_PRESERVING and isinstance(args[0], PerExampleView) and len(views) == 1
     if one and all(t.dim() < rank or t.shape[0] == 1 for t in others):  # constants: dim 0 stays the view's
         return "view"
     return "misaligned"
+
+
+def _keeps_rows(index: Any) -> bool:
+    """An index that takes every row of dimension 0 and basic slices or positions of the others."""
+    parts = index if isinstance(index, tuple) else (index,)
+    whole = parts[:1] == (slice(None),)
+    return whole and all(isinstance(i, (slice, int)) and not isinstance(i, bool) for i in parts)
 
 
 def _wrap(view: Tensor, original: Tensor, call: ExpandedCall, label: str) -> PerExampleView:

@@ -192,6 +192,8 @@ class GradientCapture:
         self._outside_handles: list[RemovableHandle] = []
         self._reordered: list[nn.Module] = []
         """Layers called since the last ``collect`` on the batch's rows in another order that cannot be traced."""
+        self._misaligned: dict[nn.Module, list[str]] = {}
+        """The last uses of each container's expanded parameters that did not line up with the batch."""
         self._batched_nodes: set[Any] = set()
         """Graph nodes of this forward's layer outputs over the whole batch (``_from_batch``)."""
         self._freezing: set[nn.Module] = set()
@@ -354,18 +356,8 @@ class GradientCapture:
         if batch is None or first is None or first.dim() == 0 or output.dim() == 0:
             return None
         size = first.shape[0]
-        if size > batch or output.shape[0] != size:
+        if size >= batch or output.shape[0] != size:
             return None
-        if size == batch and _permutation(first.grad_fn, batch) is None:
-            return None  # an ordinary call on the batch in its order
-        rows = self._traced_rows(first, batch, inputs)
-        if rows is None and size == batch:  # the batch reordered, by rows that cannot be traced
-            self._reordered.append(module)
-        return None if rows is None else RowMap(rows, batch)
-
-    def _traced_rows(self, first: Tensor, batch: int, inputs: tuple[Any, ...]) -> Tensor | None:
-        """The batch rows of a call's rows when provably so (``_rows_of``), each at most once."""
-        size = first.shape[0]
         base = first._base
         if base is not None and any(base is b for b in self.root.buffers()):
             return None  # rows of a model constant, not of the batch
@@ -375,7 +367,17 @@ class GradientCapture:
         for x in inputs[1:]:  # every other batch-sized input must be indexed the same way: not known here
             if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size and size > 1:
                 return None
-        return rows
+        return RowMap(rows, batch)
+
+    def _check_order(self, module: nn.Module, first: Any) -> None:
+        """A call on the whole batch whose rows are reordered (``h[perm]``) since the layer outputs it derives
+        from is noted, and refused at ``collect``: its rows are not those layers' examples in order."""
+        batch = self._batch_hint
+        if batch is None or batch < 2 or not isinstance(first, Tensor) or first.grad_fn is None:
+            return
+        whole = first.dim() > 0 and first.shape[0] == batch
+        if whole and _reordered_rows(first.grad_fn, batch, self._batched_nodes) is not None:
+            self._reordered.append(module)
 
     def _note_output(self, output: Tensor) -> None:
         """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it)."""
@@ -437,6 +439,7 @@ class GradientCapture:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
         inputs, output = self._broadcast(module, inputs, output)
+        self._check_order(module, inputs[0] if inputs else None)
         rows = self._call_rows(module, inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
@@ -496,6 +499,7 @@ class GradientCapture:
             return None
         first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
         self._note_batch(first)
+        self._check_order(module, first)
         self._uses.update(self._own[module])
         detach = lambda x: x.detach() if isinstance(x, Tensor) else x  # noqa: E731
         saved = ([detach(a) for a in args], {k: detach(v) for k, v in kwargs.items()})
@@ -536,16 +540,15 @@ class GradientCapture:
             for name, b in owner._buffers.items()
             if b is not None
         ]
+        params, scaled = dict(direct_params(module)), [g * scale for g in grads]
         try:
             with ieee_fp32():
-                samples = vmap.per_example_grads(
-                    module,
-                    dict(direct_params(module)),
-                    saved,
-                    positions,
-                    [g * scale for g in grads],
-                    random_state,
-                )
+                try:
+                    samples = vmap.per_example_grads(module, params, saved, positions, scaled, random_state)
+                except RuntimeError as error:
+                    if _written_buffers(buffers) or _written_in_recompute(error, buffers):
+                        raise
+                    samples = self._looped(module, params, saved, positions, scaled, random_state, error)
         except RuntimeError as error:
             written = _written_buffers(buffers) or _written_in_recompute(error, buffers)
             if not written:
@@ -563,6 +566,35 @@ class GradientCapture:
             _put_back(buffers)
         add_samples(self.grad_samples, samples)
         self.batch_size = batch
+
+    def _looped(
+        self,
+        module: nn.Module,
+        params: dict[str, nn.Parameter],
+        saved: tuple[list[Any], dict[str, Any]],
+        positions: list[int],
+        grads: list[Tensor],
+        random_state: vmap.RandomState | None,
+        error: RuntimeError,
+    ) -> dict[nn.Parameter, Tensor]:
+        """A forward functorch cannot run one example at a time (a packed sequence's lengths, data-dependent
+        shapes): run once on the batch and pulled back per example with plain autograd (exact), else refused."""
+        try:
+            return vmap.looped_per_example_grads(module, params, saved, positions, grads, random_state)
+        except RuntimeError as looped:
+            name = next((n for n, m in self.layers if m is module), "") or "<root>"
+            owned = [self._names.get(p, n) for n, p in params.items()]
+            uses = self._misaligned.get(module, [])
+            why = f" (uses not in line with the batch: {uses[:3]})" if uses else ""
+            raise DPConfigurationError(
+                f"The per-example gradients of the parameters {owned}, held by {name!r} "
+                f"({type(module).__name__}) itself{why}, need its forward recomputed per example, which "
+                f"failed ({str(error)[:200]}; with plain autograd: {str(looped)[:200]}). Hold each such "
+                "parameter in a small nn.Module of its own that applies it to the tensor it meets "
+                "(return x + self.offset): that layer alone is recomputed per example, exactly; or, for a "
+                "parameter of leading dimension 1, give it the rank of that tensor (shape (1, 1) for a "
+                "(B, 1) output) so that it lines up with the batch."
+            ) from looped
 
     def _expand(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A container's own [1, ...] parameters become per-example [B, ...] views for its forward
@@ -588,6 +620,7 @@ class GradientCapture:
         their views' gradients; one with another use is recomputed per example (exact for every use)."""
         entry = self._expanded.get(module)
         if entry is not None and entry[1].misaligned:
+            self._misaligned[module] = entry[1].misaligned
             return self._capture_call(module, args, kwargs, output)
         states = self._random_states.get(module)
         if states:
@@ -916,50 +949,43 @@ def check_batch_dimension(
     )
 
 
-def _permutation(node: Any, batch: int) -> Tensor | None:
-    """The rows when autograd ``node`` reorders a tensor with history, ``h[perm]`` or
-    ``index_select(h, 0, perm)`` with ``perm`` a permutation of the batch other than the identity (then
-    element-wise ops only), and no reordering before it is undone by it (``pack_padded_sequence`` sorts,
-    ``pad_packed_sequence`` restores the order); None otherwise."""
-    while node is not None and _row_wise_input(node) is not None:
-        node = _row_wise_input(node)
-    rows = _reordering(node, batch)
-    if rows is None:
-        return None
+def _reordered_rows(node: Any, batch: int, batched: set[Any]) -> Tensor | None:
+    """The net reordering of the batch's rows at autograd ``node`` since the layer outputs over the batch it
+    derives from (or the data): every permutation of the batch met on the way back (``h[perm]``,
+    ``index_select``; on dimension 1 too, a sequence-first batch's), composed, so that a reordering undone
+    later (``pack_padded_sequence`` sorts, ``pad_packed_sequence`` restores) cancels. None: the identity."""
+    rows: Tensor | None = None
     seen: set[Any] = set()
-    todo = [n for n, _ in node.next_functions if n is not None]
-    while todo and len(seen) < GRAPH_WALK_LIMIT:  # the nearest reordering before it, if any
-        earlier = todo.pop(0)
-        if earlier in seen:
+    todo = [node]
+    while todo and len(seen) < GRAPH_WALK_LIMIT:
+        current = todo.pop(0)
+        if current in seen or current in batched:
             continue
-        seen.add(earlier)
-        inner = _reordering(earlier, batch, any_dim=True)
-        if inner is not None:
-            return (
-                None
-                if torch.equal(inner.to(rows.device)[rows], torch.arange(batch, device=rows.device))
-                else rows
-            )
-        todo.extend(n for n, _ in earlier.next_functions if n is not None)
+        seen.add(current)
+        found = _reordering(current, batch)
+        if found is not None:  # the walk goes from the last reordering applied to the first
+            rows = found if rows is None else found.to(rows.device)[rows]
+        todo.extend(n for n, _ in current.next_functions if n is not None)
+    if rows is None or torch.equal(rows, torch.arange(batch, device=rows.device)):
+        return None
     return rows
 
 
-def _reordering(node: Any, batch: int, any_dim: bool = False) -> Tensor | None:
-    """The rows of an index or index_select node on dimension 0 (``any_dim``: on any dimension, a
-    sequence-first batch's 1) by a permutation of the batch (not the identity)."""
+def _reordering(node: Any, batch: int) -> Tensor | None:
+    """The index of an index or index_select node that permutes dimension 0 or 1 of size ``batch`` (not
+    the identity), else None."""
     name = type(node).__name__
-    dim = 0
     if name == "IndexBackward0":
-        indices = node._saved_indices
-        if len(indices) != 1 or indices[0] is None or indices[0].dtype == torch.bool:
+        indices = [(d, i) for d, i in enumerate(node._saved_indices) if i is not None]
+        if len(indices) != 1 or indices[0][1].dtype == torch.bool:
             return None
-        index = indices[0]
-    elif name == "IndexSelectBackward0" and (any_dim or node._saved_dim == 0):
+        dim, index = indices[0]
+    elif name == "IndexSelectBackward0":
         index, dim = node._saved_index, node._saved_dim
     else:
         return None
     sizes = node._saved_self_sym_sizes
-    if dim >= len(sizes) or sizes[dim] != batch or index.numel() != batch:
+    if dim > 1 or dim >= len(sizes) or sizes[dim] != batch or index.numel() != batch:
         return None
     rows = index.reshape(-1) % batch
     order = torch.arange(batch, device=rows.device)
@@ -972,8 +998,9 @@ def reordered_message(names: list[str]) -> str:
     """The refusal for layers called on the batch's rows in an order that cannot be traced to the examples."""
     return (
         f"The layers {names} are called on the batch's rows reordered by an index (h[perm], index_select) "
-        "whose source cannot be traced to the examples, so their rows cannot be matched to the rows of the "
-        "layers before them: each example's per-example gradient would mix the rows of different examples. "
+        "that no earlier reordering undoes, so their rows are not the examples of the layers before them in "
+        "order (nor of the layers after them): each example's per-example gradient would mix the rows of "
+        "different examples. "
         "Likely cause: the batch sorted by length for pack_padded_sequence(..., enforce_sorted=True) and the "
         "order restored by hand (h[-1][inverse]). Pass the unsorted batch with "
         "pack_padded_sequence(..., enforce_sorted=False), which sorts and restores the order inside the "
