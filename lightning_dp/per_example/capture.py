@@ -77,6 +77,10 @@ GradMode = Literal["auto", "fast", "materialize"]
 GRAPH_WALK_LIMIT = 4096
 """Graph nodes visited at most when deciding whether a one-row layer input derives from the batch."""
 
+ORDER_WALK_LIMIT = 256
+"""Graph nodes visited at most, per layer call, back to the layer outputs it derives from, looking for
+reorderings of the batch (``pad_packed_sequence`` undoes ``pack_padded_sequence``'s sort 16 nodes later)."""
+
 
 class _Graft(torch.autograd.Function):
     """Identity on ``x`` that makes it require grad, with no copy: ``x`` is returned marked dirty (as
@@ -957,7 +961,7 @@ def _reordered_rows(node: Any, batch: int, batched: set[Any]) -> Tensor | None:
     rows: Tensor | None = None
     seen: set[Any] = set()
     todo = [node]
-    while todo and len(seen) < GRAPH_WALK_LIMIT:
+    while todo and len(seen) < ORDER_WALK_LIMIT:
         current = todo.pop(0)
         if current in seen or current in batched:
             continue
