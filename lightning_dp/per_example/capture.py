@@ -195,7 +195,7 @@ class GradientCapture:
         """Of those, the ones autograd still accumulated a gradient into: used outside their layer's forward."""
         self._outside_handles: list[RemovableHandle] = []
         self._reordered: list[nn.Module] = []
-        """Layers called since the last ``collect`` on the batch's rows in another order that cannot be traced."""
+        """Layers called since the last ``collect`` on the batch's rows reordered (``_reordered_rows``)."""
         self._misaligned: dict[nn.Module, list[str]] = {}
         """The last uses of each container's expanded parameters that did not line up with the batch."""
         self._batched_nodes: set[Any] = set()
@@ -352,7 +352,7 @@ class GradientCapture:
             return True
         return self.classified
 
-    def _call_rows(self, module: nn.Module, inputs: tuple[Any, ...], output: Tensor) -> RowMap | None:
+    def _call_rows(self, inputs: tuple[Any, ...], output: Tensor) -> RowMap | None:
         """The batch rows of a call on fewer rows than the batch, when its first input is provably made of
         them (``_rows_of``); None for an ordinary call, or rows that cannot be traced (refused later)."""
         batch = self._batch_hint
@@ -426,9 +426,8 @@ class GradientCapture:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         """A layer called with keyword inputs (``fc(input=x)``) is captured like a positional call."""
-        args, kwargs = broadcast.unwrap(
-            (args, kwargs)
-        )  # an expanded parameter passed in: as the user wrote it
+        # an expanded parameter passed to the layer is seen as the user wrote it (the parameter itself)
+        args, kwargs = broadcast.unwrap((args, kwargs))
         return self._capture(module, positional(module, args, kwargs) if kwargs else args, output)
 
     def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
@@ -444,7 +443,7 @@ class GradientCapture:
             output = _Graft.apply(self._anchor, output)
         inputs, output = self._broadcast(module, inputs, output)
         self._check_order(module, inputs[0] if inputs else None)
-        rows = self._call_rows(module, inputs, output)
+        rows = self._call_rows(inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
         # shares this list and empties it when it releases or spends its inputs, so they are freed.
