@@ -199,6 +199,19 @@ class Reordered(nn.Module):
         return self.head(h)[perm.argsort()]
 
 
+class HiddenMixup(nn.Module):
+    """Manifold mixup: each example's hidden row blended with another example's (``h[perm]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.head = nn.Linear(D, CLASSES)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        return self.head(0.5 * h + 0.5 * h[torch.arange(len(x)).flip(0)])
+
+
 class SortedAfterALayer(nn.Module):
     """e37 with the sort applied to a layer's output: the GRU runs on sorted rows, the head on restored ones."""
 
@@ -311,8 +324,9 @@ class _OffsetBody(nn.Module):
         (lambda: PackedGRU(by_hand=True), ["head"]),
         (SortedAfterALayer, ["gru.ih_l0", "head"]),
         (lambda: Reordered(undone=False), ["head"]),
+        (HiddenMixup, ["head"]),
     ],
-    ids=["sorted-data", "sorted-hidden", "head-on-reordered-rows"],
+    ids=["sorted-data", "sorted-hidden", "head-on-reordered-rows", "hidden-mixup"],
 )
 def test_a_layer_on_reordered_rows_is_refused_by_name_with_the_fix(build: Any, names: list[str]) -> None:
     torch.manual_seed(0)

@@ -998,7 +998,7 @@ def _reordering(node: Any, batch: int) -> Tensor | None:
 
 
 def reordered_message(names: list[str]) -> str:
-    """The refusal for layers called on the batch's rows in an order that cannot be traced to the examples."""
+    """The refusal for layers called on the batch's rows reordered (``_reordered_rows``)."""
     return (
         f"The layers {names} are called on the batch's rows reordered by an index (h[perm], index_select) "
         "that no earlier reordering undoes, so their rows are not the examples of the layers before them in "
@@ -1007,8 +1007,8 @@ def reordered_message(names: list[str]) -> str:
         "Likely cause: the batch sorted by length for pack_padded_sequence(..., enforce_sorted=True) and the "
         "order restored by hand (h[-1][inverse]). Pass the unsorted batch with "
         "pack_padded_sequence(..., enforce_sorted=False), which sorts and restores the order inside the "
-        "packed sequence (exact); or reorder the input batch itself before the first layer and keep that "
-        "order to the loss."
+        "packed sequence (exact); any other reordering of rows must be undone before the next layer is called "
+        "(h[perm][inverse]), or mixes examples."
     )
 
 
