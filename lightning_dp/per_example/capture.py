@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.per_example import kernels, recurrent, vmap
+from lightning_dp.per_example import broadcast, kernels, recurrent, vmap
 from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients, tie
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
@@ -66,7 +66,8 @@ def _unique(layers: Iterator[tuple[str, nn.Module]]) -> list[tuple[str, nn.Modul
 
 def expands_params(module: nn.Module, trainable: bool = True) -> bool:
     """A container whose own parameters all have a leading dimension of 1 (ViT's ``cls_token`` and
-    ``pos_embed``): they are batch-expanded during its forward so their gradient is per example."""
+    ``pos_embed``): during its forward they are per-example views (``broadcast``), used where they line up
+    with the batch; a call with any other use is recomputed per example instead."""
     own = direct_params(module, trainable)
     return bool(own) and all(p.dim() > 0 and p.shape[0] == 1 for _, p in own)
 
@@ -75,6 +76,10 @@ GradMode = Literal["auto", "fast", "materialize"]
 
 GRAPH_WALK_LIMIT = 4096
 """Graph nodes visited at most when deciding whether a one-row layer input derives from the batch."""
+
+ORDER_WALK_LIMIT = 256
+"""Graph nodes visited at most, per layer call, back to the layer outputs it derives from, looking for
+reorderings of the batch (``pad_packed_sequence`` undoes ``pack_padded_sequence``'s sort 16 nodes later)."""
 
 
 class _Graft(torch.autograd.Function):
@@ -175,7 +180,7 @@ class GradientCapture:
         the batch is shared)."""
         self.probed = False
         """Whether the strategy tried to classify (once per capture)."""
-        self._expanded: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        self._expanded: dict[nn.Module, tuple[dict[str, nn.Parameter], broadcast.ExpandedCall]] = {}
         self._random_states: dict[nn.Module, list[vmap.RandomState]] = {}
         self._handles: list[RemovableHandle] = []
         self._names = {p: name for name, p in root.named_parameters()}
@@ -189,6 +194,10 @@ class GradientCapture:
         self._outside: set[nn.Parameter] = set()
         """Of those, the ones autograd still accumulated a gradient into: used outside their layer's forward."""
         self._outside_handles: list[RemovableHandle] = []
+        self._reordered: list[nn.Module] = []
+        """Layers called since the last ``collect`` on the batch's rows reordered (``_reordered_rows``)."""
+        self._misaligned: dict[nn.Module, list[str]] = {}
+        """The last uses of each container's expanded parameters that did not line up with the batch."""
         self._batched_nodes: set[Any] = set()
         """Graph nodes of this forward's layer outputs over the whole batch (``_from_batch``)."""
         self._freezing: set[nn.Module] = set()
@@ -202,7 +211,9 @@ class GradientCapture:
         for _, module in self.layers:
             path = self.path_of(module)
             if path == "direct" and expands_params(module, trainable=False):
+                self._handles.append(module.register_forward_pre_hook(self._note_random_state))
                 self._handles.append(module.register_forward_pre_hook(self._expand, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._capture_expanded, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._restore, always_call=True))
                 continue
             if id(module) not in parts and path not in ("direct", "functorch"):
@@ -362,6 +373,16 @@ class GradientCapture:
                 return None
         return RowMap(rows, batch)
 
+    def _check_order(self, module: nn.Module, first: Any) -> None:
+        """A call on the whole batch whose rows are reordered (``h[perm]``) since the layer outputs it derives
+        from is noted, and refused at ``collect``: its rows are not those layers' examples in order."""
+        batch = self._batch_hint
+        if batch is None or batch < 2 or not isinstance(first, Tensor) or first.grad_fn is None:
+            return
+        whole = first.dim() > 0 and first.shape[0] == batch
+        if whole and _reordered_rows(first.grad_fn, batch, self._batched_nodes) is not None:
+            self._reordered.append(module)
+
     def _note_output(self, output: Tensor) -> None:
         """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it)."""
         batch = self._batch_hint
@@ -405,6 +426,8 @@ class GradientCapture:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         """A layer called with keyword inputs (``fc(input=x)``) is captured like a positional call."""
+        # an expanded parameter passed to the layer is seen as the user wrote it (the parameter itself)
+        args, kwargs = broadcast.unwrap((args, kwargs))
         return self._capture(module, positional(module, args, kwargs) if kwargs else args, output)
 
     def _capture(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
@@ -419,6 +442,7 @@ class GradientCapture:
                 self._anchor = torch.zeros((), device=output.device, requires_grad=True)
             output = _Graft.apply(self._anchor, output)
         inputs, output = self._broadcast(module, inputs, output)
+        self._check_order(module, inputs[0] if inputs else None)
         rows = self._call_rows(inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
@@ -472,11 +496,13 @@ class GradientCapture:
         random_state = states.pop() if states else None
         if not self._active(module):
             return None
+        args, kwargs = broadcast.unwrap((args, kwargs))
         taps = vmap.output_tensors(output)
         if not taps:
             return None
         first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
         self._note_batch(first)
+        self._check_order(module, first)
         self._uses.update(self._own[module])
         detach = lambda x: x.detach() if isinstance(x, Tensor) else x  # noqa: E731
         saved = ([detach(a) for a in args], {k: detach(v) for k, v in kwargs.items()})
@@ -517,16 +543,15 @@ class GradientCapture:
             for name, b in owner._buffers.items()
             if b is not None
         ]
+        params, scaled = dict(direct_params(module)), [g * scale for g in grads]
         try:
             with ieee_fp32():
-                samples = vmap.per_example_grads(
-                    module,
-                    dict(direct_params(module)),
-                    saved,
-                    positions,
-                    [g * scale for g in grads],
-                    random_state,
-                )
+                try:
+                    samples = vmap.per_example_grads(module, params, saved, positions, scaled, random_state)
+                except RuntimeError as error:
+                    if _written_buffers(buffers) or _written_in_recompute(error, buffers):
+                        raise
+                    samples = self._looped(module, params, saved, positions, scaled, random_state, error)
         except RuntimeError as error:
             written = _written_buffers(buffers) or _written_in_recompute(error, buffers)
             if not written:
@@ -545,28 +570,78 @@ class GradientCapture:
         add_samples(self.grad_samples, samples)
         self.batch_size = batch
 
+    def _looped(
+        self,
+        module: nn.Module,
+        params: dict[str, nn.Parameter],
+        saved: tuple[list[Any], dict[str, Any]],
+        positions: list[int],
+        grads: list[Tensor],
+        random_state: vmap.RandomState | None,
+        error: RuntimeError,
+    ) -> dict[nn.Parameter, Tensor]:
+        """A forward functorch cannot run one example at a time (a packed sequence's lengths, data-dependent
+        shapes): run once on the batch and pulled back per example with plain autograd (exact), else refused."""
+        try:
+            return vmap.looped_per_example_grads(module, params, saved, positions, grads, random_state)
+        except RuntimeError as looped:
+            name = next((n for n, m in self.layers if m is module), "") or "<root>"
+            owned = [self._names.get(p, n) for n, p in params.items()]
+            uses = self._misaligned.get(module, [])
+            why = f" (uses not in line with the batch: {uses[:3]})" if uses else ""
+            raise DPConfigurationError(
+                f"The per-example gradients of the parameters {owned}, held by {name!r} "
+                f"({type(module).__name__}) itself{why}, need its forward recomputed per example, which "
+                f"failed ({str(error)[:200]}; with plain autograd: {str(looped)[:200]}). Hold each such "
+                "parameter in a small nn.Module of its own that applies it to the tensor it meets "
+                "(return x + self.offset): that layer alone is recomputed per example, exactly; or, for a "
+                "parameter of leading dimension 1, give it the rank of that tensor (shape (1, 1) for a "
+                "(B, 1) output) so that it lines up with the batch."
+            ) from looped
+
     def _expand(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A container's own [1, ...] parameters become [B, ...] expansions for its forward."""
+        """A container's own [1, ...] parameters become per-example [B, ...] views for its forward
+        (``broadcast``): each use is checked to line up with the batch."""
         if not self._active(module):
             return
-        self._note_batch(next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None))
-        batch = self._batch_hint or 1
+        first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
+        self._note_batch(broadcast.unwrap(first))
+        call = broadcast.ExpandedCall(self._batch_hint or 1)
         saved = {}
         for name, p in direct_params(module):
-            expanded = p.expand(batch, *p.shape[1:])
-            expanded.register_hook(functools.partial(self._expanded_grad, p))
-            module._parameters[name] = expanded  # type: ignore[assignment]
+            view = broadcast.per_example_view(p, call, self._names.get(p, name))
+            with torch._C.DisableTorchFunctionSubclass():
+                view.register_hook(functools.partial(self._expanded_grad, p, call))
+            module._parameters[name] = view  # type: ignore[assignment]
             saved[name] = p
-            self._uses[p] += 1
-        self._expanded[module] = saved
+        self._expanded[module] = (saved, call)
+
+    def _capture_expanded(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        """After the forward: a call whose expanded parameters were all used in line with the batch keeps
+        their views' gradients; one with another use is recomputed per example (exact for every use)."""
+        entry = self._expanded.get(module)
+        if entry is not None and entry[1].misaligned:
+            self._misaligned[module] = entry[1].misaligned
+            return self._capture_call(module, args, kwargs, output)
+        states = self._random_states.get(module)
+        if states:
+            states.pop()
+        if entry is not None:
+            self._uses.update(entry[0].values())
+        return None
 
     def _restore(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         """Undo :meth:`_expand` (also when the forward raised)."""
         del inputs, output
-        for name, p in self._expanded.pop(module, {}).items():
+        saved, _ = self._expanded.pop(module, ({}, None))
+        for name, p in saved.items():
             module._parameters[name] = p
 
-    def _expanded_grad(self, param: nn.Parameter, grad: Tensor) -> None:
+    def _expanded_grad(self, param: nn.Parameter, call: broadcast.ExpandedCall, grad: Tensor) -> None:
+        if call.misaligned:  # the call is recomputed per example instead
+            return
         batch = grad.shape[0]
         add_samples(self.grad_samples, {param: (grad.detach() * self._scale(batch)).unsqueeze(1)})
         self.batch_size = batch
@@ -583,6 +658,13 @@ class GradientCapture:
         if outside:
             self.clear()
             raise DPConfigurationError(missed_use_message([self._names.get(p, "?") for p in outside]))
+        reordered, self._reordered = self._reordered, []
+        if reordered:
+            self.clear()
+            names = list(
+                dict.fromkeys(next((n for n, m in self.layers if m is r), "<root>") for r in reordered)
+            )
+            raise DPConfigurationError(reordered_message(names))
         check_batch_dimension(self.calls, batch if expected is None else expected, self.layers)
         for sample in self.grad_samples.values():
             if sample.shape[0] != batch:
@@ -795,11 +877,21 @@ def _signature(cls: type[nn.Module]) -> inspect.Signature:
 
 def positional(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """A call's inputs in the order of the layer's ``forward`` parameters (keywords placed by name)."""
+    signature = _signature(type(module))  # type: ignore[arg-type]
     try:
-        bound = _signature(type(module)).bind(module, *args, **kwargs)  # type: ignore[arg-type]
+        bound = signature.bind(module, *args, **kwargs)
     except TypeError:
         return (*args, *kwargs.values())
-    return tuple(bound.arguments.values())[1:]
+    names = list(signature.parameters)
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()):
+        return tuple(bound.arguments.values())[1:]
+    # an argument skipped before a keyword one keeps its place with its default
+    # (``bag(x, per_sample_weights=w)``: offsets=None, so the weights stay third)
+    last = max(names.index(name) for name in bound.arguments)
+    return tuple(
+        bound.arguments[name] if name in bound.arguments else signature.parameters[name].default
+        for name in names[1 : last + 1]
+    )
 
 
 class BatchDimensionError(DPConfigurationError):
@@ -857,6 +949,66 @@ def check_batch_dimension(
     raise BatchDimensionError(
         f"Layer {name!r} ({type(module).__name__}) has {size} on its batch dimension (dim 0), but this batch "
         f"has {expected} examples. Likely cause: {cause}"
+    )
+
+
+def _reordered_rows(node: Any, batch: int, batched: set[Any]) -> Tensor | None:
+    """The net reordering of the batch's rows at autograd ``node`` since the layer outputs over the batch it
+    derives from (or the data): every permutation of the batch met on the way back (``h[perm]``,
+    ``index_select``; on dimension 1 too, a sequence-first batch's), composed, so that a reordering undone
+    later (``pack_padded_sequence`` sorts, ``pad_packed_sequence`` restores) cancels. None: the identity."""
+    rows: Tensor | None = None
+    seen: set[Any] = set()
+    todo = [node]
+    while todo and len(seen) < ORDER_WALK_LIMIT:
+        current = todo.pop(0)
+        if current in seen or current in batched:
+            continue
+        seen.add(current)
+        found = _reordering(current, batch)
+        if found is not None:  # the walk goes from the last reordering applied to the first
+            rows = found if rows is None else found.to(rows.device)[rows]
+        todo.extend(n for n, _ in current.next_functions if n is not None)
+    if rows is None or torch.equal(rows, torch.arange(batch, device=rows.device)):
+        return None
+    return rows
+
+
+def _reordering(node: Any, batch: int) -> Tensor | None:
+    """The index of an index or index_select node that permutes dimension 0 or 1 of size ``batch`` (not
+    the identity), else None."""
+    name = type(node).__name__
+    if name == "IndexBackward0":
+        indices = [(d, i) for d, i in enumerate(node._saved_indices) if i is not None]
+        if len(indices) != 1 or indices[0][1].dtype == torch.bool:
+            return None
+        dim, index = indices[0]
+    elif name == "IndexSelectBackward0":
+        index, dim = node._saved_index, node._saved_dim
+    else:
+        return None
+    sizes = node._saved_self_sym_sizes
+    if dim > 1 or dim >= len(sizes) or sizes[dim] != batch or index.numel() != batch:
+        return None
+    rows = index.reshape(-1) % batch
+    order = torch.arange(batch, device=rows.device)
+    if torch.equal(rows, order) or not torch.equal(rows.sort().values, order):
+        return None
+    return rows
+
+
+def reordered_message(names: list[str]) -> str:
+    """The refusal for layers called on the batch's rows reordered (``_reordered_rows``)."""
+    return (
+        f"The layers {names} are called on the batch's rows reordered by an index (h[perm], index_select) "
+        "that no earlier reordering undoes, so their rows are not the examples of the layers before them in "
+        "order (nor of the layers after them): each example's per-example gradient would mix the rows of "
+        "different examples. "
+        "Likely cause: the batch sorted by length for pack_padded_sequence(..., enforce_sorted=True) and the "
+        "order restored by hand (h[-1][inverse]). Pass the unsorted batch with "
+        "pack_padded_sequence(..., enforce_sorted=False), which sorts and restores the order inside the "
+        "packed sequence (exact); any other reordering of rows must be undone before the next layer is called "
+        "(h[perm][inverse]), or mixes examples."
     )
 
 

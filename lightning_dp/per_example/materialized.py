@@ -112,7 +112,29 @@ def _dense(
     """Opacus's formulas assume standard strides (its convolution one is wrong on channels_last, and on
     a [B, C, 1, 1] tensor whose size-1 dimensions carry other strides, which ``contiguous`` keeps)."""
     dense = [_standard(a) if isinstance(a, Tensor) else a for a in activations]
+    if isinstance(module, NORMS) and any(
+        module._parameters.get(n, module) is None for n in ("weight", "bias")
+    ):
+        module = cast(nn.Module, _AffineParts(module))
     return formula(module, dense, _standard(backprops))
+
+
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.RMSNorm)
+"""Norm layers whose Opacus formula reads ``layer.weight`` and ``layer.bias`` unconditionally."""
+
+
+class _AffineParts:
+    """A norm layer as its Opacus formula reads it, with a missing affine part (``LayerNorm(bias=False)``,
+    a weight set to None) shown as a frozen placeholder: the formula skips it instead of failing on None."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self._layer = layer
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._layer, name)
+        if value is None and name in ("weight", "bias"):
+            return torch.empty(0)  # requires_grad=False: no per-example gradient asked of it
+        return value
 
 
 def _standard(t: Tensor) -> Tensor:
