@@ -109,11 +109,14 @@ class UnitInfo:
     ``unit_of_row`` is int64 of length R (rows), non-decreasing, with values 0 .. num_units - 1.
     ``views``: each example's rows are this many augmented views of it (augmentation multiplicity), which
     are averaged before the reduction ("sum" then sums the examples' view means; "mean" is unchanged).
+    ``ids``: per unit, the values a batch field may hold to name it (a user's own id and its relabelled
+    index), so the mixing check can tell a user-id field from a label that happens to be constant per user.
     """
 
     unit_of_row: Tensor
     reduction: Literal["mean", "sum"] = "mean"
     views: int = 1
+    ids: tuple[tuple[Any, ...], ...] | None = None
 
     @property
     def num_units(self) -> int:
@@ -133,7 +136,8 @@ class UnitInfo:
     def slice(self, first: int, stop: int) -> UnitInfo:
         """Units ``first`` .. ``stop - 1`` (renumbered from 0): the unit map of a chunk holding exactly them."""
         keep = (self.unit_of_row >= first) & (self.unit_of_row < stop)
-        return UnitInfo(self.unit_of_row[keep] - first, self.reduction, self.views)
+        ids = None if self.ids is None else self.ids[first:stop]
+        return UnitInfo(self.unit_of_row[keep] - first, self.reduction, self.views, ids)
 
     def without(self, removed: list[int]) -> tuple[list[int], UnitInfo, Tensor]:
         """The batch with whole units ``removed``: (their rows, the unit map of the rows left, renumbered
@@ -145,7 +149,9 @@ class UnitInfo:
         kept_units = (~gone).nonzero().squeeze(1)
         renumber = (~gone).long().cumsum(0) - 1
         rest = renumber.to(self.unit_of_row.device)[self.unit_of_row[~gone_rows]]
-        return gone_rows.nonzero().squeeze(1).tolist(), UnitInfo(rest, self.reduction, self.views), kept_units
+        ids = None if self.ids is None else tuple(self.ids[u] for u in kept_units.tolist())
+        unit_map = UnitInfo(rest, self.reduction, self.views, ids)
+        return gone_rows.nonzero().squeeze(1).tolist(), unit_map, kept_units
 
 
 @dataclass(frozen=True)

@@ -231,6 +231,90 @@ def test_a_loss_that_couples_rows_of_different_users_is_refused(loss, users, use
     assert "isolate_examples=True" in message
 
 
+def _newest_user_bonus(m, x, y, u):
+    """Every step gives the batch's newest user (the largest id) 5 times its loss: a dependence on which
+    other users are in the batch, read only through their ids."""
+    losses = F.cross_entropy(m(F.dropout(x, m.drop)), y, reduction="none")
+    newest = (u == u.max()).float()
+    return losses.mean() + 5.0 * (losses * newest).sum() / newest.sum()
+
+
+def _id_normalised_weights(m, x, y, u):
+    """Each user weighted by its id over the sum of the batch's ids."""
+    losses = F.cross_entropy(m(F.dropout(x, m.drop)), y, reduction="none")
+    ids, group = torch.unique(u, return_inverse=True)
+    weights = (ids + 1).double() / (ids + 1).double().sum()
+    return (weights[group].float() * losses).sum() * 10
+
+
+def _label_histogram(m, x, y, u):
+    """Speaker identification: the label is the user's id; the target is smoothed by the batch's label
+    histogram (a statistic of the other users' labels)."""
+    logp = m(F.dropout(x, m.drop)).log_softmax(1)
+    histogram = torch.bincount(u, minlength=logp.shape[1]).float()
+    target = 0.9 * F.one_hot(u, logp.shape[1]).float() + 0.1 * histogram / histogram.sum()
+    return -(target * logp).sum(1).mean()
+
+
+class SpeakerModule(TinyModule):
+    """``users`` speakers of ``PER_USER`` rows each, the user id in the batch (and as the label: classes =
+    users); ``drop``: the input dropout that makes the check replace users instead of removing one."""
+
+    def __init__(self, loss, drop: float, users: int = 96, users_per_step: int = 24) -> None:
+        super().__init__(n=users * PER_USER, classes=users, batch_size=users_per_step * PER_USER)
+        self.users = torch.arange(users).repeat_interleave(PER_USER)
+        self.loss, self.drop = loss, drop
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(UserData(self.x, self.users, self.users), batch_size=self.batch_size)
+
+    def training_step(self, batch, batch_idx):
+        x, _, user = batch
+        return self.loss(self, x, user, user)
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.2], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("loss", [_newest_user_bonus, _id_normalised_weights, _label_histogram])
+def test_a_dependence_on_other_users_ids_is_refused_even_when_every_changed_user_is_replaced(loss, drop):
+    """A replaced user keeps no id of its own: it becomes a user left out of the batch (its id in the form
+    the field holds), so the batch's set of ids moves as between neighbours. Without dropout one user is
+    removed, at random (half the time one holding an id's extreme), not always the first."""
+    module = SpeakerModule(loss, drop)
+    with pytest.raises(DPConfigurationError, match="Sensitivity check failed"):
+        fit_users_of(module, users_per_step=24, steps=3, check_sensitivity="every_step")
+
+
+def test_a_per_user_loss_keyed_by_a_derived_id_string_trains_and_fresh_ids_keep_groups_apart():
+    """An id in another form than user_key's (``f"user-{id}"``) is kept as the copy's own; an exact id field
+    gets the id of a user left out of the batch, so no replaced row joins a kept user's group."""
+
+    class Named(SpeakerModule):
+        def train_dataloader(self) -> DataLoader:
+            names = [f"user-{int(u):03d}" for u in self.users]
+            return DataLoader(list(zip(self.x, self.users, names, self.users, strict=True)), batch_size=96)
+
+        def training_step(self, batch, batch_idx):
+            x, y, names, user = batch
+            order = sorted(set(names))
+            group = torch.tensor([order.index(n) for n in names])
+            losses = F.cross_entropy(self(F.dropout(x, 0.2)), y, reduction="none")
+            centred = losses - user_mean(losses, group) + user_mean(losses, user)  # both ids group
+            return (
+                centred.mean()
+                + torch.stack([losses[group == j].logsumexp(0) for j in range(len(order))]).mean()
+            )
+
+    strategy = fit_users_of(Named(None, 0.2), users_per_step=24, steps=2, check_sensitivity="every_step")
+    assert strategy.checks.mixing.checked_steps == [0, 1]
+
+
+def fit_users_of(module: SpeakerModule, users_per_step: int, steps: int, **kwargs) -> DPStrategy:
+    strategy = DPStrategy(noise_multiplier=1.0, privacy_unit="user", user_key=module.users,
+                          examples_per_user=PER_USER, users_per_step=users_per_step, seed=0, **kwargs)  # fmt: skip
+    make_trainer(strategy, max_steps=steps, max_epochs=100).fit(module)
+    return strategy
+
+
 # -- (c) augmentation multiplicity: views of one example may mix, examples may not ---------------------------
 class Jittered(Dataset):
     """Each call draws a new view (a random shift of the input)."""

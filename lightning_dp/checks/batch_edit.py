@@ -204,18 +204,46 @@ def _id_like(field_: Tensor | list[Any], rows: int) -> bool:
     return all(isinstance(v, str | bytes | int) for v in field_)
 
 
-def unit_id_fields(batch: Any, rows: int, unit_of_row: list[int]) -> frozenset[int]:
-    """The per-example fields (by position, in :func:`per_example_fields`' order) that name the row's unit:
-    one integer or string per row, the same on every row of a unit and different between units (a user id
-    column, an example's index shared by its augmented views). A row replaced by a copy of another unit's
-    row keeps these, so it stays in its own unit instead of joining the other one (a per-user loss that
-    groups rows by this id would otherwise see the kept user's rows change)."""
+def _plain(value: Any) -> Any:
+    """A field's value for one row as a plain Python value (a one-element tensor or array, a NumPy scalar)."""
+    if isinstance(value, Tensor):
+        return value.reshape(-1)[0].item() if value.numel() == 1 else None
+    item = getattr(value, "item", None)
+    return item() if callable(item) and getattr(value, "size", 1) == 1 else value
+
+
+def _row_values(field_: Tensor | list[Any], rows: int) -> list[Any]:
+    if isinstance(field_, Tensor):
+        return field_.reshape(rows, -1)[:, 0].tolist() if field_.numel() == rows else [None] * rows
+    return [_plain(v) for v in field_]
+
+
+def unit_id_fields(
+    batch: Any, rows: int, unit_of_row: list[int], ids: tuple[tuple[Any, ...], ...] | None = None
+) -> frozenset[int]:
+    """The per-example fields (by position, in :func:`per_example_fields`' order) that name the row's unit.
+    A row replaced by a copy of another unit's row keeps these, so it stays in its own unit instead of
+    joining the other one (a per-user loss that groups rows by this id would otherwise see the kept user's
+    rows change).
+
+    A field names the unit when every row holds one of its unit's ``ids`` (the sampler's: the user's own id
+    and its relabelled index; the mixing check then gives a replaced user the id of a user left out of the
+    batch, :func:`id_forms`), or when it holds one integer or string per row, the same on every row of a
+    unit and different between units (an id in another form, e.g. ``f"user-{id}"``, or an example's index
+    shared by its augmented views): kept as it is. A label that happens to be constant per user and
+    distinct between users is kept too, so a dependence on the batch's set of such labels shows only
+    through the removed unit."""
     found: set[int] = set()
     if len(set(unit_of_row)) < 2:
         return frozenset()
     for position, field_ in enumerate(per_example_fields(batch, rows)):
         if not _id_like(field_, rows):
             continue
+        if ids is not None:
+            values = _row_values(field_, rows)
+            if all(v is not None and v in ids[u] for v, u in zip(values, unit_of_row, strict=True)):
+                found.add(position)
+                continue
         of_unit: dict[int, int] = {}
         constant = all(
             of_unit.setdefault(u, h) == h
@@ -224,6 +252,37 @@ def unit_id_fields(batch: Any, rows: int, unit_of_row: list[int]) -> frozenset[i
         if constant and len(set(of_unit.values())) == len(of_unit):
             found.add(position)
     return frozenset(found)
+
+
+def id_forms(
+    batch: Any, rows: int, unit_of_row: list[int], ids: tuple[tuple[Any, ...], ...], fields: frozenset[int]
+) -> dict[int, int]:
+    """For each id field (by position), which of its unit's ids every row holds: 0 for the user's own id,
+    1 for its relabelled index (fields matching neither are left out)."""
+    forms: dict[int, int] = {}
+    for position, field_ in enumerate(per_example_fields(batch, rows)):
+        if position not in fields:
+            continue
+        values = _row_values(field_, rows)
+        for form in (0, 1):
+            if all(v == ids[u][form] for v, u in zip(values, unit_of_row, strict=True)):
+                forms[position] = form
+                break
+    return forms
+
+
+def id_extremes(batch: Any, rows: int, fields: frozenset[int]) -> list[int]:
+    """The rows holding the smallest and the largest value of each field in ``fields`` (the id fields a
+    replaced row keeps): a dependence on one extreme user's id (a bonus for the batch's newest user)
+    shows only when that user is removed."""
+    found: list[int] = []
+    for position, field_ in enumerate(per_example_fields(batch, rows)):
+        if position not in fields:
+            continue
+        values = _row_values(field_, rows)
+        order = sorted(range(rows), key=lambda r: (str(type(values[r])), values[r]))
+        found += [order[0], order[-1]]
+    return list(dict.fromkeys(found))
 
 
 def _rows_of(
@@ -235,11 +294,17 @@ def _rows_of(
 
 
 def replace_rows(
-    batch: Any, rows_changed: tuple[int, ...], sources: list[int], keep: frozenset[int] = frozenset()
+    batch: Any,
+    rows_changed: tuple[int, ...],
+    sources: list[int],
+    keep: frozenset[int] = frozenset(),
+    relabel: Mapping[int, Mapping[int, Any]] | None = None,
 ) -> Any:
     """The batch with each example in ``rows_changed`` replaced by a copy of the matching ``sources`` example
     (every per-example field: tensors whose dim 0 is the batch, lists of per-example values): same shapes.
-    The fields at positions ``keep`` (:func:`unit_id_fields`) are left as they are."""
+    The fields at positions ``keep`` (:func:`unit_id_fields`) are not copied: a changed row takes the value
+    ``relabel[position][row]`` where given (the id of a user not in the batch), else keeps its own."""
+    fresh = relabel or {}
     rows = batch_length(batch)
     assert rows is not None
     if not rows_changed:
@@ -249,16 +314,29 @@ def replace_rows(
     position = iter(range(1 << 62))  # the fields in per_example_fields' order
 
     def tensor(t: Tensor) -> Tensor:
-        if next(position) in keep:
-            return t
+        at = next(position)
+        if at in keep:
+            named = {r: v for r, v in fresh.get(at, {}).items() if r in set(rows_changed)}
+            if not named:
+                return t
+            out = t.clone()
+            rows_named = torch.tensor(list(named), dtype=torch.long, device=t.device)
+            out.view(rows, -1)[rows_named] = torch.tensor(
+                list(named.values()), dtype=t.dtype, device=t.device
+            )[:, None]
+            return out
         out = t.clone()
         out[target.to(t.device)] = t[source.to(t.device)]
         return out
 
     def values(x: list[Any]) -> list[Any]:
-        if next(position) in keep:
-            return list(x)
+        at = next(position)
         out = list(x)
+        if at in keep:
+            for r in rows_changed:
+                if r in fresh.get(at, {}):
+                    out[r] = type(x[r])(fresh[at][r]) if isinstance(x[r], int | str) else fresh[at][r]
+            return out
         for r, s in zip(rows_changed, sources, strict=True):
             out[r] = x[s]
         return out
@@ -302,6 +380,7 @@ def run_on_changed_batch(
     run: Callable[[Any, int, list[int]], T],
     reset: Callable[[], None],
     keep_fields: frozenset[int] = frozenset(),
+    relabel: Mapping[int, Mapping[int, Any]] | None = None,
 ) -> ChangedPass[T]:
     """``run(changed_batch, its_rows, kept_rows_in_it)`` on ``batch`` with the ``removed`` examples removed
     and the ``replaced`` ones replaced by copies of kept examples (``draw(n)`` picks among n).
@@ -310,13 +389,14 @@ def run_on_changed_batch(
     group size made in the ``collate_fn``), every changed example is replaced instead, so every shape stays
     as the loader makes it. If that raises too, a :class:`DPConfigurationError` quotes the step's exception
     and says what makes the model checkable. ``reset`` puts the module's state back before a second try.
-    ``keep_fields``: fields a replaced example keeps (its unit's id, :func:`unit_id_fields`).
+    ``keep_fields``: fields a replaced example does not copy (its unit's id, :func:`unit_id_fields`); it takes
+    ``relabel[field][row]`` where given, else keeps its own.
     """
     changed = removed + replaced
 
     def replacing(targets: tuple[int, ...]) -> Any:
         sources = [_different_row(batch, rows, r, kept, draw(len(kept))) for r in targets]
-        return replace_rows(batch, targets, sources, keep_fields)
+        return replace_rows(batch, targets, sources, keep_fields, relabel)
 
     first_error: BaseException | None = None
     if removed:

@@ -60,6 +60,8 @@ from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live t
     _different_row,  # noqa: F401
     _example_hashes,  # noqa: F401
     _rows_of,  # noqa: F401
+    id_extremes,
+    id_forms,
     remove_rows,  # noqa: F401
     replace_rows,  # noqa: F401
     run_on_changed_batch,
@@ -493,16 +495,21 @@ class MixingCheck:
             # one changed example (unit) and replace the others by copies of kept ones: the batch's content
             # moves, and its size moves by exactly one unit, as between neighbours (a function of the size
             # alone, such as its parity, can stay put when many go at once).
-            removed: tuple[int, ...] = changed[:1]
-            replaced: tuple[int, ...] = changed[1:]
+            unit_of_row = None if units is None else units.unit_of_row.cpu().tolist()
+            keep_fields: frozenset[int] = frozenset()
+            if units is not None and unit_of_row is not None:
+                keep_fields = unit_id_fields(batch, rows, unit_of_row, units.ids)
+            relabel = (
+                self._other_users(engine, batch, rows, units, changed, keep_fields)
+                if units is not None and keep_fields
+                else None
+            )
+            out = self._removed_item(batch, rows, changed, unit_of_row, keep_fields)
+            removed: tuple[int, ...] = (out,)
+            replaced: tuple[int, ...] = tuple(i for i in changed if i != out)
             if state.drew_random_numbers():
                 removed, replaced = (), changed
             after_removal, index = items.without(list(removed))
-            keep_fields = (
-                frozenset()
-                if units is None
-                else unit_id_fields(batch, rows, units.unit_of_row.cpu().tolist())
-            )
 
             def units_after(n: int) -> UnitInfo | None:  # pass B's unit map: one unit fewer, or as in pass A
                 return units if n == rows else after_removal.units
@@ -519,6 +526,7 @@ class MixingCheck:
                 ),
                 state.restore,
                 keep_fields,
+                relabel,
             )
             other = edit.result
             if other is None:
@@ -567,6 +575,87 @@ class MixingCheck:
             noun,
             grouped,
         )
+
+    def _other_users(
+        self,
+        engine: PrivateStepEngine,
+        batch: Any,
+        rows: int,
+        units: UnitInfo,
+        changed: tuple[int, ...],
+        fields: frozenset[int],
+    ) -> dict[int, dict[int, Any]] | None:
+        """New ids for the changed users' id fields: each replaced user becomes a user of the training set
+        not in this batch (its id in the form the field holds: the user's own id or its index), so the batch's
+        set of ids moves as between neighbours (a dependence on other users' ids shows even when every changed
+        user is replaced), and a loss that groups rows by the id still sees the kept users' groups unchanged.
+        Where fewer users are left out of the batch than were changed, a random share of the changed users
+        gets new ids and the others keep theirs; None where the sampler keeps no ids or none is left out."""
+        users = getattr(engine.sampler, "users", None)
+        raw = getattr(users, "raw_ids", None)
+        if units.ids is None or raw is None:
+            return None
+        present = {int(unit_ids[1]) for unit_ids in units.ids}
+        kept = [int(units.ids[u][1]) for u in range(units.num_units) if u not in set(changed)]
+        wanted = min(len(changed), len(raw) - len(present))  # a high rate leaves few users out
+        if wanted <= 0 or not kept:
+            return None
+        # Inside the kept users' range first: the kept users then hold the batch's extreme ids (the newest
+        # user, the oldest), so a dependence on which user is an extreme moves a kept user.
+        spare = self._left_out(present, min(kept) + 1, max(kept), wanted)
+        spare += self._left_out(present, 0, len(raw), wanted - len(spare))
+        unit_of_row = units.unit_of_row.cpu().tolist()
+        extremes = [unit_of_row[r] for r in id_extremes(batch, rows, fields)]  # renamed first: the newest
+        order = [changed[i] for i in torch.randperm(len(changed), generator=self.generator).tolist()]
+        order = list(dict.fromkeys([u for u in extremes if u in set(changed)] + order))  # user, the oldest
+        new_user = dict(zip(order, spare, strict=False))  # the others keep their own ids
+        out: dict[int, dict[int, Any]] = {}
+        for position, form in id_forms(batch, rows, unit_of_row, units.ids, fields).items():
+            out[position] = {
+                r: (raw[new_user[u]] if form == 0 else new_user[u])
+                for r, u in enumerate(unit_of_row)
+                if u in new_user
+            }
+        return out
+
+    def _left_out(self, present: set[int], low: int, high: int, count: int) -> list[int]:
+        """Up to ``count`` distinct users in [low, high) not in ``present`` (added to it), drawn at random:
+        by rejection where at least half the range is left out (O(count)), else from the range listed."""
+        width = max(high - low, 0)
+        inside = sum(1 for u in present if low <= u < high) if width else 0
+        take = min(count, width - inside)
+        if take <= 0:
+            return []
+        if 2 * inside > width:
+            left = [u for u in range(low, high) if u not in present]
+            chosen = [left[i] for i in torch.randperm(len(left), generator=self.generator)[:take].tolist()]
+        else:
+            chosen = []
+            while len(chosen) < take:
+                for u in torch.randint(low, high, (2 * take,), generator=self.generator).tolist():
+                    if u not in present and len(chosen) < take:
+                        present.add(u)
+                        chosen.append(u)
+        present.update(chosen)
+        return chosen
+
+    def _removed_item(
+        self,
+        batch: Any,
+        rows: int,
+        changed: tuple[int, ...],
+        unit_of_row: list[int] | None,
+        keep_fields: frozenset[int],
+    ) -> int:
+        """The one changed example (unit) pass B removes, drawn at random: a replaced unit keeps its id
+        fields, so a dependence on another unit's id (the batch's newest user, a weight normalised over the
+        users' ids) shows only through the removed one; half the time it is one holding an id's extreme."""
+        if unit_of_row is not None and keep_fields and self._draw() < 0.5:
+            extremes = [unit_of_row[r] for r in id_extremes(batch, rows, keep_fields)]
+            candidates = [u for u in dict.fromkeys(extremes) if u in set(changed)]
+            if candidates:
+                return candidates[self.pick(len(candidates))]
+        return changed[self.pick(len(changed))]
 
     def _pass(
         self,

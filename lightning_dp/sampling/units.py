@@ -50,7 +50,8 @@ def with_views(info: Any, examples: int, views: int) -> WithUnits:
             f"the sampler's unit map has {units.unit_of_row.numel()} rows for {examples} examples"
         )
     return WithUnits(
-        info, UnitInfo(units.unit_of_row.repeat_interleave(views), units.reduction, units.views * views)
+        info,
+        UnitInfo(units.unit_of_row.repeat_interleave(views), units.reduction, units.views * views, units.ids),
     )
 
 

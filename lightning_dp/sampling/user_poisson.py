@@ -177,7 +177,12 @@ class UserPoisson(SeededSampler):
             rows, unit_of_row = self._cycle(users, counts)
         else:
             rows, unit_of_row = self._random(users, counts)
-        return IndicesWithInfo(rows.tolist(), UnitInfo(torch.from_numpy(unit_of_row), self.reduction))
+        assert self.users is not None
+        ids = tuple(
+            (self.users.raw_ids[u], u) for u in users.tolist()
+        )  # how a batch field may name each user
+        unit_map = UnitInfo(torch.from_numpy(unit_of_row), self.reduction, ids=ids)
+        return IndicesWithInfo(rows.tolist(), unit_map)
 
     def _random(self, users: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A uniform min(n_u, k)-subset of each user's rows: one uniform key per row, the k smallest kept."""
