@@ -156,3 +156,24 @@ def test_a_skipped_batch_leaves_the_next_epoch_aligned():
     assert {kind for _, kind in module.seen} <= {list, EmptyBatch}
     assert module.unit_checks >= 2  # steps of the second epoch checked their units against their batch
     assert strategy.engine.steps == 1 + module.trainer.num_training_batches
+
+
+def test_user_level_resume_refusal_counts_users(tmp_path):
+    """A resume with another users_per_step is refused in the ledger's unit: U users, not N examples."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dp import DPConfigurationError
+
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, **USER_LEVEL)
+    make_trainer(first, tmp_path, max_steps=2, callbacks=[saver], enable_checkpointing=True).fit(
+        Hooked(False)
+    )
+    other = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, **dict(USER_LEVEL, users_per_step=8))
+    with pytest.raises(DPConfigurationError) as refused:
+        make_trainer(other, tmp_path, max_steps=4).fit(Hooked(False), ckpt_path=str(tmp_path / "last.ckpt"))
+    message = str(refused.value)
+    assert f"trained on U={USERS} users" in message
+    assert f"this run has U={USERS} users" in message
+    assert "users_per_step changed q" in message
+    assert "N=" not in message
