@@ -2,9 +2,9 @@
 
 User-level runs, augmentation multiplicity and DPIS send per-batch info (the privacy units, the sampler's
 snapshot) from the loader to the step. That info is taken off the batch as the private loader yields it, so
-``on_before_batch_transfer``, ``on_after_batch_transfer``, ``on_train_batch_start`` and
-``on_train_batch_end`` (the module's and a Callback's) see the user's batch, never lightning-dp's wrapper,
-while ``training_step`` still gets the units of exactly the batch it runs.
+``on_before_batch_transfer``, ``transfer_batch_to_device``, ``on_after_batch_transfer``, and the module's and
+a Callback's ``on_train_batch_start`` and ``on_train_batch_end`` see the user's batch, never lightning-dp's
+wrapper, while ``training_step`` still gets the units of exactly the batch it runs.
 """
 
 from __future__ import annotations
@@ -78,6 +78,11 @@ class Hooked(TinyModule):
             self._note("module.on_before_batch_transfer", batch)
         return batch
 
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        if self.record:
+            self._note("module.transfer_batch_to_device", batch)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def on_after_batch_transfer(self, batch, dataloader_idx):
         if self.record:
             self._note("module.on_after_batch_transfer", batch)
@@ -121,8 +126,8 @@ def test_every_batch_hook_gets_the_users_batch(run):
     assert hooks == {
         f"{owner}.{name}"
         for owner, names in (
-            ("module", ("on_before_batch_transfer", "on_after_batch_transfer", "on_train_batch_start")),
-            ("module", ("on_train_batch_end",)),
+            ("module", ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")),
+            ("module", ("on_train_batch_start", "on_train_batch_end")),
             ("callback", ("on_train_batch_start", "on_train_batch_end")),
         )
         for name in names
