@@ -43,9 +43,9 @@ def _unpack(batch):
 class Hooked(TinyModule):
     """Items are (x, y, user id); every batch hook records the type of the batch it gets and unpacks it."""
 
-    def __init__(self, record: bool = True) -> None:
+    def __init__(self, record: bool = True, num_workers: int = 0) -> None:
         super().__init__(n=USERS * PER_USER, batch_size=24)
-        self.record = record
+        self.record, self.num_workers = record, num_workers
         self.seen: list[tuple[str, type]] = []
         self.unit_checks = 0
 
@@ -54,7 +54,8 @@ class Hooked(TinyModule):
         _unpack(batch)
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(self.x, self.y, USER_OF_EXAMPLE), batch_size=self.batch_size)
+        data = TensorDataset(self.x, self.y, USER_OF_EXAMPLE)
+        return DataLoader(data, batch_size=self.batch_size, num_workers=self.num_workers)
 
     def training_step(self, batch, batch_idx):
         user = _unpack(batch)
@@ -161,6 +162,18 @@ def test_a_skipped_batch_leaves_the_next_epoch_aligned():
     assert {kind for _, kind in module.seen} <= {list, EmptyBatch}
     assert module.unit_checks >= 2  # steps of the second epoch checked their units against their batch
     assert strategy.engine.steps == 1 + module.trainer.num_training_batches
+
+
+def test_batches_collated_in_a_worker_reach_the_hooks_unwrapped():
+    """With a worker process the batch and its units cross a process boundary together; the hooks still get
+    the user's batch and each step its own batch's units."""
+    module = Hooked(num_workers=1)
+    strategy = DPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, seed=0, **USER_LEVEL)
+    make_trainer(strategy, max_epochs=-1, max_steps=4, callbacks=[Recorder(module)]).fit(module)
+    assert {kind for _, kind in module.seen} <= {list, EmptyBatch}
+    assert len({hook for hook, _ in module.seen}) == 7
+    assert module.unit_checks > 0
+    assert strategy.engine.steps == 4
 
 
 def test_user_level_resume_refusal_counts_users(tmp_path):
