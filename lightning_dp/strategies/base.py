@@ -264,8 +264,7 @@ class DPStrategyBase(Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch = args[0] if args else kwargs.get("batch")
-        routing.begin_batch_info(self.engine, self._batch_infos.next_info())
+        batch = routing.begin_batch_info(self.engine, self._batch_infos.next_info(), args, kwargs)
         self.engine.batch, module = batch, self._module()
         if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
             self.step_counts.released_nothing(module)

@@ -32,13 +32,17 @@ from lightning_dp.strategies.loaders import RealisedSizes
 from lightning_dp.strategies.refusals import budget_message
 
 
-def begin_batch_info(engine: PrivateStepEngine, info: Any) -> None:
+def begin_batch_info(
+    engine: PrivateStepEngine, info: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Hand the sampler its snapshot for this batch (DPIS) and the engine the batch's privacy units (users,
-    augmented views), from the info the private loader took off the batch (None: the batch carried none)."""
+    augmented views), from the info the private loader took off the batch (None: the batch carried none).
+    Returns the batch ``training_step`` got (``args``/``kwargs``): the user's batch, as every hook saw it."""
     engine.units = None
     if info is not None:
         engine.sampler.begin_step(sampler_info_of(info))
         engine.units = units_of(info)
+    return args[0] if args else kwargs.get("batch")
 
 
 def begin_sampled_batch(
