@@ -9,8 +9,9 @@ the per-batch side channel from the sampler to the step. The bottom floor: no sl
 * The side channel (:class:`IndicesWithInfo` → :class:`SamplesWithInfo` → :class:`BatchWithInfo`): a
   sampler that needs to tell the step something about *this* batch (DPIS: each candidate's envelope and
   the epoch's released statistics) yields its index list with the info; the dataset wrapper hands it to
-  the collate function, which wraps the user's batch; the strategy unwraps it before user code runs.
-  Nothing is looked up later, so a prefetched batch keeps the snapshot it was drawn with.
+  the collate function, which wraps the user's batch; the private loader takes the info off as it yields
+  the batch, so every Lightning batch hook gets the user's batch, and hands it to the step that batch
+  reaches. Nothing is looked up later, so a prefetched batch keeps the snapshot it was drawn with.
 """
 
 from __future__ import annotations
@@ -192,7 +193,8 @@ class SamplesWithInfo(list[Any]):
 
 
 class BatchWithInfo:
-    """The user's collated batch and the sampler's snapshot; unwrapped by the strategy."""
+    """The user's collated batch and the sampler's snapshot, as the collate function returns them; the
+    private loader unwraps it before Lightning sees the batch (``strategies.loaders.BatchInfos``)."""
 
     def __init__(self, batch: Any, info: Any) -> None:
         self.batch = batch

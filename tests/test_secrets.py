@@ -121,7 +121,7 @@ def test_an_unseeded_runs_files_logs_and_messages_hold_no_seed_no_generator_stat
         except DPConfigurationError as err:
             refusal = str(err)
     units = 71 if mechanism == "UserPoisson" else N  # the ledger's unit: 211 examples or 71 users
-    assert f"N={units}" in refusal
+    assert (f"U={units} users" if mechanism == "UserPoisson" else f"N={units}") in refusal
     assert not [w for w in caught if "this run is seeded" in str(w.message)]
     assert draws.draws, "the run drew no os.urandom seed: the scan would prove nothing"
 

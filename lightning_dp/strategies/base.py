@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyLedger
-from lightning_dp.batches import BatchWithInfo, EmptyBatch
+from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.checkpointing import atomic_save, is_local_path, unreadable_checkpoint
 from lightning_dp.checks import RunChecks
@@ -76,6 +76,9 @@ class DPStrategyBase(Strategy):
         self._resumed = False
         self._train_loader_pass: object = refusals.NO_PASS
         self._realised_sizes: loaders.RealisedSizes | None = None
+        self._batch_infos = loaders.BatchInfos()
+        """Each train batch's side-channel info (units, DPIS's snapshot), taken off it as the loader yields
+        it, so Lightning's batch hooks get the user's batch; ``training_step`` takes them in order."""
         self.step_counts = checkpoints.StepCounts()
         self._bound_data: loaders.BoundData | None = None
         self._bounded = units.BoundedData()
@@ -192,7 +195,7 @@ class DPStrategyBase(Strategy):
         self._realised_sizes = loaders.RealisedSizes(sampler.batch_sampler(num_batches), views)
         return loaders.private_loader(
             loader, self._realised_sizes, sampler.carries_batch_info, self.checks.integrity, views,
-            dataset=self._bounded.dataset,
+            dataset=self._bounded.dataset, infos=self._batch_infos,
         )  # fmt: skip
 
     def _bind_sampler(self, loader: DataLoader) -> int:
@@ -251,8 +254,6 @@ class DPStrategyBase(Strategy):
     # -- 5. training step --------------------------------------------------------------------------------------------------
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if isinstance(batch, BatchWithInfo):
-            return BatchWithInfo(self.batch_to_device(batch.batch, device, dataloader_idx), batch.info)
         if isinstance(batch, EmptyBatch):
             return batch
         moved = super().batch_to_device(batch, device, dataloader_idx)
@@ -263,7 +264,7 @@ class DPStrategyBase(Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, args, kwargs = routing.unwrap_batch_info(self.engine, args, kwargs)
+        batch = routing.begin_batch_info(self.engine, self._batch_infos.next_info(), args, kwargs)
         self.engine.batch, module = batch, self._module()
         if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
             self.step_counts.released_nothing(module)

@@ -127,7 +127,8 @@ def _check_prior_data(engine: PrivateStepEngine, public_changes: bool) -> None:
     if before is None or public_changes or before == n:
         return
     raise DPConfigurationError(
-        f"This model was trained privately before on N={before} examples; this fit has N={n}. The ledger "
+        f"This model was trained privately before on {_units(engine.sampler, before, ' examples')}; this fit "
+        f"has {_units(engine.sampler, n)}. The ledger "
         "cannot continue across a different data set: the earlier releases' q and the examples they cover "
         "differ. Fit on the same training set, declare the change public with data_changes='public' (ε then "
         "adds up over both), or train a fresh copy of the model."
@@ -308,8 +309,9 @@ def _check_same_shape(sampler: Sampler) -> None:
     if saved_n is None or saved_q is None or (saved_n, saved_q) == (sampler.num_samples, sampler.sample_rate):
         return
     raise DPConfigurationError(
-        f"The checkpoint was trained on N={saved_n} with sample rate {saved_q:.6g}; this run has "
-        f"N={sampler.num_samples}, rate {sampler.sample_rate:.6g}. The ledger cannot continue across a "
+        f"The checkpoint was trained on {_units(sampler, saved_n)} with sample rate {saved_q:.6g}; this run "
+        f"has {_units(sampler, sampler.num_samples)}, rate {sampler.sample_rate:.6g}. The ledger cannot "
+        "continue across a "
         f"different data set or batch size: {_shape_change(saved_n, saved_q, sampler)} Resume with the "
         "same training set and batch_size, or start a new run without ckpt_path (its ε then adds to "
         "the first run's)."
@@ -319,10 +321,20 @@ def _check_same_shape(sampler: Sampler) -> None:
 def _shape_change(saved_n: int, saved_q: float, sampler: Sampler) -> str:
     """One sentence on what changed between the checkpoint's data and this run's, and what it does to q."""
     n, q = sampler.num_samples, sampler.sample_rate
+    users = sampler.unit == "user"
     if n == saved_n:
-        return f"the data set has the same N, but batch_size changed q from {saved_q:.6g} to {q:.6g}."
+        setting = "users_per_step" if users else "batch_size"
+        return (
+            f"the data set has the same {'U' if users else 'N'}, but {setting} changed q from {saved_q:.6g} "
+            f"to {q:.6g}."
+        )
     change = "shrank" if n < saved_n else "grew"
     return (
-        f"the training set {change} from {saved_n} to {n} examples (by {abs(n - saved_n)}), which changed q "
-        f"from {saved_q:.6g} to {q:.6g}."
+        f"the training set {change} from {saved_n} to {n} {'users' if users else 'examples'} (by "
+        f"{abs(n - saved_n)}), which changed q from {saved_q:.6g} to {q:.6g}."
     )
+
+
+def _units(sampler: Sampler, count: int, examples: str = "") -> str:
+    """A count of the ledger's privacy units as a refusal names it: "N=211" (+ ``examples``) or "U=71 users"."""
+    return f"U={count} users" if sampler.unit == "user" else f"N={count}{examples}"

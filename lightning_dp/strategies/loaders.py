@@ -77,23 +77,60 @@ class RealisedSizes(torch.utils.data.Sampler[list[int]]):
         return self.sizes.popleft() if self.sizes else None
 
 
+class BatchInfos:
+    """The side-channel info of each batch the private loader yields (None for a batch without any), taken
+    off the batch as it leaves the loader and handed to the strategy in delivery order: every Lightning
+    batch hook then gets the user's own batch, and ``training_step`` the info of exactly the batch it runs
+    (Lightning delivers each batch to one step, in order; an iterator abandoned at an epoch's end, or by
+    an ``on_train_batch_start`` that returns -1, is followed by a new pass, which drops what it prefetched)."""
+
+    def __init__(self) -> None:
+        self.pending: deque[Any] = deque()
+
+    def new_pass(self) -> None:
+        """A new iterator over the train loader: infos of batches an abandoned one prefetched are dropped."""
+        self.pending.clear()
+
+    def take(self, batch: Any) -> Any:
+        """The user's batch inside ``batch``; its info is noted for the step it reaches."""
+        if isinstance(batch, BatchWithInfo):
+            self.pending.append(batch.info)
+            return batch.batch
+        self.pending.append(None)
+        return batch
+
+    def next_info(self) -> Any:
+        """The info of the batch delivered next (None when it had none, or came from another loader)."""
+        return self.pending.popleft() if self.pending else None
+
+
 class PrivateLoader(DataLoader):
-    """A DataLoader that records every batch it yields (``BatchIntegrity.sampled``), in delivery order, so
-    the strategy can tell that what reaches ``training_step`` is that batch, unchanged by hooks."""
+    """A DataLoader that yields the user's collated batches, with the side-channel info taken off them
+    (``infos``), and records every batch it yields (``BatchIntegrity.sampled``), in delivery order, so the
+    strategy can tell that what reaches ``training_step`` is that batch, unchanged by hooks."""
 
     integrity: BatchIntegrity | None = None
+    infos: BatchInfos | None = None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        integrity = self.integrity
-        if integrity is None:
+        integrity, infos = self.integrity, self.infos
+        if integrity is None and infos is None:
             return super().__iter__()
-        integrity.new_pass()
-        return self._recorded(super().__iter__(), integrity)
+        if integrity is not None:
+            integrity.new_pass()
+        if infos is not None:
+            infos.new_pass()
+        return self._delivered(super().__iter__(), integrity, infos)
 
     @staticmethod
-    def _recorded(batches: Iterator[Any], integrity: BatchIntegrity) -> Iterator[Any]:
+    def _delivered(
+        batches: Iterator[Any], integrity: BatchIntegrity | None, infos: BatchInfos | None
+    ) -> Iterator[Any]:
         for batch in batches:
-            integrity.sampled(batch)
+            if infos is not None:
+                batch = infos.take(batch)
+            if integrity is not None:
+                integrity.sampled(batch)
             yield batch
 
 
@@ -104,10 +141,12 @@ def private_loader(
     integrity: BatchIntegrity | None = None,
     views: int = 1,
     dataset: Any = None,
+    infos: BatchInfos | None = None,
 ) -> DataLoader:
     """The user's loader with the sampler slot's ``batches``; its workers and memory settings kept.
     ``views`` > 1: each drawn example is fetched that many times (augmentation multiplicity).
-    ``dataset``: what the batches index, when not the loader's own (a run's contribution-bounded subset)."""
+    ``dataset``: what the batches index, when not the loader's own (a run's contribution-bounded subset).
+    ``infos``: where each batch's side-channel info goes (units, a sampler's snapshot) as it is yielded."""
     dataset = loader.dataset if dataset is None else dataset
     dataset = AugmentedDataset(dataset, views) if views > 1 else dataset
     private = PrivateLoader(
@@ -123,6 +162,7 @@ def private_loader(
         prefetch_factor=loader.prefetch_factor if loader.num_workers > 0 else None,
     )
     private.integrity = integrity
+    private.infos = infos
     return private
 
 

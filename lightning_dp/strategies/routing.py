@@ -18,7 +18,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_dp.batches import (
-    BatchWithInfo,
     EmptyBatch,
     UnitInfo,
     batch_length,
@@ -33,22 +32,17 @@ from lightning_dp.strategies.loaders import RealisedSizes
 from lightning_dp.strategies.refusals import budget_message
 
 
-def unwrap_batch_info(
-    engine: PrivateStepEngine, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def begin_batch_info(
+    engine: PrivateStepEngine, info: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """Hand the sampler its snapshot for this batch (DPIS) and the engine the batch's privacy units (users,
-    augmented views), and give user code the batch alone."""
-    batch = args[0] if args else kwargs.get("batch")
+    augmented views), from the info the private loader took off the batch (None: the batch carried none).
+    Returns the batch ``training_step`` got (``args``/``kwargs``): the user's batch, as every hook saw it."""
     engine.units = None
-    if isinstance(batch, BatchWithInfo):
-        engine.sampler.begin_step(sampler_info_of(batch.info))
-        engine.units = units_of(batch.info)
-        batch = batch.batch
-        if args:
-            args = (batch, *args[1:])
-        else:
-            kwargs["batch"] = batch
-    return batch, args, kwargs
+    if info is not None:
+        engine.sampler.begin_step(sampler_info_of(info))
+        engine.units = units_of(info)
+    return args[0] if args else kwargs.get("batch")
 
 
 def begin_sampled_batch(
