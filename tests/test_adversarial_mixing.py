@@ -358,6 +358,17 @@ class ActNorm(Plain):
         return self.lin(self.gain(x))
 
 
+class Involution(Plain):
+    """A flag-guarded write that a second run of the same initialisation undoes (a sign flip): the probe's
+    two passes (two and three copies) would put the weight back, so it is compared after each pass."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.initialised:
+            self.lin.bias.data.neg_()
+            self.initialised = True
+        return self.lin(self.gain(x))
+
+
 class DataWriteEveryStep(Plain):
     """Writes the batch's mean into a weight through ``.data`` on every forward (no version bump)."""
 
@@ -383,7 +394,9 @@ class BufferDataWrite(Callback):
 
 
 @pytest.mark.filterwarnings("ignore")
-@pytest.mark.parametrize("model", [ActNorm, DataWriteEveryStep, SetWrite], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "model", [ActNorm, Involution, DataWriteEveryStep, SetWrite], ids=lambda m: m.__name__
+)
 @pytest.mark.parametrize("setting", [True, False])
 def test_parameter_writes_are_found_by_value_before_any_release(model, setting):
     module = model()
@@ -392,7 +405,10 @@ def test_parameter_writes_are_found_by_value_before_any_release(model, setting):
     with pytest.raises(DPConfigurationError, match="were written in place during"):
         make_trainer(strategy, max_steps=2).fit(module, train_dataloaders=DataLoader(data(16), batch_size=16))
     assert strategy.engine.steps == 0
-    if model is ActNorm:  # caught in the structure probe, the first code to see a record: put back
+    if model in (
+        ActNorm,
+        Involution,
+    ):  # caught in the structure probe, the first code to see a record: put back
         assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
 
 

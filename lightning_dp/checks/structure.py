@@ -45,12 +45,15 @@ def probe_batch_structure(
     sizes = []
     state = ModuleState.save(module, device)
     values = ParameterValues.take(module)
+    written: list[str] = []
     try:
         for copies in (2, 3):
             batch = move_data_to_device(precision.convert_input(collate([example] * copies)), device)
             with capture.recording_input_sizes() as seen, torch.no_grad():
                 dry_training_step(module, batch, 0, precision, forward_only=True)
             sizes.append(seen)
+            written += values.written()  # after each pass: a second write could put the first one back
+            values.restore()
             state.restore()
     except Exception as error:  # the real step reports the same error in its own words
         rank_zero_info(
@@ -60,7 +63,7 @@ def probe_batch_structure(
         return
     finally:
         state.restore()
-        written = values.written()
+        written = sorted(set(written + values.written()))
         values.restore()
         if written:
             raise DPConfigurationError(initialisation_message(written))
