@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 from unittest import mock
 
+from conftest import make_trainer
 from lightning.pytorch import Trainer
 
 from lightning_dp import ConstantNoise, Noise
@@ -27,17 +28,4 @@ def dropped_noise(broken: bool) -> AbstractContextManager[Any]:
 
 def audit_trainer(strategy: Any, steps: int, tmp_path: Any, **kwargs: Any) -> Trainer:
     """A Trainer for ``steps`` private steps with nothing else (no logger, checkpoints, validation)."""
-    return Trainer(
-        strategy=strategy,
-        max_steps=steps,
-        max_epochs=-1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=str(tmp_path),
-        **kwargs,
-    )
+    return make_trainer(strategy, tmp_path, max_steps=steps, max_epochs=-1, limit_val_batches=0, **kwargs)
