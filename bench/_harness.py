@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import platform
+import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +25,26 @@ def trainer_kwargs(**overrides: Any) -> dict[str, Any]:
         "num_sanity_val_steps": 0,
         "limit_val_batches": 0,
         **overrides,
+    }
+
+
+def fit_and_test(model: Any, data: Any, strategy: Any, **trainer_args: Any) -> dict[str, Any]:
+    """Fit ``model`` privately on ``data`` (a datamodule) and test it: test accuracy, the ledger's final ε, σ,
+    the steps taken and the fit's wall time. The privacy report goes to a temporary folder, not the cwd."""
+    from lightning.pytorch import Trainer
+
+    with tempfile.TemporaryDirectory() as log_dir:
+        trainer = Trainer(**trainer_kwargs(default_root_dir=log_dir, strategy=strategy, **trainer_args))
+        start = time.perf_counter()
+        trainer.fit(model, datamodule=data)
+        wall = time.perf_counter() - start
+        (metrics,) = trainer.test(model, datamodule=data, verbose=False)
+    return {
+        "accuracy": float(metrics["test_acc"]),
+        "epsilon": strategy.epsilon,
+        "sigma": strategy.engine.noise.noise_multiplier(0),
+        "steps": strategy.engine.steps,
+        "wall": wall,
     }
 
 

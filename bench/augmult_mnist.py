@@ -31,16 +31,14 @@ import datetime
 import logging
 import statistics
 import subprocess
-import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _harness import cpu_name, trainer_kwargs
-from lightning.pytorch import Trainer, seed_everything
+from _harness import cpu_name, fit_and_test
+from lightning.pytorch import seed_everything
 from torch.utils.data import Dataset
 
 from lightning_dp import DPStrategy
@@ -104,28 +102,9 @@ def run(
         max_physical_batch_size=args.max_physical_batch_size,
         seed=seed,
     )
-    log_dir = tempfile.TemporaryDirectory()  # the privacy report is written there, not into the cwd
-    trainer = Trainer(
-        **trainer_kwargs(
-            default_root_dir=log_dir.name,
-            strategy=strategy,
-            max_steps=args.steps,
-            max_epochs=-1,
-            limit_test_batches=args.limit_test_batches,
-        )
+    return fit_and_test(
+        model, data, strategy, max_steps=args.steps, max_epochs=-1, limit_test_batches=args.limit_test_batches
     )
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
-    wall = time.perf_counter() - start
-    (metrics,) = trainer.test(model, datamodule=data, verbose=False)
-    log_dir.cleanup()
-    return {
-        "accuracy": float(metrics["test_acc"]),
-        "epsilon": strategy.epsilon,
-        "sigma": strategy.engine.noise.noise_multiplier(0),
-        "steps": strategy.engine.steps,
-        "wall": wall,
-    }
 
 
 def mean_std(values: list[float], scale: float = 1.0, digits: int = 2) -> str:

@@ -20,8 +20,6 @@ import argparse
 import logging
 import os
 import statistics
-import tempfile
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,8 +27,8 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
-from _harness import trainer_kwargs
-from lightning.pytorch import Trainer, seed_everything
+from _harness import fit_and_test
+from lightning.pytorch import seed_everything
 
 from lightning_dp import DPStrategy, HeavyBall
 from recipes import ImageClassifier, MNISTDataModule
@@ -61,26 +59,7 @@ def run(
         None if method.startswith("DP-SGD") else HeavyBall(beta=args.beta, step_size="paper")
     )  # α = the optimizer lr
     strategy = DPStrategy(target_epsilon=epsilon, delta=1e-5, max_grad_norm=args.clip, step=step, seed=seed)
-    log_dir = tempfile.TemporaryDirectory()  # the privacy report is written there, not into the cwd
-    trainer = Trainer(
-        **trainer_kwargs(
-            default_root_dir=log_dir.name,
-            strategy=strategy,
-            max_epochs=args.epochs,
-        )
-    )
-    start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
-    wall = time.perf_counter() - start
-    (metrics,) = trainer.test(model, datamodule=data, verbose=False)
-    log_dir.cleanup()
-    return {
-        "accuracy": float(metrics["test_acc"]),
-        "epsilon": strategy.epsilon,
-        "sigma": strategy.engine.noise.noise_multiplier(0),
-        "steps": strategy.engine.steps,
-        "wall": wall,
-    }
+    return fit_and_test(model, data, strategy, max_epochs=args.epochs)
 
 
 def fmt(values: list[float]) -> str:
