@@ -596,7 +596,8 @@ class MixingCheck:
         if units.ids is None or raw is None:
             return None
         present = {int(unit_ids[1]) for unit_ids in units.ids}
-        kept = [int(units.ids[u][1]) for u in range(units.num_units) if u not in set(changed)]
+        changing = set(changed)
+        kept = [int(units.ids[u][1]) for u in range(units.num_units) if u not in changing]
         wanted = min(len(changed), len(raw) - len(present))  # a high rate leaves few users out
         if wanted <= 0 or not kept:
             return None
@@ -607,7 +608,7 @@ class MixingCheck:
         unit_of_row = units.unit_of_row.cpu().tolist()
         extremes = [unit_of_row[r] for r in id_extremes(batch, rows, fields)]  # renamed first: the newest
         order = [changed[i] for i in torch.randperm(len(changed), generator=self.generator).tolist()]
-        order = list(dict.fromkeys([u for u in extremes if u in set(changed)] + order))  # user, the oldest
+        order = list(dict.fromkeys([u for u in extremes if u in changing] + order))  # user, the oldest
         new_user = dict(zip(order, spare, strict=False))  # the others keep their own ids
         out: dict[int, dict[int, Any]] = {}
         for position, form in id_forms(batch, rows, unit_of_row, units.ids, fields).items():
@@ -647,12 +648,14 @@ class MixingCheck:
         unit_of_row: list[int] | None,
         keep_fields: frozenset[int],
     ) -> int:
-        """The one changed example (unit) pass B removes, drawn at random: a replaced unit keeps its id
-        fields, so a dependence on another unit's id (the batch's newest user, a weight normalised over the
-        users' ids) shows only through the removed one; half the time it is one holding an id's extreme."""
+        """The one changed example (unit) pass B removes, drawn at random; half the time, with users, one
+        holding an id field's extreme: a replaced user that keeps its own id (a field in another form than
+        ``user_key``'s, or no user left out of the batch to take the id of) shows a dependence on its id only
+        when removed (the batch's newest user)."""
         if unit_of_row is not None and keep_fields and self._draw() < 0.5:
             extremes = [unit_of_row[r] for r in id_extremes(batch, rows, keep_fields)]
-            candidates = [u for u in dict.fromkeys(extremes) if u in set(changed)]
+            changing = set(changed)
+            candidates = [u for u in dict.fromkeys(extremes) if u in changing]
             if candidates:
                 return candidates[self.pick(len(candidates))]
         return changed[self.pick(len(changed))]
