@@ -695,8 +695,9 @@ class MixingCheck:
                 row_norms = samples.sq_norms().double().sqrt().cpu()
             samples = samples.grouped(units.unit_of_row, units.reduction, units.views)
         norms = samples.sq_norms().double().sqrt().cpu()
-        written = {**state.written_buffers(), **values.frozen_written()}  # frozen parameters: like buffers
-        return _Pass(samples, norms, written, values.trainable_written(), row_norms)
+        trained, frozen = values.written_by_kind()
+        written = {**state.written_buffers(), **frozen}  # frozen parameters: like buffers
+        return _Pass(samples, norms, written, trained, row_norms)
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""

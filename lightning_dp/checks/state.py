@@ -239,20 +239,20 @@ class ParameterValues:
             if now.get(name) is not p or not same_values(values, p.detach())
         )
 
-    def trainable_written(self) -> list[str]:
-        """:meth:`written`, of the parameters that require a gradient (what the optimizer trains)."""
-        trainable = {name for name, p in self.module.named_parameters() if p.requires_grad}
-        return [name for name in self.written() if name in trainable]
-
-    def frozen_written(self) -> dict[str, Tensor]:
-        """The frozen parameters (``requires_grad=False``: an EMA copy, a teacher) whose values changed, with
-        their new values: like buffers, they may be written in the step if not from the batch."""
+    def written_by_kind(self) -> tuple[list[str], dict[str, Tensor]]:
+        """:meth:`written`, split: the trained parameters written (``requires_grad``), and the frozen ones (an
+        EMA copy, a teacher) with their new values: like buffers, they may be written in the step if not
+        from the batch."""
         now = dict(self.module.named_parameters())
-        return {
-            name: now[name].detach().clone()
-            for name in self.written()
-            if name in now and not now[name].requires_grad
-        }
+        trained: list[str] = []
+        frozen: dict[str, Tensor] = {}
+        for name in self.written():
+            p = now.get(name)
+            if p is not None and not p.requires_grad:
+                frozen[name] = p.detach().clone()
+            else:
+                trained.append(name)
+        return trained, frozen
 
     def restore(self) -> None:
         """Put every parameter object and its values back."""
