@@ -189,7 +189,7 @@ class StateWatch:
         now = self._now()
         entry = self._at_entry
         written_params = _changed(entry.param_names, entry.params, now.param_names, now.params)
-        frozen = set(self.frozen_parameters())
+        frozen = set(self.frozen_parameters()) if written_params else set()  # only when a step wrote one
         trained = [n for n in written_params if n not in frozen]
         if trained:
             raise DPConfigurationError(parameter_write_message(trained, "the training step"))
