@@ -19,7 +19,7 @@ from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson, UserP
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.line_search import LineSearch
-from lightning_dp.strategies import DPDDPStrategy, DPStrategy, PrivacyConfig, register
+from lightning_dp.strategies import DPDDPStrategy, DPFSDPStrategy, DPStrategy, PrivacyConfig, register
 from lightning_dp.tuning import tune
 from lightning_dp.version import __version__
 
@@ -37,6 +37,7 @@ __all__ = [
     "CyclicPoisson",
     "DPConfigurationError",
     "DPDDPStrategy",
+    "DPFSDPStrategy",
     "DPStrategy",
     "EmptyBatch",
     "FixedSize",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +62,19 @@ part of its gradient is missed (rounding in fp32, and in the tf32/bf16 a run may
 
 CONSISTENCY_FLOOR = 1e-3
 """Gaps are relative to a parameter's own gradient plus this fraction of the whole gradient's norm."""
+
+
+class GradientSink(Protocol):
+    """Where the released gradient goes when the optimizer holds other tensors than the ones the hooks see
+    (``dp_fsdp``: each rank's shard of a parameter whose full tensor the forward uses)."""
+
+    def stepped(self, param: nn.Parameter) -> nn.Parameter:
+        """The parameter the optimizer steps for the hooked ``param``."""
+        ...
+
+    def assign(self, params: list[nn.Parameter], grads: list[Tensor]) -> None:
+        """Hand each released gradient to the parameter the optimizer steps."""
+        ...
 
 
 _GAUSSIAN_DRAW = Noise.add_noise
@@ -145,6 +158,8 @@ class PrivateStepEngine:
         """Noisy gradient releases made from the current sampled batch (None: not tracked)."""
         self.halted = False
         """True for a sampled batch the budget cannot pay for: its optimizer steps release nothing."""
+        self.gradient_sink: GradientSink | None = None
+        """None: the released gradient goes to ``p.grad`` of each hooked parameter (set by ``dp_fsdp``)."""
         step.bind(self)
 
     @property
@@ -246,6 +261,12 @@ class PrivateStepEngine:
     def params(self) -> list[nn.Parameter]:
         assert self.grads is not None, "attach() first"
         return self.grads.params
+
+    @property
+    def stepped_params(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps, one per hooked parameter (the same ones but under ``dp_fsdp``)."""
+        sink = self.gradient_sink
+        return self.params if sink is None else [sink.stepped(p) for p in self.params]
 
     def _noise_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
@@ -478,8 +499,12 @@ class PrivateStepEngine:
             ctx.extras["rows"] += self._partial_rows
             self._partial, self._partial_batch, self._partial_rows = None, 0, 0
         self._check_realised_total(ctx.extras["rows"])
-        for p, g in zip(self.params, self._release(sums, ctx, None if covered else event), strict=True):
-            p.grad = g.to(p.dtype)
+        released = self._release(sums, ctx, None if covered else event)
+        if self.gradient_sink is not None:
+            self.gradient_sink.assign(self.params, released)
+        else:
+            for p, g in zip(self.params, released, strict=True):
+                p.grad = g.to(p.dtype)
         self.steps += 1
         self.pending_ctx = ctx
         return ctx

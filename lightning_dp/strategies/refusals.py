@@ -129,7 +129,7 @@ def refuse_laplace_shares(accountant: str, world_size: int) -> None:
 
 def refuse_uncovered_parameters(optimizers: Sequence[Optimizer], engine: PrivateStepEngine) -> None:
     """Every trainable parameter an optimizer holds must get per-example gradients from a hooked layer."""
-    hooked = {id(p) for p in engine.params}
+    hooked = {id(p) for p in engine.stepped_params}
     for optimizer in optimizers:
         missing = [
             p for g in optimizer.param_groups for p in g["params"] if id(p) not in hooked and p.requires_grad
