@@ -168,9 +168,22 @@ def _value_hash(value: Any) -> int:
 # -- the helpers the mixing check calls (their signatures are the check's contract) ----------------------------
 
 
-def _different_row(batch: Any, rows: int, row: int, kept: list[int], draw: int) -> int:
-    """A kept row of the batch (``draw``-th), preferring one whose content differs from ``row``'s."""
-    hashes = _example_hashes(batch, rows)
+def _different_row(
+    batch: Any,
+    rows: int,
+    row: int,
+    kept: list[int],
+    draw: int,
+    hashes: list[int] | None = None,
+    kept_hashes: set[int] | None = None,
+) -> int:
+    """A kept row of the batch (``draw``-th), preferring one whose content differs from ``row``'s
+    (``hashes``, ``kept_hashes``: the batch's :func:`_example_hashes` and those of the ``kept`` rows, when the
+    caller computed them once for many rows)."""
+    if hashes is None:
+        hashes = _example_hashes(batch, rows)
+    if hashes is not None and kept_hashes is not None and hashes[row] not in kept_hashes:
+        return kept[draw % len(kept)]  # no kept row has this content: every one differs
     if hashes is not None:
         differing = [i for i in kept if hashes[i] != hashes[row]]
         if differing:
@@ -395,7 +408,9 @@ def run_on_changed_batch(
     changed = removed + replaced
 
     def replacing(targets: tuple[int, ...]) -> Any:
-        sources = [_different_row(batch, rows, r, kept, draw(len(kept))) for r in targets]
+        hashes = _example_hashes(batch, rows) if targets else None  # once, not once per row (O(B²))
+        seen = {hashes[i] for i in kept} if hashes is not None else None
+        sources = [_different_row(batch, rows, r, kept, draw(len(kept)), hashes, seen) for r in targets]
         return replace_rows(batch, targets, sources, keep_fields, relabel)
 
     first_error: BaseException | None = None
@@ -452,4 +467,6 @@ def _unrunnable_message(
 
 
 def _examples(rows: tuple[int, ...]) -> str:
-    return f"example {rows[0]}" if len(rows) == 1 else f"examples {list(rows)}"
+    """The changed examples, for a message: one by its position; several not listed (their positions and
+    their number bound the private batch's size)."""
+    return f"example {rows[0]}" if len(rows) == 1 else "some examples"
