@@ -52,6 +52,9 @@ def full_precision(module: nn.Module, plugin: Any) -> Iterator[Any]:
     ``DoublePrecision``, else :class:`FullPrecision`). Gradients of upcast parameters are held aside, and the
     original tensors (storage, values, ``.grad``) are put back afterwards, whatever the block wrote."""
     upcast: list[tuple[Tensor, Tensor, Tensor | None]] = []
+    dtypes = [(m, m._dtype) for m in module.modules() if getattr(m, "_dtype", None) in REDUCED]
+    for m, _ in dtypes:  # what LightningModule.dtype reads (a step may cast its inputs to self.dtype)
+        m._dtype = torch.float32  # type: ignore[assignment]
     with torch.no_grad():
         tensors = [*module.parameters(), *module.buffers()]
         for t in dict.fromkeys(tensors):  # tied tensors once
@@ -64,6 +67,8 @@ def full_precision(module: nn.Module, plugin: Any) -> Iterator[Any]:
         with ieee_fp32():
             yield plugin if isinstance(plugin, DoublePrecision) else FullPrecision()
     finally:
+        for m, dtype in dtypes:
+            m._dtype = dtype
         with torch.no_grad():
             for t, data, grad in upcast:
                 t.data = data
