@@ -332,3 +332,26 @@ def test_schedules_that_change_every_step_do_not_check_every_step():
     strategy = fit(Scheduled(), data(320), 8, max_steps=40, dp={"noise_multiplier": 1.0})
     assert strategy.checks.checked_after_change <= 2
     assert len(strategy.checks.mixing.checked_steps) <= 8
+
+
+def test_a_setting_that_flips_makes_the_next_batch_checked_and_a_schedule_does_not():
+    """ChangeWatch alone: a flag that flips after holding still counts; a counter that moves every step, or
+    a flag that flips every other step, counts at most once; a stage that moves every 8 steps counts at
+    most log₂ 8 + 1 times."""
+    from lightning_dp.checks.changes import ChangeWatch
+
+    module, watch = Classifier(), ChangeWatch()
+    module.flag, module.count, module.phase, module.stage = False, 0, False, 0
+    found: dict[str, int] = {}
+    for step in range(64):
+        module.count, module.phase, module.stage = step, step % 2 == 1, step // 8
+        module.flag = step >= 40
+        module.l1.requires_grad_(step < 50)
+        for key in watch.observe(module, None, None, ["teacher.weight"] if step >= 30 else []):
+            found[key] = found.get(key, 0) + 1
+    assert found.pop("Classifier.flag") == 1
+    assert found.pop("trained parameters") == 1
+    assert found.pop("written between steps: teacher.weight") == 1
+    assert found.pop("Classifier.stage") <= 4
+    assert found.get("Classifier.phase", 0) <= 1
+    assert "Classifier.count" not in found

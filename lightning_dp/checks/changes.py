@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning.pytorch import LightningModule
+from torch import nn
 
 from lightning_dp.checks.user_step import _internal_names, _walked
 
@@ -47,12 +48,15 @@ class ChangeWatch:
     watched: dict[str, _Watched] = field(default_factory=dict)
     epoch: int | None = None
     started: bool = False
+    _modules: list[nn.Module] = field(default_factory=list)
+    """The module tree, read once a fit (``named_modules`` costs more than the rest of a step's watch)."""
 
     def start_fit(self) -> None:
         """A new fit: the first batch (checked anyway) sets what later batches are compared with."""
         self.watched.clear()
         self.epoch = None
         self.started = False
+        self._modules = []
 
     def observe(
         self, module: LightningModule, trainer: Any, engine: Any, written: Iterable[str]
@@ -64,7 +68,9 @@ class ChangeWatch:
         if self.started and epoch != self.epoch:
             found.append(f"epoch {epoch} started")
         self.epoch = epoch
-        now = dict(_state(module, trainer, engine))
+        if not self._modules or self._modules[0] is not module:
+            self._modules = list(module.modules())
+        now = dict(_state(module, self._modules, trainer, engine))
         now.update((f"written between steps: {n}", True) for n in written)
         for key in self.watched.keys() - now.keys():
             if not key.startswith("written between steps: "):  # a write seen once stays seen
@@ -99,10 +105,13 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b) and type(a) is type(b)
 
 
-def _state(module: LightningModule, trainer: Any, engine: Any) -> Iterable[tuple[str, Any]]:
+def _state(
+    module: LightningModule, modules: list[nn.Module], trainer: Any, engine: Any
+) -> Iterable[tuple[str, Any]]:
     """(name, plain value) of everything :class:`ChangeWatch` compares (see the module docstring)."""
-    yield "trained parameters", tuple(p.requires_grad for p in module.parameters())
-    yield "modules in training mode", tuple(m.training for m in module.modules())
+    trained = [p.requires_grad for m in modules for p in m._parameters.values() if p is not None]
+    yield "trained parameters", tuple(trained)
+    yield "modules in training mode", tuple(m.training for m in modules)
     yield "train loader", id(getattr(engine, "train_data", None))
     callbacks = list(getattr(trainer, "callbacks", None) or []) if trainer is not None else []
     yield "callbacks", tuple(id(c) for c in callbacks)

@@ -650,10 +650,6 @@ class MixingCheck:
         written = sorted(set(full.written_parameters) | set(other.written_parameters))
         if written:
             raise DPConfigurationError(parameter_write_message(written, "training_step"))
-        after = differing_writes(full.after_step, other.after_step)
-        if after:
-            hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
-            raise DPConfigurationError(after_step_write_message(after, hooks))
         buffers = tuple(
             name
             for name in sorted(full.buffers.keys() | other.buffers.keys())
@@ -661,6 +657,10 @@ class MixingCheck:
             or name not in other.buffers
             or not torch.equal(full.buffers[name], other.buffers[name])
         )
+        after = [n for n in differing_writes(full.after_step, other.after_step) if n not in buffers]
+        if after:  # the after-step hooks wrote from the batch (what the forward wrote is `buffers`)
+            hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
+            raise DPConfigurationError(after_step_write_message(after, hooks))
         a, b = full.norms[kept_full], other.norms[kept_changed]
         magnitudes = full.norms
         if units is not None:
