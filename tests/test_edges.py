@@ -355,3 +355,12 @@ def test_a_setting_that_flips_makes_the_next_batch_checked_and_a_schedule_does_n
     assert found.pop("Classifier.stage") <= 4
     assert found.get("Classifier.phase", 0) <= 1
     assert "Classifier.count" not in found
+
+
+def test_a_quoted_exception_of_yours_keeps_its_words_not_its_numbers():
+    """The refusals that quote your step's or hook's exception on a batch the check made drop its numbers
+    (a shape there is the private batch's size)."""
+    from lightning_dp.errors import quote_error
+
+    quoted = quote_error(RuntimeError("shape '[274, 8]' is invalid for input of size 2192"))
+    assert quoted == "RuntimeError: shape '[…, …]' is invalid for input of size …"

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from lightning_dp.batches import batch_length
 from lightning_dp.checks.fingerprint import row_hashes
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.errors import DPConfigurationError, quote_error
 
 T = TypeVar("T")
 
@@ -426,15 +426,8 @@ def run_on_changed_batch(
         result = run(replacing(changed), rows, kept)
     except Exception as error:
         raise DPConfigurationError(_unrunnable_message(removed, changed, first_error, error)) from error
-    fallback = None if first_error is None else _quote(first_error)
+    fallback = None if first_error is None else quote_error(first_error)
     return ChangedPass(result, (), changed, list(kept), fallback)
-
-
-def _quote(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _unrunnable_message(
@@ -445,10 +438,10 @@ def _unrunnable_message(
 ) -> str:
     tried = []
     if removal_error is not None:
-        tried.append(f"with {_examples(removed)} removed it raised {_quote(removal_error)}")
+        tried.append(f"with {_examples(removed)} removed it raised {quote_error(removal_error)}")
     tried.append(
         f"with {_examples(changed)} replaced by copies of other examples of the batch it raised "
-        f"{_quote(replacement_error)}"
+        f"{quote_error(replacement_error)}"
     )
     return (
         "The sensitivity check could not run your training_step on the sampled batch with some examples "

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_dp.checks.integrity import TRANSFER_HOOKS
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.errors import DPConfigurationError, quote_error
 
 _dry_passes = 0
 
@@ -367,23 +367,16 @@ def hook_note(module: LightningModule, batch_idx: int = 0) -> str:
 def hook_failure_message(name: str, error: BaseException) -> str:
     """The refusal for a per-batch hook that raised when a dry pass re-ran it (one line: it is quoted)."""
     return (
-        f"Your {name} raised {_quote(error)} when lightning-dp's run-time check re-ran it on a training "
-        "batch (the sampled batch, or that batch with some examples removed or replaced). Before it runs "
-        "your training_step, the check re-runs the per-batch hooks you override on its own batch, so that a "
-        "statistic a hook computes from the batch is seen for what it is, examples mixed across the batch. "
+        f"Your {name} raised {quote_error(error)} when lightning-dp's run-time check re-ran it on a training "
+        "batch (the sampled batch, or that batch with some examples removed or replaced). The check re-runs "
+        "the per-batch hooks you override on its own batch (before your training_step, and on_train_batch_end "
+        "after its backward), so that what a hook computes from the batch is seen for what it is, examples "
+        "mixed across the batch or written into the model. "
         "Nothing was released. Let the hook run more than once per step, on any batch of distinct or repeated "
         "examples: compute per-example transforms in the Dataset or in training_step, no statistic of the "
         "whole batch, and keep work that must happen once per real batch (writing a file, asserting on a "
         "counter) behind `if not lightning_dp.checking()`."
     )
-
-
-def _quote(error: BaseException) -> str:
-    """``Type: first line of the message`` (at most 300 characters)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class GlobalRNG:
