@@ -405,8 +405,8 @@ class PrivateStepEngine:
         self.grads.clear()
         self._partial, self._partial_batch, self._partial_rows = None, 0, 0
         raise BatchDimensionError(
-            f"The per-example gradients of this batch number {batch}, but the sampler drew "
-            f"{self.realised_batch} examples: the batch is not on dimension 0 of the collated tensors or "
+            f"The per-example gradients of this batch are {'more' if batch > self.realised_batch else 'fewer'} "
+            "than the examples the sampler drew: the batch is not on dimension 0 of the collated tensors or "
             "of the layers (sequence-first tensors, a reshaped batch). Keep the examples on dimension 0 of "
             "every tensor the collate function returns and use batch_first=True in recurrent and attention "
             "layers."

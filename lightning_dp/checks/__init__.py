@@ -8,7 +8,8 @@ hooks only call these methods; ``docs/guarantees.md`` has the table):
 * **each sampled batch, before user code** (:meth:`RunChecks.before_user_code`): on the first batch of a
   fit, which layer calls are shared by the batch (``structure``); the batch is the sampled batch,
   unchanged by hooks (``integrity``); no buffer was written between steps (``state``); and, on the first
-  batch of a fit and on randomly drawn later ones, the mixing check (``mixing``) runs the user's step on
+  batch of a fit, of every epoch, after a change the run can see (``changes``) and on randomly drawn later
+  ones, the mixing check (``mixing``) runs the user's step (and its after-step hooks, ``after_step``) on
   this very batch with examples removed or replaced (whole units: a user's rows, an example's views).
 * **each release** (:meth:`RunChecks.before_release`): no parameter was written during the step; buffers
   the forward wrote are ones a check showed to be independent of the batch (else the next step is checked).
@@ -31,6 +32,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from lightning_dp.batches import EmptyBatch, UnitInfo
+from lightning_dp.checks.changes import ChangeWatch
 from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.checks.mixing import DEFAULT_OVERHEAD, CheckSetting, MixingCheck, MixingResult
 from lightning_dp.checks.state import StateWatch
@@ -72,6 +74,9 @@ class RunChecks:
     unit: str = "example"
     """What the run's privacy unit is called in refusals ("example" or "user")."""
     state: StateWatch | None = None
+    changes: ChangeWatch = field(default_factory=ChangeWatch)
+    checked_after_change: int = 0
+    """Batches checked because an epoch started or something the run can see changed (``changes``)."""
     _checked_this_step: bool = False
 
     @classmethod
@@ -94,6 +99,7 @@ class RunChecks:
         refuse_self_writing_layers(module)
         self.state = StateWatch(module, self.public_buffers)
         self.integrity = BatchIntegrity(convert_input=convert_input)
+        self.changes.start_fit()
         self.mixing.start_fit()  # the state's baseline is taken at the first batch (after DDP's broadcast
         # of rank 0's weights and a resume's restore, which write the parameters on purpose)
 
@@ -131,6 +137,7 @@ class RunChecks:
             self.integrity.check(batch, module, trainer)
             if self.state is not None:
                 self.state.between_steps()
+            self._watch_changes(module, trainer, engine)
             if isinstance(batch, EmptyBatch):
                 return
             if not self.isolate_examples and self.mixing.due():
@@ -140,6 +147,17 @@ class RunChecks:
                 self._checked_this_step = result is not None
             if self.state is not None:
                 self.state.at_entry()
+
+    def _watch_changes(
+        self, module: LightningModule, trainer: Trainer | None, engine: PrivateStepEngine
+    ) -> None:
+        """The first batch of an epoch, or after a change the run can see, is checked (``changes``)."""
+        if not self.mixing.enabled or self.isolate_examples:
+            return
+        written = self.state.written_between if self.state is not None else []
+        if self.changes.observe(module, trainer, engine, written) and not self.mixing.due_next:
+            self.mixing.due_next = True
+            self.checked_after_change += 1
 
     # -- each release -------------------------------------------------------------------------------------
     def before_release(self) -> None:
@@ -168,7 +186,11 @@ class RunChecks:
     def summary(self) -> dict[str, Any]:
         """For the privacy report: what was checked, when, and what could not be verified."""
         out: dict[str, Any] = {
-            "mixing": {**self.mixing.summary(), "isolate_examples": self.isolate_examples},
+            "mixing": {
+                **self.mixing.summary(),
+                "isolate_examples": self.isolate_examples,
+                "checked_after_a_change": self.checked_after_change,
+            },
             "batch_integrity": {"batches_compared": self.integrity.checked},
         }
         if self.state is not None:

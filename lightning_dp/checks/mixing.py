@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -56,6 +57,12 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_dp.batches import UnitInfo, batch_length
+from lightning_dp.checks.after_step import (
+    after_step_hooks,
+    after_step_write_message,
+    after_step_writes,
+    differing_writes,
+)
 from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live there; re-exported here
     _different_row,  # noqa: F401
     _example_hashes,  # noqa: F401
@@ -68,6 +75,12 @@ from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live t
     unit_id_fields,
 )
 from lightning_dp.checks.fingerprint import _columns
+from lightning_dp.checks.pass_precision import (
+    FullPrecision,
+    full_precision,
+    runs_in_full_precision,
+    upcast_batch,
+)
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
 from lightning_dp.checks.user_step import ModuleState, dry_training_step, hook_note
 from lightning_dp.clipping import clip_factors
@@ -102,7 +115,10 @@ RARE_VALUES = 16
 
 
 def _compute_eps(precision: str, device: torch.device) -> float:
-    """Machine epsilon of the dtype the forward computes in."""
+    """Machine epsilon of the dtype the forward computes in (IEEE fp32 in the check's own passes,
+    :data:`~lightning_dp.checks.pass_precision.FullPrecision`)."""
+    if precision == FullPrecision.precision:
+        return torch.finfo(torch.float32).eps
     if "bf16" in precision:
         return torch.finfo(torch.bfloat16).eps
     if "16" in precision:
@@ -147,6 +163,18 @@ def move_tolerance(
     return NEGLIGIBLE_MOVE + (summed + recomputed) / c
 
 
+SUMMATION_SHARE = 1 / 16
+"""The share of C the fp32 summation of the kept sum may add to the tolerance at most (each item ≤ C)."""
+
+
+def summation_chunk(items: int) -> int:
+    """How many items one fp32 partial sum of a kept sum adds at most (the partial sums are added in fp64):
+    with m items per partial sum, the summation's share of :func:`move_tolerance` is 2·γ_m·Σ_j c_j ≤ 2·m·u·K·C,
+    kept at most :data:`SUMMATION_SHARE`·C for K items, so at no batch size can rounding hide a move of C
+    (one fp32 sum of K = 2048 items would allow 0.5·C, of 8192 items 2·C)."""
+    return max(1, int(SUMMATION_SHARE / (2 * _U32 * max(items, 1))))
+
+
 @dataclass(frozen=True)
 class MixingResult:
     """What one check measured on one batch."""
@@ -188,6 +216,8 @@ class _Pass:
     written_parameters: list[str]
     row_norms: Tensor | None = None
     """With units: each row's certified norm (pass A only)."""
+    after_step: dict[str, Tensor] = field(default_factory=dict)
+    """Parameters and buffers with new values once the after-step hooks ran too (``after_step.py``)."""
 
 
 def _batch_tensors(batch: Any, rows: int) -> list[Tensor]:
@@ -223,11 +253,11 @@ def field_extremes(batch: Any, rows: int) -> list[int]:
     return list(dict.fromkeys(found))
 
 
-def rare_values(batch: Any, rows: int) -> list[int]:
-    """One row of each rarest value of every integer column (class counts over the batch, a singleton
-    class, oversampling a minority class read these). Columns whose values are all distinct (indices,
-    ids) have no rare value."""
-    found: list[int] = []
+def rare_groups(batch: Any, rows: int) -> list[list[int]]:
+    """The rows of each rarest value of every integer column (at most :data:`RARE_VALUES` values per column):
+    class counts over the batch, a singleton class and oversampling a minority class read these. Columns
+    whose values are all distinct (indices, ids) or all equal have no rare value."""
+    found: list[list[int]] = []
     for t in _batch_tensors(batch, rows):
         if t.is_floating_point() or t.is_complex():
             continue
@@ -238,10 +268,35 @@ def rare_values(batch: Any, rows: int) -> list[int]:
             values, inverse, counts = torch.unique(column, return_inverse=True, return_counts=True)
             if values.numel() in (1, rows):
                 continue
-            first = torch.full((values.numel(),), rows, device=column.device, dtype=torch.long)
-            first = first.scatter_reduce(0, inverse, torch.arange(rows, device=column.device), "amin")
-            found += first[counts == counts.min()][:RARE_VALUES].tolist()
-    return list(dict.fromkeys(found))
+            rarest = (counts == counts.min()).nonzero().squeeze(1)[:RARE_VALUES]
+            found += [(inverse == v).nonzero().squeeze(1).tolist() for v in rarest.tolist()]
+    return found
+
+
+def rare_values(batch: Any, rows: int) -> list[int]:
+    """One row (the first) of each rarest value of every integer column (:func:`rare_groups`)."""
+    return list(dict.fromkeys(group[0] for group in rare_groups(batch, rows)))
+
+
+def rare_split(
+    batch: Any, rows: int, generator: torch.Generator, taken: set[int]
+) -> tuple[list[int], list[int]]:
+    """Rows of each rarest value to change and to keep: a singleton is changed; of two or more rows, one is
+    changed (one already in ``taken``, the rows changed anyway, else one drawn at random) and another, drawn
+    from the rest, is kept, so a dependence between the rows of a rare class (in-batch oversampling: SMOTE
+    interpolates between minority rows) shows in a kept row whatever else the check changes."""
+    change: list[int] = []
+    keep: list[int] = []
+    for group in rare_groups(batch, rows):
+        order = [group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
+        free = [r for r in order if r not in taken and r not in change and r not in keep]
+        if len(order) > 1 and any(r in keep for r in order):
+            continue  # this class is split already (another column holds the same rows)
+        if len(free) == len(order):  # none changed yet: change one of them
+            change.append(free.pop(0))
+        if len(order) > 1 and free:
+            keep.append(free[0])
+    return change, keep
 
 
 def norm_extremes(norms: Tensor) -> list[int]:
@@ -259,8 +314,10 @@ def norm_extremes(norms: Tensor) -> list[int]:
 
 def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> tuple[int, ...]:
     """The rows pass B changes: one drawn at random, the first and the last, the gradient norms' extremes,
-    the rarest label values, every field's extremes, then a random half of the others (:func:`_choose`)."""
-    return _choose(rows, _special_rows(batch, rows, norms, generator), generator)
+    one row of each rarest label value (another is kept), every field's extremes, then a random half of the
+    others (:func:`_choose`)."""
+    special, keep = _special_rows(batch, rows, norms, generator)
+    return _choose(rows, special, generator, keep)
 
 
 def choose_units(
@@ -271,46 +328,60 @@ def choose_units(
     largest and the smallest gradient norm, then a random half of the other units (:func:`_choose`)."""
     rows = units.unit_of_row.numel()
     unit_of_row = units.unit_of_row.cpu().tolist()
-    special = [unit_of_row[r] for r in _special_rows(batch, rows, row_norms, generator)]
-    return _choose(units.num_units, special + norm_extremes(unit_norms), generator)
+    special_rows, keep_rows = _special_rows(batch, rows, row_norms, generator)
+    special = [unit_of_row[r] for r in special_rows] + norm_extremes(unit_norms)
+    keep = [u for u in dict.fromkeys(unit_of_row[r] for r in keep_rows) if u not in set(special)]
+    return _choose(units.num_units, special, generator, keep)
 
 
-def _special_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> list[int]:
-    """The rows where a dependence hides: one drawn at random, the first and the last, the gradient norms'
-    extremes, the rarest label values and every field's extremes."""
-    return [
+def _special_rows(
+    batch: Any, rows: int, norms: Tensor, generator: torch.Generator
+) -> tuple[list[int], list[int]]:
+    """The rows where a dependence hides, to change: one drawn at random, the first and the last, the gradient
+    norms' extremes, every field's extremes and one row of each rarest label value; and the rows to keep, one
+    more of each rarest value (:func:`rare_split`)."""
+    special = [
         int(torch.randint(rows, (), generator=generator)),
         0,
         rows - 1,
         *norm_extremes(norms),
-        *rare_values(batch, rows),
         *field_extremes(batch, rows),
     ]
+    rare, keep = rare_split(batch, rows, generator, set(special))
+    return special + rare, keep
 
 
-def _choose(count: int, special: list[int], generator: torch.Generator) -> tuple[int, ...]:
+def _choose(
+    count: int, special: list[int], generator: torch.Generator, keep: list[int] | tuple[int, ...] = ()
+) -> tuple[int, ...]:
     """Which of ``count`` items (rows, or units) pass B changes: the ``special`` ones, then a random half of
-    the others. A special item is changed on every check, any other with probability at least 1/2. About
-    half the items are kept (at least one): where the special ones and half the others do not fit (a
-    small batch with many columns), the first, the last and all but a random quarter of the others are
-    changed. The number kept is coprime with ``count`` (a few more items are changed, or kept in a small
-    batch, until it is): then no share of the batch (of labelled rows, of a class) is the same in both
-    passes, since n'/K = n/B has no solution with 0 < n < B."""
+    the others; the ``keep`` ones (a rare class's second row) are kept. A special item is changed on every
+    check, any other with probability at least 1/2. About half the items are kept (at least one): where the
+    special ones and half the others do not fit (a small batch with many columns), the first, the last and
+    all but a random quarter of the others are changed (the ``keep`` ones kept first). The number kept is
+    coprime with ``count`` (a few more items are changed, or kept in a small batch, until it is): then no
+    share of the batch (of labelled rows, of a class) is the same in both passes, since n'/K = n/B has no
+    solution with 0 < n < B."""
     keep_at_least = max(1, count // 4)
     limit = count - keep_at_least
     chosen = list(dict.fromkeys(special))
     taken = set(chosen)
-    rest = [i for i in range(count) if i not in taken]
-    half = (len(rest) + 1) // 2
+    keep = [i for i in dict.fromkeys(keep) if i not in taken]
+    held = set(keep)
+    rest = [i for i in range(count) if i not in taken and i not in held]
+    half = (len(rest) + len(keep) + 1) // 2
     if len(chosen) + half > limit:  # a small batch, mostly extremes: all but a random quarter of it
         size = next(k for k in range(keep_at_least, count) if math.gcd(k, count) == 1)
         inner = count > 3  # keep neither the first nor the last (mixing along the rows) unless too few
-        drawn = torch.randperm(count - 2 if inner else count, generator=generator)[:size]
-        kept = (drawn + 1 if inner else drawn).tolist()
+        drawn = torch.randperm(count - 2 if inner else count, generator=generator)
+        candidates = [i for i in keep if not inner or 0 < i < count - 1]
+        candidates += [i for i in (drawn + 1 if inner else drawn).tolist() if i not in set(candidates)]
+        kept = candidates[:size]
     else:
         order = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
-        size = next(k for k in range(len(rest) - half, 0, -1) if math.gcd(k, count) == 1)
-        kept = order[:size]
+        most = len(keep) + max(len(rest) - half, 0)
+        size = next(k for k in range(max(most, 1), 0, -1) if math.gcd(k, count) == 1)
+        kept = (keep + order)[:size]
     taken = set(kept)
     return tuple(i for i in range(count) if i not in taken)
 
@@ -381,6 +452,8 @@ class MixingCheck:
     """Time spent in every check so far (added by ``RunChecks``), against ``overhead`` × the time since start
     spent outside the checks."""
     started: float | None = None
+    precision_fallback: str = ""
+    """The run's precision, once a check had to run its passes in it (the step raised in fp32)."""
     _last_cost: float = 0.0
     _generator: torch.Generator | None = None
 
@@ -437,7 +510,7 @@ class MixingCheck:
         and compared, and a unit's rows may depend on each other."""
         begin = time.perf_counter()
         try:
-            result = self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+            result = self._measure_precisely(engine, module, batch, batch_idx, precision, device, units, unit)
         finally:
             self._last_cost = time.perf_counter() - begin  # the budget's lookahead (RunChecks adds the time)
         if result is None:
@@ -449,6 +522,37 @@ class MixingCheck:
             raise DPConfigurationError(self.refusal(result, engine.steps) + hook_note(module, batch_idx))
         self.checked_steps.append(engine.steps)
         return result
+
+    def _measure_precisely(
+        self,
+        engine: PrivateStepEngine,
+        module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        precision: Any,
+        device: torch.device,
+        units: UnitInfo | None = None,
+        unit: str = "example",
+    ) -> MixingResult | None:
+        """:meth:`_measure` with the passes in IEEE fp32 (``checks/pass_precision.py``), so that reduced
+        precision does not widen what the check lets pass; in the run's own precision where the step cannot
+        run in fp32 (it raised there), with a warning."""
+        if not runs_in_full_precision(precision):
+            return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+        try:
+            with full_precision(module, precision) as plugin:
+                return self._measure(
+                    engine, module, upcast_batch(batch), batch_idx, plugin, device, units, unit
+                )
+        except DPConfigurationError:
+            raise
+        except Exception as error:  # the user's step in fp32: checked in its own precision instead
+            if not self.precision_fallback:
+                warnings.warn(
+                    _precision_fallback_message(str(precision.precision), error), UserWarning, stacklevel=2
+                )
+            self.precision_fallback = str(precision.precision)
+        return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
 
     def _measure(
         self,
@@ -553,6 +657,10 @@ class MixingCheck:
             or name not in other.buffers
             or not torch.equal(full.buffers[name], other.buffers[name])
         )
+        after = [n for n in differing_writes(full.after_step, other.after_step) if n not in buffers]
+        if after:  # the after-step hooks wrote from the batch (what the forward wrote is `buffers`)
+            hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
+            raise DPConfigurationError(after_step_write_message(after, hooks))
         a, b = full.norms[kept_full], other.norms[kept_changed]
         magnitudes = full.norms
         if units is not None:
@@ -561,7 +669,7 @@ class MixingCheck:
         worst, worst_position = _worst_norm_change(a, b, c, magnitudes[kept_full])
         clipped = (factors[kept_full] * magnitudes[kept_full]).where(torch.isfinite(a), 0.0)
         rho = example_rounding(str(precision.precision), device)
-        terms = None if units is None else len(items.rows_of(kept_full))
+        terms = _summation_terms(items, kept_full)
         return MixingResult(
             _describe(removed, replaced, noun, grouped),
             changed,
@@ -697,7 +805,9 @@ class MixingCheck:
         norms = samples.sq_norms().double().sqrt().cpu()
         trained, frozen = values.written_by_kind()
         written = {**state.written_buffers(), **frozen}  # frozen parameters: like buffers
-        return _Pass(samples, norms, written, trained, row_norms)
+        after = after_step_writes(module, batch, batch_idx, dry, state, values)  # on_train_batch_end
+        grads.clear()  # what a hook's own forward recorded
+        return _Pass(samples, norms, written, trained, row_norms, after)
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""
@@ -709,11 +819,7 @@ class MixingCheck:
                 "across the batch and across steps, and are saved with the model without noise"
             )
         else:
-            what = (
-                f"when the batch had {result.change}, the clipped gradients of the other {noun}s moved by "
-                f"{result.move:.3g}·C in total (rounding explains {result.move_tolerance:.2g}·C), and "
-                f"{noun} {result.worst_example}'s gradient norm by {result.worst_change:.1%}"
-            )
+            what = f"when the batch had {result.change}, " + _what_moved(result)
         rows = result.grouped
         if not rows:
             need = (
@@ -731,8 +837,8 @@ class MixingCheck:
             isolate = f"each {noun} then runs through training_step alone with all its {rows}, so no two "
             isolate += f"{noun}s can mix (it costs one forward per {noun})"
         return (
-            f"Sensitivity check failed on step {releases_before} (a real sampled batch of {result.examples} "
-            f"{noun}s): {what}. {need[0].upper()}{need[1:]} and the reported ε does not hold. This step releases "
+            f"Sensitivity check failed on step {releases_before} (a real sampled batch): {what}. "
+            f"{need[0].upper()}{need[1:]} and the reported ε does not hold. This step releases "
             f"nothing. {self.coverage(releases_before)} Likely causes and fixes: a token-level mean over the whole batch "
             "(cross_entropy over flattened tokens with ignore_index, or a Hugging Face model's labels= loss): "
             "return lightning_dp.per_example_token_loss(logits, labels).mean(); an operation that mixes "
@@ -774,6 +880,19 @@ class MixingCheck:
         }
 
 
+def _precision_fallback_message(precision: str, error: BaseException) -> str:
+    """The warning when a check's passes could not run in fp32 (names the exception's type only: its text
+    may hold shapes of the private batch)."""
+    return (
+        f"lightning-dp's sensitivity check could not run your training_step in fp32 (it raised "
+        f"{type(error).__name__}), so it compared its two passes in the run's own precision ({precision}), "
+        "whose rounding lets a larger move of the released sum pass: a dependence between examples smaller "
+        "than that rounding is not refused. Let the step run in fp32 as well (no casts to torch.bfloat16 or "
+        "torch.float16 by hand; keep the tensors the forward uses as registered buffers, which follow the "
+        "model's dtype), so the check is as strict as in fp32."
+    )
+
+
 def _vacuous(rows: int) -> MixingResult:
     return MixingResult("nothing changed", (), rows, 0.0, 1.0)
 
@@ -781,23 +900,62 @@ def _vacuous(rows: int) -> MixingResult:
 def _describe(
     removed: tuple[int, ...], replaced: tuple[int, ...], noun: str = "example", grouped: str = ""
 ) -> str:
-    items = removed or replaced
-    shown = ", ".join(str(r) for r in items[:8]) + (", …" if len(items) > 8 else "")
-    how = "removed" if removed else "replaced by copies of others"
+    """What pass B did, in words that hold no statistic of the batch (neither how many items it changed
+    nor their positions, which bound the batch's size)."""
     whole = f" (with all their {grouped})" if grouped else ""
-    return f"{noun}s [{shown}]{whole} {how} ({len(items)} of them)"
+    if removed and replaced:
+        return f"one {noun}{whole} removed and some replaced by copies of others"
+    if removed:
+        return f"one {noun}{whole} removed"
+    return f"some {noun}s{whole} replaced by copies of others"
+
+
+def _what_moved(result: MixingResult) -> str:
+    """Which test failed, by cause, without the measured values (a move in C and a change of a gradient
+    norm are statistics of the private gradients, which the report leaves out); the position of the kept
+    item whose gradient changed most, for debugging."""
+    noun = result.unit
+    moved = result.move > result.move_tolerance
+    item = f"{noun} {result.worst_example}'s gradient norm changed by more than {result.tolerance:.0%}"
+    if moved and result.worst_change > result.tolerance:
+        return f"the clipped gradients of the other {noun}s moved by more than rounding explains, and {item}"
+    if moved:
+        return (
+            f"the clipped gradients of the other {noun}s moved by more than rounding explains (the kept "
+            f"{noun} whose gradient norm changed most: {noun} {result.worst_example})"
+        )
+    return f"the other {noun}s' gradients moved: {item}"
 
 
 def _kept_sum(run: _Pass, weights: Tensor, kept: list[int], rows: int) -> list[Tensor]:
     """Σ over the ``kept`` rows (units) of the pass's per-example (per-unit) gradients times ``weights``
-    (pass A's clip factors), in fp64 on the CPU; the pass's gradients are let go."""
+    (pass A's clip factors), in fp64 on the CPU: fp32 partial sums of at most :func:`summation_chunk` items,
+    added in fp64; the pass's gradients are let go."""
     samples, run.samples = run.samples, None
     assert samples is not None
-    mask = torch.zeros(rows, dtype=torch.float64)
-    mask[kept] = 1
-    w = (weights[:rows] * mask).float()
     device = samples.params[0].device if samples.params else torch.device("cpu")
-    return [s.double().cpu() for s in samples.weighted_sum(w.to(device))]
+    chunk = summation_chunk(len(kept))
+    total: list[Tensor] | None = None
+    for start in range(0, max(len(kept), 1), chunk):
+        mask = torch.zeros(rows, dtype=torch.float64)
+        mask[kept[start : start + chunk]] = 1
+        w = (weights[:rows] * mask).float()
+        part = [s.double().cpu() for s in samples.weighted_sum(w.to(device))]
+        total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
+    assert total is not None
+    return total
+
+
+def _summation_terms(items: _Items, kept: list[int]) -> int:
+    """The most terms one fp32 partial sum of :func:`_kept_sum` adds (γ's n in :func:`move_tolerance`): the
+    kept rows, at most :func:`summation_chunk` of them; with units, a chunk of units, each a sum of its rows."""
+    chunk = summation_chunk(len(kept))
+    if items.units is None:
+        return max(1, min(len(kept), chunk))
+    rows = len(items.rows_of(kept))
+    counts = torch.bincount(items.units.unit_of_row.cpu(), minlength=items.count)[kept] if kept else None
+    largest = int(counts.max()) if counts is not None and counts.numel() else 1
+    return max(1, min(rows, chunk + largest))
 
 
 def _distance(a: list[Tensor], b: list[Tensor]) -> float:
