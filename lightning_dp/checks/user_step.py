@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from lightning_dp.checks.integrity import TRANSFER_HOOKS
 from lightning_dp.errors import DPConfigurationError, quote_error
+from lightning_dp.per_example.capture import tracing
 
 _dry_passes = 0
 
@@ -79,7 +80,7 @@ def training_step_output(
         else None
     )
     try:
-        with _detached_logging(module), warnings.catch_warnings(), _dry():
+        with _detached_logging(module), warnings.catch_warnings(), _dry(), tracing(module):
             warnings.simplefilter("ignore")
             return module.training_step(batch, batch_idx)
     finally:

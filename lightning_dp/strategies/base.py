@@ -34,6 +34,7 @@ from lightning_dp.checks import RunChecks
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError
+from lightning_dp.per_example.capture import tracing
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.privacy_unit import PrivacyUnit
 from lightning_dp.strategies import checkpoints, loaders, refusals, routing, units
@@ -273,12 +274,14 @@ class DPStrategyBase(Strategy):
         if isinstance(batch, EmptyBatch):
             self.step_counts.noise_only(module)
             return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
-        if self.chunking.whole:
-            return super().training_step(*args, **kwargs)
-        user_step, chunking = super().training_step, self.chunking
-        return routing.virtual_batch_step(
-            user_step, self.engine, module, batch, chunking, *args[1:], **kwargs
-        )
+        # parameter uses outside the layers, rows taken from the batch (per_example.uses)
+        with tracing(module):
+            if self.chunking.whole:
+                return super().training_step(*args, **kwargs)
+            user_step, chunking = super().training_step, self.chunking
+            return routing.virtual_batch_step(
+                user_step, self.engine, module, batch, chunking, *args[1:], **kwargs
+            )
 
     def _module(self) -> Any:
         module = self.lightning_module

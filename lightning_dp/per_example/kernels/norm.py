@@ -1,4 +1,5 @@
-"""LayerNorm/GroupNorm kernels: small parameters, per-example gradients materialised (Opacus's formulas)."""
+"""LayerNorm/GroupNorm kernels (and BatchNorm frozen in eval mode, an affine map per channel): small
+parameters, per-example gradients materialised (Opacus's formulas)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_dp.per_example.kernels.certified import (
     cache_samples,
@@ -34,9 +36,16 @@ def _norm_layer_terms(
         shape = tuple(layer.normalized_shape)
         normed = F.layer_norm(x, layer.normalized_shape, eps=layer.eps) if weight is not None else x
     else:
-        assert isinstance(layer, nn.GroupNorm)
-        shape = (layer.num_channels,)
-        normed = F.group_norm(x, layer.num_groups, eps=layer.eps) if weight is not None else x
+        if isinstance(layer, _BatchNorm):  # eval mode (a step in train mode is refused before its release)
+            normed = x
+            if weight is not None:
+                mean, var = layer.running_mean, layer.running_var
+                assert mean is not None
+                assert var is not None
+                normed = F.batch_norm(x, mean.to(dtype), var.to(dtype), eps=layer.eps, training=False)
+        else:
+            assert isinstance(layer, nn.GroupNorm)
+            normed = F.group_norm(x, layer.num_groups, eps=layer.eps) if weight is not None else x
         # [B, C] (GroupNorm after a BatchNorm1d swap) has one position per channel
         d = d.flatten(2) if d.dim() > 2 else d.unsqueeze(-1)
         if weight is not None:
@@ -61,9 +70,9 @@ def _norm_layer_grad_samples(
     return {p: t.sum(dim) for p, t in terms.items()}
 
 
-@register_fast_clipper(nn.LayerNorm, nn.GroupNorm)
+@register_fast_clipper(nn.LayerNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 class _NormKernels(KernelPair):
-    """LayerNorm / GroupNorm: norms and weighted sums of the (small) materialised affine gradients."""
+    """LayerNorm / GroupNorm / eval-mode BatchNorm: norms and weighted sums of the (small) materialised affine gradients."""
 
     @staticmethod
     def sq_norms(
