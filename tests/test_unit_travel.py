@@ -178,6 +178,7 @@ def _padded_dict(items):  # variable-length rows padded in the items' order, ret
         "x": x,
         "y": torch.stack([item[1] for item in items]),
         "user": torch.stack([item[2] for item in items]),
+        "position": torch.arange(len(items)),  # a field read by position, not by item
     }
 
 

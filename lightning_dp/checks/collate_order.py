@@ -95,20 +95,28 @@ def _holds_rows(batch: Any, rows: int) -> bool:
 
 def _reordered(batch: Any, moved: Any, order: list[int], rows: int) -> bool:
     """Whether a per-example field of ``moved`` (collated in ``order``) holds the rows of ``batch``'s, but
-    not in ``order``: the collate placed its items by their content, or at random, not by position."""
+    not in ``order``: the collate placed its items by their content, or at random, not by position. A
+    field the same in both batches, row for row, is read by position (a ``torch.arange`` the collate adds)
+    where another field shows the items kept in order; where none does, it is the sorted batch."""
     first, second = per_example_fields(batch, rows), per_example_fields(moved, rows)
     if len(first) != len(second):
         return True
+    reordered = same = kept = 0
     for a, b in zip(first, second, strict=True):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
             return True
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
             return True
         real, probe = _field_hashes(a, rows), _field_hashes(b, rows)
-        follows = all(probe[j] == real[i] for j, i in enumerate(order))
-        if not follows and sorted(real) == sorted(probe):
-            return True
-    return False
+        if len(set(real)) == 1:
+            continue  # a constant field follows any order
+        if all(probe[j] == real[i] for j, i in enumerate(order)):
+            kept += 1
+        elif probe == real:
+            same += 1
+        elif sorted(real) == sorted(probe):
+            reordered += 1
+    return reordered > 0 or (same > 0 and kept == 0)
 
 
 def _name(collate_fn: Callable[..., Any]) -> str:

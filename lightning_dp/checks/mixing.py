@@ -13,10 +13,12 @@ the same global random state and module state as the real step:
 * pass B: the batch with many examples changed, chosen where a dependence hides (:func:`choose_rows`): the
   first and the last, every example holding an extreme (the minimum or maximum) of any column of any
   tensor of the batch, of pass A's per-example gradient norms, one example of each rarest value of every
-  integer (label-like) column, and a random half of the others. They are removed when the step draws no
-  random numbers (the batch's size and its content both move, so a dependence on either shows), else
-  replaced by copies of kept examples (same shapes, so every random draw, dropout masks included, is the
-  same for the others).
+  integer (label-like) column, and a random half of the others. One is removed and the others replaced
+  by copies of kept examples (the batch's size and its content both move, so a dependence on either
+  shows). Pass A's random draws are replayed row by row in pass B (``row_draws``), so a kept example gets
+  its own dropout masks however many rows the batch has; where a draw cannot be replayed so (Python's
+  ``random``, NumPy, a layer's built-in dropout), every changed example is replaced (same shapes, so every
+  draw is the same for the others).
 
 The criterion is the proof's own quantity, in units of C: how far the kept examples' clipped gradients
 move, ‖Σ_j (ḡ_j(D) − ḡ_j(D′))‖ / C (each with its clip factor from pass A), against a tolerance set by
@@ -36,7 +38,10 @@ units (:func:`choose_units`: every unit holding a row :func:`choose_rows` would 
 norm extremes, a random half of the others), removing one with all its rows (its unit map
 ``UnitInfo.without``) and replacing the others' rows by copies of kept units' rows that keep their own
 unit's id field (``batch_edit.unit_id_fields``); the criterion is the kept units' clipped sum, with a
-rounding allowance over the rows the sums add (:meth:`_Items.magnitudes`).
+rounding allowance over the rows the sums add (:meth:`_Items.magnitudes`). For users under a mean loss the
+criterion is read two ways (:class:`_Reading`): the loss as a mean over the batch's rows (the engine's
+default rescaling by the rows' count) and as divided by public constants only (a per-user loss over
+``users_per_step``); the engine keeps the reading under which no kept unit moves (``engine.normalisation``).
 
 Which steps: the first sampled batch of every fit, and then steps drawn at random while the time spent
 checking stays within ``overhead`` of the training time (default 5 %); ``"every_step"`` checks every step.
