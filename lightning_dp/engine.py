@@ -140,6 +140,14 @@ class PrivateStepEngine:
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
         self._partial_rows = 0
+        self.normalisation: Literal["batch", "public"] = "batch"
+        """How a ``loss_reduction="mean"`` loss is normalised, as the mixing check reads it: "batch", a mean over
+        the batch's rows (each row's gradient is the rows' count times its share, then reduced per unit as
+        configured); "public", divided by public constants only (a per-user mean over ``users_per_step``):
+        each unit's gradient is the expected batch size times its share, its rows summed. Either way no other
+        unit's rows, nor how many there are, enter a unit's gradient (:meth:`use_normalisation`)."""
+        self.normalisation_settled = False
+        """True once a check told the two readings apart (one passed, the other did not)."""
         self.units: UnitInfo | None = None
         """The privacy units of the rows about to be backpropagated (the chunk's under virtual batching),
         set by the strategy from the batch's info; None: every row is its own unit."""
@@ -216,6 +224,14 @@ class PrivateStepEngine:
             self.clipping.setup(self.grads.params)
             self.noise.setup(self.grads.params)
             self.releases.anchor = self.grads.params[0]
+            self.use_normalisation(self.normalisation)
+
+    def use_normalisation(self, kind: Literal["batch", "public"]) -> None:
+        """Form the per-unit gradients under ``kind`` (:attr:`normalisation`) from the next backward on."""
+        self.normalisation = kind
+        if self.grads is not None:
+            public = kind == "public"
+            self.grads.public_scale = float(self.sampler.expected_batch_size) if public else None
 
     def refresh_parameters(self) -> None:
         """Before each step: cover exactly the parameters that are trainable now (``BackboneFinetuning``
@@ -446,7 +462,10 @@ class PrivateStepEngine:
                     f"The batch carries privacy units for {units.unit_of_row.numel()} rows, but its per-example "
                     f"gradients number {batch}: keep every row of the collated batch on dimension 0."
                 )
-            grad_samples = grad_samples.grouped(units.unit_of_row, units.reduction, units.views)
+            if self.normalisation == "public":  # the loss weighs a unit's rows itself: their sum, unscaled
+                grad_samples = grad_samples.grouped(units.unit_of_row, "sum")
+            else:
+                grad_samples = grad_samples.grouped(units.unit_of_row, units.reduction, units.views)
         ctx = self._context(grad_samples.batch)
         ctx.extras["rows"] = batch
         weighed = self.sampler.weigh(grad_samples, ctx)
@@ -558,7 +577,7 @@ class PrivateStepEngine:
         parameter by parameter; a parameter whose gradient they miss in part is refused by name (its missed
         part would be released without clipping, or dropped)."""
         self._checked_consistency = True
-        scale = batch if self.loss_reduction == "mean" else 1
+        scale = self.grads._scale(batch) if self.grads is not None else 1.0
         ones = torch.ones(batch, device=params[0].device)
         gaps: list[tuple[str, float]] = []
         names = {p: n for n, p in self.module.named_parameters()} if self.module is not None else {}

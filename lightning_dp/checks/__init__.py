@@ -10,7 +10,8 @@ hooks only call these methods; ``docs/guarantees.md`` has the table):
   unchanged by hooks (``integrity``); no buffer was written between steps (``state``); and, on the first
   batch of a fit, of every epoch, after a change the run can see (``changes``) and on randomly drawn later
   ones, the mixing check (``mixing``) runs the user's step (and its after-step hooks, ``after_step``) on
-  this very batch with examples removed or replaced (whole units: a user's rows, an example's views).
+  this very batch (every physical chunk of it) with examples removed or replaced (whole units: a user's
+  rows, an example's views).
 * **each release** (:meth:`RunChecks.before_release`): no parameter was written during the step; buffers
   the forward wrote are ones a check showed to be independent of the batch (else the next step is checked).
 * **after each optimizer step** (:meth:`RunChecks.after_step`): the state later writes are measured from.
@@ -22,7 +23,7 @@ per batch, the budget) are in ``engine.py``; resume checks in ``strategies/check
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,14 +122,13 @@ class RunChecks:
         trainer: Trainer | None,
         batch: Any,
         batch_idx: int,
-        check_batch: Any,
+        chunks: Sequence[tuple[Any, UnitInfo | None]],
         precision: Any,
         device: torch.device,
-        check_units: UnitInfo | None = None,
     ) -> None:
-        """``batch``: what training_step receives; ``check_batch``: what one forward sees (a physical chunk
-        under virtual batching), ``check_units``: its privacy units (a user's rows, an example's augmented
-        views; None: every row is its own unit). Raises before user code runs when a check fails."""
+        """``batch``: what training_step receives; ``chunks``: what each forward sees (the batch, or every
+        physical chunk under virtual batching), each with its privacy units (a user's rows, an example's
+        augmented views; None: every row is its own unit). Raises before user code runs when a check fails."""
         with self._counted():
             self._checked_this_step = False
             if engine.grads is not None and engine.train_data is not None:  # structure, not a check: always
@@ -141,10 +141,8 @@ class RunChecks:
             if isinstance(batch, EmptyBatch):
                 return
             if not self.isolate_examples and self.mixing.due():
-                result = self.mixing.run(
-                    engine, module, check_batch, batch_idx, precision, device, check_units, self.unit
-                )
-                self._checked_this_step = result is not None
+                results = self.mixing.run(engine, module, chunks, batch_idx, precision, device, self.unit)
+                self._checked_this_step = results is not None
             if self.state is not None:
                 self.state.at_entry()
 

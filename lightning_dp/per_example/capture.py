@@ -158,6 +158,8 @@ class GradientCapture:
         if mode not in ("auto", "fast", "materialize"):
             raise ValueError(f"mode must be 'auto', 'fast' or 'materialize', got {mode!r}.")
         self.loss_reduction = loss_reduction
+        self.public_scale: float | None = None
+        """Set by the engine where the mixing check found the loss divided by public constants (``_scale``)."""
         self.enabled = True
         self.grad_samples: dict[nn.Parameter, Tensor] = {}
         self.records: list[LayerCall] = []
@@ -917,8 +919,12 @@ class GradientCapture:
         self._unchecked.clear()
 
     def _scale(self, batch: int) -> float:
-        """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
-        return float(batch) if self.loss_reduction == "mean" else 1.0
+        """Output gradient → per-example gradient factor: 1 under a sum loss; under a mean loss the rows it
+        was divided by (``batch``), or ``public_scale`` where the loss is divided by public constants only
+        (a per-user loss over ``users_per_step``): the rows' count is then no factor of any gradient."""
+        if self.loss_reduction != "mean":
+            return 1.0
+        return float(batch) if self.public_scale is None else self.public_scale
 
     def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[Any]:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its

@@ -31,7 +31,13 @@ from lightning_dp.sampling.contribution_bound import (
     user_index,
 )
 from lightning_dp.sampling.seeded import DrawnBatches, SeededSampler
-from lightning_dp.sampling.user_ids import UserIds, UserKey, resolve_user_ids
+from lightning_dp.sampling.user_ids import (
+    UserIds,
+    UserKey,
+    changed_users_message,
+    resolve_user_ids,
+    same_users,
+)
 from lightning_dp.validation import number
 
 __all__ = ["UserPoisson"]
@@ -96,10 +102,15 @@ class UserPoisson(SeededSampler):
 
     # -- set-up ---------------------------------------------------------------------------------------
     def bind_dataset(self, dataset: Any) -> None:
-        """Read every example's user id (once per data set) and build the CSR user index."""
-        if dataset is self._dataset and self.users is not None:
-            return
-        self._index(resolve_user_ids(dataset, self.user_key, owner="UserPoisson"))
+        """Read every example's user id and build the CSR user index. A train loader set up again in the run
+        (``reload_dataloaders_every_n_epochs``, a second fit) has its ids read again, also from the same data
+        set object: ids edited in place (two users merged, labels used as ids relabelled) are refused."""
+        users = resolve_user_ids(dataset, self.user_key, owner="UserPoisson")
+        if self.users is not None and self._dataset is not None:
+            if not same_users(self.users, users):
+                raise ValueError(changed_users_message("UserPoisson"))
+        else:
+            self._index(users)
         self._dataset = dataset
 
     def _index(self, users: UserIds) -> None:

@@ -294,11 +294,11 @@ class DPStrategyBase(Strategy):
         module = self.lightning_module
         assert module is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        check_batch, check_units = routing.first_chunk(batch, self.chunking, self.engine.units)
+        chunks = routing.physical_chunks(batch, self.chunking, self.engine.units)
         self._refuse_together(
             lambda: self.checks.before_user_code(
-                self.engine, module, self._trainer(), batch, batch_idx, check_batch,
-                self.precision_plugin, self.root_device, check_units,
+                self.engine, module, self._trainer(), batch, batch_idx, chunks,
+                self.precision_plugin, self.root_device,
             )
         )  # fmt: skip
 
