@@ -283,9 +283,8 @@ def test_with_random_draws_the_check_removes_an_example_and_sees_a_dependence_on
         SizeTimesLoss(4 * batch_size, batch_size, scaled=False), DPStrategy(noise_multiplier=1.0, seed=0)
     )
     assert strategy.checks.mixing.checked_steps[:1] == [0]
-    with pytest.raises(DPConfigurationError, match=r"\] removed") as refusal:
+    with pytest.raises(DPConfigurationError, match=r"when the batch had one example removed"):
         fit(SizeTimesLoss(4 * batch_size, batch_size, scaled=True), DPStrategy(noise_multiplier=1.0, seed=0))
-    assert "replaced" not in str(refusal.value).split("DP-SGD needs")[0]
 
 
 def test_row_draws_give_every_kept_row_its_own_draws_and_report_what_they_cannot_align():
