@@ -30,6 +30,7 @@ def check_mechanisms(
             "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
             "and accountant='pure'; Gaussian steps need none of these."
         )
+    check_secure_noise(sampler, clipping, noise, accountant, step)
     if noise.correlated:
         check_correlated_noise(sampler, clipping, noise, step)
     elif sampler.bands not in (None, 1):
@@ -77,4 +78,44 @@ def check_correlated_noise(sampler: Sampler, clipping: Clipping, noise: Noise, s
             "released gradients are still private (post-processing), but the error reduction is not "
             "guaranteed.",
             stacklevel=4,
+        )
+
+
+def check_secure_noise(
+    sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str, step: Step | None
+) -> None:
+    """Secure noise (``DiscreteGaussian`` with ``GridClipping``, ``secure=True``) is priced only as the
+    Poisson-subsampled discrete Gaussian of an integer sum made by its own grid, with the RDP accountant and a
+    step that releases the one gradient (the ledger event is the noise slot's, not the step's)."""
+    from lightning_dp.clipping.integer_grid import GridClipping
+    from lightning_dp.noise.discrete_gaussian import DiscreteGaussian, is_subsampled_gaussian
+
+    secure_noise, grid = isinstance(noise, DiscreteGaussian), isinstance(clipping, GridClipping)
+    if not secure_noise and not grid:
+        return
+    if not (secure_noise and grid and clipping.grid is noise.grid):  # type: ignore[attr-defined]
+        raise DPConfigurationError(
+            f"noise={noise.name} with clipping={clipping.name}: secure noise needs both, sharing one grid "
+            "(the integer sums of GridClipping carry DiscreteGaussian's noise). Pass secure=True, or "
+            "noise=DiscreteGaussian(...) and no clipping: the strategy builds the grid clipping from it."
+        )
+    if accountant != "rdp":
+        raise DPConfigurationError(
+            f"secure=True with accountant={accountant!r}: the discrete Gaussian steps are priced by their RDP "
+            "curve (the PRV and PLD accountants price continuous Gaussians only). Use accountant='rdp'."
+        )
+    if sampler.schedules_noise or sampler.bands not in (None, 1) or not is_subsampled_gaussian(sampler):
+        raise DPConfigurationError(
+            f"secure=True with sampler={sampler.name}: secure noise is priced as a Poisson-subsampled discrete "
+            "Gaussian, which this sampler's steps are not. Use the default sampler (Poisson, or UserPoisson for "
+            "users)."
+        )
+    if step is None:
+        return
+    own_rules = type(step).plan is not Step.plan or type(step).gradient_event is not Step.gradient_event
+    if own_rules or step.needs_sums or step.spends_until_budget or step.charges_unsampled:
+        raise DPConfigurationError(
+            f"secure=True with step={step.name}: that step brings its own noise or ledger rule, or reads the "
+            "clipped sums (a search, a re-measurement), which secure noise does not release or price. Use the "
+            "default step (your optimizer), HeavyBall or Nesterov with secure=True."
         )

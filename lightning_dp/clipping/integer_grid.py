@@ -1,0 +1,170 @@
+"""The integer grid of secure noise (Kairouz, Liu & Steinke 2021): clip, scale, round, sum exactly in int64.
+
+Each example's clipped gradient g (‖g‖ ≤ C) is scaled to grid units by 1/γ, γ = 2sC/√d, and rounded to the
+nearest integer in every coordinate. The rounded vector's norm is at most C/γ + √d/2 = (√d/2s)(1 + s) grid
+units, i.e. C(1 + s) in gradient units: that is the sum's sensitivity Δ (deterministic rounding,
+C' = C + γ√d/2).
+The sum over examples is computed in int64, where addition is exact and associative, so the released sum
+does not depend on the order, the chunking or the number of ranks it was added in.
+
+The norms that set the clip factor are computed from the very values that are rounded (materialised per
+layer, fp64), so the bound holds for what is released, not for a formula's estimate of it; every
+example's rounded norm is then checked exactly before anything is released. The cost is materialising the
+per-example gradients (twice when they do not fit ``KEEP_BYTES``), which the fast path avoids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from lightning_dp.per_example import PerExampleGradients
+from lightning_dp.slots import Clipping, StepContext
+
+__all__ = ["GridClipping", "IntegerGrid"]
+
+NORM_MARGIN = 1e-6
+"""Relative room in Δ above C/γ for the fp64 arithmetic of the norms and the scaling (which is ~1e-12):
+a second materialisation that differs from the first by more than this is refused, never released."""
+
+KEEP_BYTES = 64 << 20
+"""Per-example gradients held between the norm pass and the rounding pass up to this size; above it each
+layer's are materialised again for the rounding (twice the materialisation work, no more memory)."""
+
+
+@dataclass
+class IntegerGrid:
+    """The grid: d coordinates, the clip bound at √d/(2s) grid units, the rounded sensitivity Δ."""
+
+    rounding_slack: float
+    dimension: int = 0
+    _sizes: tuple[int, ...] = field(default=(), repr=False)
+
+    def setup(self, params: Sequence[Tensor]) -> None:
+        """d: the trainable coordinates (the model's architecture, public)."""
+        self._sizes = tuple(p.numel() for p in params)
+        self.dimension = sum(self._sizes)
+
+    @property
+    def unit(self) -> float:
+        """C/γ: the clip bound in grid units, √d/(2s) (independent of C, so σ in grid units is too)."""
+        return math.sqrt(max(self.dimension, 1)) / (2 * self.rounding_slack)
+
+    @property
+    def sensitivity(self) -> float:
+        """Δ: the L2 norm bound of one example's rounded vector, C/γ·(1 + margin) + √d/2, in grid units."""
+        return self.unit * (1 + NORM_MARGIN) + math.sqrt(max(self.dimension, 1)) / 2
+
+    @property
+    def max_coordinate(self) -> int:
+        """The largest |coordinate| one example's rounded vector can have."""
+        return math.floor(self.unit * (1 + NORM_MARGIN) + 0.5)
+
+    def step(self, max_grad_norm: float) -> float:
+        """γ for a clip bound C: gradient units per grid unit."""
+        return max_grad_norm / self.unit
+
+
+class GridClipping(Clipping):
+    """Flat L2 clipping at C onto :class:`IntegerGrid` ``grid``, summed exactly in int64 (secure noise).
+
+    ``clip_and_sum`` returns int64 sums in grid units; ``sensitivity`` is Δ in grid units; ``finalize``
+    turns the noisy integers into gradients (× γ, ÷ the public expected batch). Built by the strategy from
+    :class:`~lightning_dp.noise.discrete_gaussian.DiscreteGaussian`'s grid.
+    """
+
+    def __init__(self, grid: IntegerGrid) -> None:
+        self.grid = grid
+
+    def setup(self, params: Sequence[Tensor]) -> None:
+        self.grid.setup(params)
+
+    def sensitivity(self, ctx: StepContext) -> float:
+        return self.grid.sensitivity
+
+    def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:
+        """Σ_i round(g_i · min(1, C/‖g_i‖) / γ) per parameter, int64; every term's norm checked ≤ Δ."""
+        params = grad_samples.params
+        sums = [torch.zeros(p.shape, dtype=torch.int64, device=p.device) for p in params]
+        batch = grad_samples.batch
+        if batch == 0:
+            return sums
+        entries = [layer.samples for layer in grad_samples.layers()]
+        try:
+            norms_sq, held = _squared_norms(entries, batch)
+        except (
+            _SharedParameterError
+        ):  # a layer called twice: its calls' rows add up before the norm and the rounding
+            entries = [lambda: dict(zip(params, grad_samples.materialize(), strict=True))]
+            norms_sq, held = _squared_norms(entries, batch)
+        finite = torch.isfinite(norms_sq)
+        factors = (ctx.max_grad_norm / norms_sq.sqrt()).clamp(max=1.0)
+        scale = torch.where(finite, factors * (self.grid.unit / ctx.max_grad_norm), 0.0)
+        rounded_sq = torch.zeros(batch, dtype=torch.float64, device=scale.device)
+        index = {p: j for j, p in enumerate(params)}
+        for position, entry in enumerate(entries):
+            samples = held[position] if held is not None else entry()
+            for p, g in samples.items():
+                r = _rounded(g, scale.to(g.device), finite.to(g.device))
+                rounded_sq += r.to(torch.float64).square().reshape(batch, -1).sum(1).to(rounded_sq.device)
+                sums[index[p]] += r.sum(0)
+        bound = self.grid.sensitivity
+        if bool((rounded_sq > bound * bound).any()):
+            raise RuntimeError(
+                "secure=True: an example's rounded gradient came out above the grid's sensitivity bound, so its "
+                "per-example gradients differed between two materialisations (non-deterministic kernels). "
+                "Nothing was released; train with deterministic algorithms (torch.use_deterministic_algorithms)."
+            )
+        return sums
+
+    def finalize(self, noisy_sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
+        """Integers back to gradients: × γ ÷ q·N (post-processing of the released integers), fp32."""
+        factor = self.grid.step(ctx.max_grad_norm) / ctx.expected_batch_size
+        return [(s.to(torch.float64) * factor).to(torch.float32) for s in noisy_sums]
+
+
+Entry = Callable[[], dict[nn.Parameter, Tensor]]
+"""One layer entry's per-example gradients {parameter: [B, *shape]}, materialised when called."""
+
+
+def _squared_norms(
+    entries: list[Entry], batch: int
+) -> tuple[Tensor, list[dict[nn.Parameter, Tensor]] | None]:
+    """Each example's squared norm over every parameter (fp64, of the materialised values), and the
+    materialisations when they fit :data:`KEEP_BYTES` (else None: they are made again)."""
+    total: Tensor | None = None
+    held: list[dict[nn.Parameter, Tensor]] | None = []
+    seen: dict[nn.Parameter, Tensor] = {}
+    size = 0
+    for entry in entries:
+        samples = entry()
+        for p, g in samples.items():
+            if p in seen:  # a second call of one layer: its rows add to the first's before any norm
+                raise _SharedParameterError
+            seen[p] = g
+            sq = g.to(torch.float64).square().reshape(batch, -1).sum(1)
+            total = sq if total is None else total + sq.to(total.device)
+            size += g.numel() * g.element_size()
+        if held is not None:
+            held.append(samples)
+            if size > KEEP_BYTES:
+                held = None
+    if total is None:
+        total = torch.zeros(batch, dtype=torch.float64)
+    return total, held
+
+
+class _SharedParameterError(Exception):
+    """A parameter's per-example gradient is split over two layer entries (a layer called twice in one forward)."""
+
+
+def _rounded(g: Tensor, scale: Tensor, finite: Tensor) -> Tensor:
+    """round(g_i · scale_i) as int64 [B, *shape]; rows of dropped (non-finite) examples are exact zeros."""
+    shape = (-1, *([1] * (g.dim() - 1)))
+    v = g.to(torch.float64) * scale.view(shape)
+    keep = finite.view(shape) & torch.isfinite(v)
+    return torch.where(keep, torch.round(v), 0.0).to(torch.int64)
