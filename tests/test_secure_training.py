@@ -94,7 +94,8 @@ def test_without_noise_the_secure_sum_is_the_float_sum_to_half_a_grid_step_per_e
     data = tiny_data(module, n)
     secure = released_sum(module, data, lambda: _fidelity_strategy(True))
     plain = released_sum(module, data, lambda: _fidelity_strategy(False))
-    assert secure.sums is not None and plain.sums is not None
+    assert secure.sums is not None
+    assert plain.sums is not None
     step = secure.strategy.engine.noise.grid.step(1e3)
     for ints, floats in zip(secure.sums, plain.sums, strict=True):
         assert torch.equal(ints, ints.round())
@@ -126,7 +127,8 @@ def test_the_integer_sum_does_not_depend_on_the_chunking():
         data,
         lambda: DPStrategy(noise_multiplier=0.0, secure=True, seed=0, max_physical_batch_size=3),
     )
-    assert whole.sums is not None and chunked.sums is not None
+    assert whole.sums is not None
+    assert chunked.sums is not None
     assert all(torch.equal(a, b) for a, b in zip(whole.sums, chunked.sums, strict=True))
 
 
