@@ -109,9 +109,9 @@ class GridClipping(Clipping):
         for position, entry in enumerate(entries):
             samples = held[position] if held is not None else entry()
             for p, g in samples.items():
-                r = _rounded(g, scale.to(g.device), finite.to(g.device))
-                rounded_sq += r.to(torch.float64).square().reshape(batch, -1).sum(1).to(rounded_sq.device)
-                sums[index[p]] += r.sum(0)
+                total, sq = _round_and_sum(g, scale.to(g.device), finite.to(g.device))
+                sums[index[p]] += total
+                rounded_sq += sq.to(rounded_sq.device)
         bound = self.grid.sensitivity
         if bool((rounded_sq > bound * bound).any()):
             raise RuntimeError(
@@ -138,15 +138,15 @@ def _squared_norms(
     materialisations when they fit :data:`KEEP_BYTES` (else None: they are made again)."""
     total: Tensor | None = None
     held: list[dict[nn.Parameter, Tensor]] | None = []
-    seen: dict[nn.Parameter, Tensor] = {}
+    seen: set[nn.Parameter] = set()
     size = 0
     for entry in entries:
         samples = entry()
         for p, g in samples.items():
             if p in seen:  # a second call of one layer: its rows add to the first's before any norm
                 raise _SharedParameterError
-            seen[p] = g
-            sq = g.to(torch.float64).square().reshape(batch, -1).sum(1)
+            seen.add(p)
+            sq = torch.cat([_double(part).square().reshape(len(part), -1).sum(1) for part in _rows(g)])
             total = sq if total is None else total + sq.to(total.device)
             size += g.numel() * g.element_size()
         if held is not None:
@@ -156,6 +156,34 @@ def _squared_norms(
     if total is None:
         total = torch.zeros(batch, dtype=torch.float64)
     return total, held
+
+
+_ROW_ELEMENTS = 1 << 22
+"""fp64 work is done a slice of examples at a time, at most this many values (32 MiB) per slice."""
+
+
+def _rows(g: Tensor) -> list[Tensor]:
+    """``g`` [B, *shape] split along the examples into slices of at most :data:`_ROW_ELEMENTS` values."""
+    per_row = max(1, g[0].numel()) if len(g) else 1
+    return list(g.split(max(1, _ROW_ELEMENTS // per_row)))
+
+
+def _double(g: Tensor) -> Tensor:
+    return g.to(torch.float64)
+
+
+def _round_and_sum(g: Tensor, scale: Tensor, finite: Tensor) -> tuple[Tensor, Tensor]:
+    """(Σ_i round(g_i·scale_i) as int64, ‖round(g_i·scale_i)‖² per example, exact), a slice at a time."""
+    total = torch.zeros(g.shape[1:], dtype=torch.int64, device=g.device)
+    squares = []
+    start = 0
+    for part in _rows(g):
+        rows = slice(start, start + len(part))
+        r = _rounded(part, scale[rows], finite[rows])
+        total += r.sum(0)
+        squares.append(r.to(torch.float64).square().reshape(len(part), -1).sum(1))
+        start += len(part)
+    return total, torch.cat(squares)
 
 
 class _SharedParameterError(Exception):
