@@ -247,7 +247,7 @@ def test_every_rounded_contribution_is_within_the_sensitivity(slack):
             )
             norm = math.sqrt(sum(float(t.double().square().sum()) for t in one))
             assert norm <= clipping.sensitivity(_ctx(1, C))
-            assert clipping.grid.step(C) * clipping.sensitivity(_ctx(1, C)) <= C * (1 + slack) * (1 + 1e-5)
+            assert clipping.grid.step(C) * clipping.sensitivity(_ctx(1, C)) <= C * (1 + slack + 1.01e-4)
 
 
 def test_the_integer_sum_is_flat_clipping_up_to_half_a_grid_step_per_example():
