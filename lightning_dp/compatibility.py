@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+from lightning_dp.accounting import PoissonGaussian
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 
@@ -87,13 +88,10 @@ def check_secure_noise(
     """Secure noise (``DiscreteGaussian`` with ``GridClipping``, ``secure=True``) is priced only as the
     Poisson-subsampled discrete Gaussian of an integer sum made by its own grid, with the RDP accountant and a
     step that releases the one gradient (the ledger event is the noise slot's, not the step's)."""
-    from lightning_dp.clipping.integer_grid import GridClipping
-    from lightning_dp.noise.discrete_gaussian import DiscreteGaussian, is_subsampled_gaussian
-
-    secure_noise, grid = isinstance(noise, DiscreteGaussian), isinstance(clipping, GridClipping)
-    if not secure_noise and not grid:
+    noise_grid, clipping_grid = noise.integer_grid, clipping.integer_grid
+    if noise_grid is None and clipping_grid is None:
         return
-    if not (secure_noise and grid and clipping.grid is noise.grid):  # type: ignore[attr-defined]
+    if noise_grid is None or noise_grid is not clipping_grid:
         raise DPConfigurationError(
             f"noise={noise.name} with clipping={clipping.name}: secure noise needs both, sharing one grid "
             "(the integer sums of GridClipping carry DiscreteGaussian's noise). Pass secure=True, or "
@@ -104,7 +102,11 @@ def check_secure_noise(
             f"secure=True with accountant={accountant!r}: the discrete Gaussian steps are priced by their RDP "
             "curve (the PRV and PLD accountants price continuous Gaussians only). Use accountant='rdp'."
         )
-    if sampler.schedules_noise or sampler.bands not in (None, 1) or not is_subsampled_gaussian(sampler):
+    if (
+        sampler.schedules_noise
+        or sampler.bands not in (None, 1)
+        or type(sampler.event(1.0)) is not PoissonGaussian
+    ):
         raise DPConfigurationError(
             f"secure=True with sampler={sampler.name}: secure noise is priced as a Poisson-subsampled discrete "
             "Gaussian, which this sampler's steps are not. Use the default sampler (Poisson, or UserPoisson for "

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
+from lightning_dp.accounting.discrete_gaussian import IntegerGrid
 from lightning_dp.context import StepContext
 from lightning_dp.release import Releases
 
@@ -203,6 +204,12 @@ class Clipping(Slot, ABC):
         """Whether the clipped sum is DP-SGD's flat L2 one (mechanisms that assume it, DPIS and DP-AGD, check)."""
         return False
 
+    @property
+    def integer_grid(self) -> IntegerGrid | None:
+        """The integer grid ``clip_and_sum``'s int64 sums are on (``GridClipping``, secure noise); None:
+        float sums. :func:`~lightning_dp.compatibility.check_mechanisms` pairs it with the noise slot's."""
+        return None
+
     @abstractmethod
     def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:
         """Sum over examples of the bounded per-example gradients, in fp32, one tensor per parameter.
@@ -255,6 +262,12 @@ class Noise(Slot, ABC):
     def link_step(self, step: Step) -> None:
         """Called once with the run's step slot (schedules that weight steps by its error bound)."""
         del step
+
+    @property
+    def integer_grid(self) -> IntegerGrid | None:
+        """The integer grid of the sums this slot adds noise to (``DiscreteGaussian``, secure noise); None:
+        float sums. The clipping slot must be on the very same grid."""
+        return None
 
     correlated: bool = False
     """True for noise correlated across steps (matrix factorization: BandMF, BLT). Every ``add_noise``

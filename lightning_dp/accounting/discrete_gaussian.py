@@ -22,14 +22,55 @@ term the report states beside the ledger's (:func:`sampler_delta`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
+from torch import Tensor
 
 from .amplification import amplify_general
 from .events import PrivacyEvent, _check_noise_multiplier, _check_sample_rate
 
-__all__ = ["PoissonDiscreteGaussian", "distributed_tau", "sampler_delta"]
+__all__ = ["NORM_MARGIN", "IntegerGrid", "PoissonDiscreteGaussian", "distributed_tau", "sampler_delta"]
+
+
+NORM_MARGIN = 1e-4
+"""Relative room in Δ above C/γ for the arithmetic of the norms and the scaling (fp32: a few 1e-7, even
+summed over 10⁹ coordinates); a scaled example found above C/γ·(1 + NORM_MARGIN/2) is refused, never
+released (a second materialisation that differs from the first)."""
+
+
+@dataclass
+class IntegerGrid:
+    """The grid: d coordinates, the clip bound at √d/(2s) grid units, the rounded sensitivity Δ."""
+
+    rounding_slack: float
+    dimension: int = 0
+    _sizes: tuple[int, ...] = field(default=(), repr=False)
+
+    def setup(self, params: Sequence[Tensor]) -> None:
+        """d: the trainable coordinates (the model's architecture, public)."""
+        self._sizes = tuple(p.numel() for p in params)
+        self.dimension = sum(self._sizes)
+
+    @property
+    def unit(self) -> float:
+        """C/γ: the clip bound in grid units, √d/(2s) (independent of C, so σ in grid units is too)."""
+        return math.sqrt(max(self.dimension, 1)) / (2 * self.rounding_slack)
+
+    @property
+    def sensitivity(self) -> float:
+        """Δ: the L2 norm bound of one example's rounded vector, C/γ·(1 + margin) + √d/2, in grid units."""
+        return self.unit * (1 + NORM_MARGIN) + math.sqrt(max(self.dimension, 1)) / 2
+
+    @property
+    def max_coordinate(self) -> int:
+        """The largest |coordinate| one example's rounded vector can have."""
+        return math.floor(self.unit * (1 + NORM_MARGIN) + 0.5)
+
+    def step(self, max_grad_norm: float) -> float:
+        """γ for a clip bound C: gradient units per grid unit."""
+        return max_grad_norm / self.unit
 
 
 def distributed_tau(share_scale: float, ranks: int) -> float:

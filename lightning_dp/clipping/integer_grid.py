@@ -17,22 +17,16 @@ they do not fit ``KEEP_BYTES``), which the fast path avoids.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from lightning_dp.accounting.discrete_gaussian import NORM_MARGIN, IntegerGrid
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext
 
 __all__ = ["GridClipping", "IntegerGrid"]
-
-NORM_MARGIN = 1e-4
-"""Relative room in Δ above C/γ for the arithmetic of the norms and the scaling (fp32: a few 1e-7, even
-summed over 10⁹ coordinates); a scaled example found above C/γ·(1 + NORM_MARGIN/2) is refused, never
-released (a second materialisation that differs from the first)."""
 
 _EXACT_FP32 = 2.0**22
 """Grid units per clip bound below which fp32 holds every scaled coordinate and its rounding exactly."""
@@ -41,39 +35,6 @@ KEEP_BYTES = 64 << 20
 """Per-example gradients are held between the norm pass and the rounding pass while they take at most this
 many bytes, or twice the largest layer's (the peak of materialising one layer at a time at most doubles);
 beyond it each layer's are materialised again for the rounding (twice the work, no more memory)."""
-
-
-@dataclass
-class IntegerGrid:
-    """The grid: d coordinates, the clip bound at √d/(2s) grid units, the rounded sensitivity Δ."""
-
-    rounding_slack: float
-    dimension: int = 0
-    _sizes: tuple[int, ...] = field(default=(), repr=False)
-
-    def setup(self, params: Sequence[Tensor]) -> None:
-        """d: the trainable coordinates (the model's architecture, public)."""
-        self._sizes = tuple(p.numel() for p in params)
-        self.dimension = sum(self._sizes)
-
-    @property
-    def unit(self) -> float:
-        """C/γ: the clip bound in grid units, √d/(2s) (independent of C, so σ in grid units is too)."""
-        return math.sqrt(max(self.dimension, 1)) / (2 * self.rounding_slack)
-
-    @property
-    def sensitivity(self) -> float:
-        """Δ: the L2 norm bound of one example's rounded vector, C/γ·(1 + margin) + √d/2, in grid units."""
-        return self.unit * (1 + NORM_MARGIN) + math.sqrt(max(self.dimension, 1)) / 2
-
-    @property
-    def max_coordinate(self) -> int:
-        """The largest |coordinate| one example's rounded vector can have."""
-        return math.floor(self.unit * (1 + NORM_MARGIN) + 0.5)
-
-    def step(self, max_grad_norm: float) -> float:
-        """γ for a clip bound C: gradient units per grid unit."""
-        return max_grad_norm / self.unit
 
 
 class GridClipping(Clipping):
@@ -86,6 +47,10 @@ class GridClipping(Clipping):
 
     def __init__(self, grid: IntegerGrid) -> None:
         self.grid = grid
+
+    @property
+    def integer_grid(self) -> IntegerGrid:
+        return self.grid
 
     def setup(self, params: Sequence[Tensor]) -> None:
         self.grid.setup(params)

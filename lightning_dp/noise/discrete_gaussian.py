@@ -35,9 +35,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.accounting import PrivacyEvent
-from lightning_dp.accounting.discrete_gaussian import PoissonDiscreteGaussian, sampler_delta
-from lightning_dp.accounting.events import PoissonGaussian
-from lightning_dp.clipping.integer_grid import IntegerGrid
+from lightning_dp.accounting.discrete_gaussian import IntegerGrid, PoissonDiscreteGaussian, sampler_delta
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.rng import SECURE_WORD, secure_words
 from lightning_dp.slots import Noise, Sampler
@@ -191,6 +189,10 @@ class DiscreteGaussian(Noise):
 
     # -- the run --------------------------------------------------------------------------------------
     @property
+    def integer_grid(self) -> IntegerGrid:
+        return self.grid
+
+    @property
     def is_set(self) -> bool:
         return self.sigma is not None
 
@@ -339,8 +341,3 @@ class DiscreteGaussian(Noise):
             )
         if state.get("sigma") is not None:
             self.sigma = state["sigma"]
-
-
-def is_subsampled_gaussian(sampler: Sampler) -> bool:
-    """Whether ``sampler``'s steps are Poisson-subsampled Gaussians (the only sampling secure noise prices)."""
-    return type(sampler.event(1.0)) is PoissonGaussian
