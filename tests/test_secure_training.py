@@ -83,14 +83,27 @@ def test_the_report_says_what_was_used(secure_run):
     json.dumps(report)
 
 
+class SharedLayer(TinyModule):
+    """One Linear called twice in a forward: its per-example gradient is the sum of two calls' (the grid
+    clipping must add them before the norm and the rounding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Linear(10, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+
 def _fidelity_strategy(secure: bool) -> DPStrategy:
     return DPStrategy(noise_multiplier=0.0, max_grad_norm=1e3, secure=secure, seed=0)
 
 
-def test_without_noise_the_secure_sum_is_the_float_sum_to_half_a_grid_step_per_example():
+@pytest.mark.parametrize("model", [TinyModule, SharedLayer])
+def test_without_noise_the_secure_sum_is_the_float_sum_to_half_a_grid_step_per_example(model):
     """σ = 0, C far above every norm: the integers times γ are autograd's summed gradients (the float
     path's, which equal them), to the rounding of each example (≤ γ/2 a coordinate)."""
-    module, n = TinyModule(), 8
+    module, n = model(), 8
     data = tiny_data(module, n)
     secure = released_sum(module, data, lambda: _fidelity_strategy(True))
     plain = released_sum(module, data, lambda: _fidelity_strategy(False))
@@ -104,6 +117,7 @@ def test_without_noise_the_secure_sum_is_the_float_sum_to_half_a_grid_step_per_e
 
 @pytest.mark.parametrize("n", [8, 1024])
 def test_one_example_moves_the_integer_sum_by_at_most_the_rounded_sensitivity(n):
+    """The neighbour test at B = 8 and 1024."""
     module = TinyModule(n=1024)
     move = neighbour_move(
         module,
@@ -115,6 +129,17 @@ def test_one_example_moves_the_integer_sum_by_at_most_the_rounded_sensitivity(n)
     assert move.sensitivity == grid.sensitivity
     assert_neighbour_bound(move)
     assert move.l2 > 0.99 * grid.unit  # the removed example was clipped: it moved the sum by about C/γ
+
+
+def test_a_user_level_secure_run_clips_and_rounds_each_user():
+    """Users of two rows each: each user's rows are summed before the clip and the rounding (UserPoisson)."""
+    strategy = DPStrategy(
+        noise_multiplier=1.0, secure=True, privacy_unit="user", user_key=lambda i: i // 2,
+        examples_per_user=2, users_per_step=16,
+    )  # fmt: skip
+    _fit(strategy, TinyModule(), max_steps=2)
+    assert type(strategy.engine.ledger.history[0][0]) is PoissonDiscreteGaussian
+    assert strategy.engine.sampler.sample_rate == 16 / 128
 
 
 def test_the_integer_sum_does_not_depend_on_the_chunking():
