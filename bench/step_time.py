@@ -69,12 +69,12 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import lightning_dp
 from lightning_dp import DPStrategy, PrivacyCallback
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
-from lightning_dp.clipping import FlatClipping
+from lightning_dp.clipping import FlatClipping, GridClipping
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.noise import ConstantNoise
+from lightning_dp.noise import ConstantNoise, DiscreteGaussian
 from lightning_dp.per_example import GradMode
 from lightning_dp.sampling import Poisson
-from lightning_dp.slots import Step, StepContext
+from lightning_dp.slots import Clipping, Noise, Step, StepContext
 from recipes.models import mlp, tramer_boneh_cnn
 
 SIGMA = 1.0
@@ -293,15 +293,19 @@ def private_variant(
     name: str = "lightning-dp",
     lr: float = LR,
     dataset_size: int = DATASET_SIZE,
+    secure: bool = False,
 ) -> Variant:
     """The library's :class:`~lightning_dp.engine.PrivateStepEngine` on a copy of ``base`` (σ = SIGMA,
     C = MAX_GRAD_NORM, SGD over the trainable parameters): fwd+bwd (``forward_backward(model)``),
-    privatize, update. Shared by this script, ``model_zoo.py`` and ``gpu_speed.py``."""
+    privatize, update. Shared by this script, ``model_zoo.py`` and ``gpu_speed.py``. ``secure``: the slots
+    of ``DPStrategy(secure=True)`` (integer grid, discrete Gaussian from ``os.urandom``)."""
     model = copy.deepcopy(base)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=lr)
+    noise: Noise = DiscreteGaussian(SIGMA) if secure else ConstantNoise(SIGMA)
+    clipping: Clipping = GridClipping(noise.grid) if isinstance(noise, DiscreteGaussian) else FlatClipping()
     engine = PrivateStepEngine(
-        sampler=Poisson(seed=0), clipping=FlatClipping(), noise=ConstantNoise(SIGMA), step=Step(),
+        sampler=Poisson(seed=0), clipping=clipping, noise=noise, step=Step(),
         max_grad_norm=MAX_GRAD_NORM, delta=1e-5, target_epsilon=None, accountant="rdp",
         loss_reduction="mean", seed=0, grad_sample_mode=mode,
     )  # fmt: skip
@@ -330,11 +334,14 @@ def private_variant(
     return variant
 
 
-def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor, mode: GradMode) -> Variant:
+def build_lightning_dp(
+    base: nn.Module, x: Tensor, y: Tensor, mode: GradMode, secure: bool = False
+) -> Variant:
     def forward_backward(model: nn.Module) -> Callable[[], None]:
         return lambda: F.cross_entropy(model(x), y).backward()
 
-    return private_variant(base, forward_backward, len(y), mode, name=f"lightning-dp {mode}")
+    name = "lightning-dp secure" if secure else f"lightning-dp {mode}"
+    return private_variant(base, forward_backward, len(y), mode, name=name, secure=secure)
 
 
 def _opacus_loader(x: Tensor, y: Tensor) -> DataLoader:
@@ -391,6 +398,8 @@ BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Variant]] = {
     "plain": build_plain,
     "lightning-dp fast": functools.partial(build_lightning_dp, mode="fast"),
     "lightning-dp materialize": functools.partial(build_lightning_dp, mode="materialize"),
+    # secure=True (issue #50); not a default variant: `--variants plain,lightning-dp fast,lightning-dp secure`
+    "lightning-dp secure": functools.partial(build_lightning_dp, mode="auto", secure=True),
     "opacus hooks": build_opacus_hooks,
     "opacus ghost": build_opacus_ghost,
 }

@@ -13,7 +13,7 @@ from lightning_dp.checks import checking
 from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
-from lightning_dp.noise import BLT, BandMF, ConstantNoise, NoiseDividing
+from lightning_dp.noise import BLT, BandMF, ConstantNoise, DiscreteGaussian, NoiseDividing
 from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
 from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson, UserPoisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
@@ -39,6 +39,7 @@ __all__ = [
     "DPDDPStrategy",
     "DPFSDPStrategy",
     "DPStrategy",
+    "DiscreteGaussian",
     "EmptyBatch",
     "FixedSize",
     "FlatClipping",

@@ -187,6 +187,7 @@ class PrivateStepEngine:
     def connect(self, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
         """Once the processes exist: this rank, their number and the sum over them (None on one process)."""
         self.releases.connect(rank, world_size, all_reduce)
+        self.noise.link_ranks(world_size)
 
     @property
     def rank(self) -> int:

@@ -64,6 +64,7 @@ class UserPoisson(SeededSampler):
 
     unit = "user"
     carries_batch_info = True
+    takes_public_size = True  # each user joins w.p. q whatever U is: q may come from a declared U
 
     def __init__(
         self,
@@ -143,10 +144,11 @@ class UserPoisson(SeededSampler):
         num_users = self.users.num_users
         if num_users == 0:
             raise ValueError("The training set is empty: DP training needs at least one user.")
-        if self.users_per_step > num_users:
+        size = num_users if self.public_size is None else self.public_size  # U as released: declared, or real
+        if self.users_per_step > size:
             raise ValueError(
-                f"users_per_step={self.users_per_step} is larger than the number of users U={num_users}: the "
-                f"sample rate q = users_per_step / U would exceed 1. Use users_per_step ≤ {num_users}."
+                f"users_per_step={self.users_per_step} is larger than the number of users U={size}: the "
+                f"sample rate q = users_per_step / U would exceed 1. Use users_per_step ≤ {size}."
             )
         rows = self.users_per_step * self.examples_per_user
         if not self._warned_batch and not rows / 2 <= batch_size <= 2 * rows:
@@ -158,7 +160,7 @@ class UserPoisson(SeededSampler):
                 stacklevel=4,
             )
         self.num_samples = num_users  # the privacy unit is the user: U is the N of the ledger and checkpoint
-        self.sample_rate = self.users_per_step / num_users
+        self.sample_rate = self.users_per_step / size
         self.rank, self.world_size = rank, world_size
         generator = self._start_stream(f"user_poisson/{rank}")
         if self.selection == "cycle" and (self._cursor is None or len(self._cursor) != num_users):
@@ -174,7 +176,7 @@ class UserPoisson(SeededSampler):
     def batches_per_epoch(self, num_samples: int, batch_size: int) -> int:
         """An epoch samples each user once in expectation: ⌈U / users_per_step⌉ steps."""
         del num_samples, batch_size
-        return max(1, math.ceil(self.num_samples / self.users_per_step))
+        return max(1, math.ceil(self.size_for_releases / self.users_per_step))
 
     # -- sampling -------------------------------------------------------------------------------------
     def draw(self) -> IndicesWithInfo:

@@ -183,6 +183,8 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         unit_selection: Literal["random", "cycle"] = "random",
         unit_reduction: Literal["mean", "sum"] = "mean",
         max_examples_per_user: int | None = None,
+        secure: bool = False,
+        dataset_size: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",

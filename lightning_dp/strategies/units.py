@@ -81,7 +81,7 @@ def privacy_unit_of(config: PrivacyConfig, engine: PrivateStepEngine) -> Privacy
     user = sampler.unit == "user"
     return PrivacyUnit(
         kind="user" if user else "example",
-        num_units=int(sampler.num_samples),
+        num_units=int(sampler.size_for_releases),  # the declared N (dataset_size=), else the real one
         examples_per_user=getattr(sampler, "examples_per_user", None) if user else None,
         max_examples_per_user=getattr(sampler, "max_examples_per_user", None)
         if user
