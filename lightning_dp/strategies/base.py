@@ -274,14 +274,19 @@ class DPStrategyBase(Strategy):
         if isinstance(batch, EmptyBatch):
             self.step_counts.noise_only(module)
             return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
-        # parameter uses outside the layers, rows taken from the batch (per_example.uses)
-        with tracing(module):
-            if self.chunking.whole:
-                return super().training_step(*args, **kwargs)
-            user_step, chunking = super().training_step, self.chunking
-            return routing.virtual_batch_step(
-                user_step, self.engine, module, batch, chunking, *args[1:], **kwargs
-            )
+        with tracing(
+            module
+        ):  # parameter uses outside the layers, rows taken from the batch (per_example.uses)
+            return self._user_step(module, batch, args, kwargs)
+
+    def _user_step(self, module: Any, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The user's ``training_step`` on the whole batch, or physical chunk by chunk (virtual batching)."""
+        if self.chunking.whole:
+            return super().training_step(*args, **kwargs)
+        user_step, chunking = super().training_step, self.chunking
+        return routing.virtual_batch_step(
+            user_step, self.engine, module, batch, chunking, *args[1:], **kwargs
+        )
 
     def _module(self) -> Any:
         module = self.lightning_module
