@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from step_time import Variant, _reason, check_variant, measure_peak, private_variant, run_step
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+from wide_resnet import wide_resnet
 
 SIGMA, MAX_GRAD_NORM, LR, DATASET_SIZE = 1.0, 1.0, 1e-4, 50_000
 Batch = tuple[Tensor, ...]
@@ -83,34 +84,6 @@ def _vit(dry: bool) -> nn.Module:
             num_heads=2,
         )
     return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=10)  # ViT-B/16, 86M
-
-
-class _WideBlock(nn.Module):
-    """Pre-activation wide residual block with GroupNorm (16 groups) in place of BatchNorm."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.n1, self.c1 = nn.GroupNorm(16, c_in), nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.n2, self.c2 = nn.GroupNorm(16, c_out), nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.short = None if c_in == c_out and stride == 1 else nn.Conv2d(c_in, c_out, 1, stride, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        o = F.relu(self.n1(x))
-        y = self.c2(F.relu(self.n2(self.c1(o))))
-        return y + (x if self.short is None else self.short(o))
-
-
-def wide_resnet(depth: int = 16, width: int = 4, classes: int = 10) -> nn.Sequential:
-    """WideResNet-depth-width (Zagoruyko & Komodakis) for 32×32 images, GroupNorm for BatchNorm."""
-    n = (depth - 4) // 6
-    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, 1, 1, bias=False)]
-    c = 16
-    for stage, c_out in enumerate((16 * width, 32 * width, 64 * width)):
-        for i in range(n):
-            layers.append(_WideBlock(c, c_out, 2 if stage and not i else 1))
-            c = c_out
-    layers += [nn.GroupNorm(16, c), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)]
-    return nn.Sequential(*layers)
 
 
 def _llama_lora(dry: bool) -> nn.Module:
