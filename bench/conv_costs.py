@@ -96,9 +96,9 @@ def _best_time(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def measure(batch: int, repeats: int) -> list[dict[str, Any]]:
-    """Every method's time per example on every shape (the norm methods the memory budget allows; hopeless
-    ones skipped), with what the model and the memory budget need to know."""
+def measure(batch: int, repeats: int, every: bool = False) -> list[dict[str, Any]]:
+    """Every method's time per example on every shape (the norm methods the memory budget allows, or all
+    with ``every``; hopeless ones skipped), with what the model and the memory budget need to know."""
     records = []
     for layer, x_shape, y_shape in conv_shapes():
         g = torch.Generator().manual_seed(0)
@@ -120,7 +120,7 @@ def measure(batch: int, repeats: int) -> list[dict[str, Any]]:
                 hopeless = macs[m] > 10 * min(macs.values()) or (
                     "correlate" in m and core.in_channels // core.groups > 8
                 )
-                if not hopeless and (kind == "sums" or m in allowed):
+                if not hopeless and (kind == "sums" or every or m in allowed):
                     with ieee_fp32():
                         record[kind][m] = _best_time(runs[m], repeats) / batch
         record["features"] = {
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the measurements here")
     parser.add_argument("--load", help="read measurements written by --json instead of measuring")
     parser.add_argument("--fit", action="store_true", help="fit and print a new coefficient table")
+    parser.add_argument(
+        "--all", action="store_true", help="time the norm methods beyond the memory budget too"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"conv_costs: torch {torch.__version__}, CPU {cpu_name()}, 1 thread, batch {args.batch}")
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.load) as f:
             records = json.load(f)
     else:
-        records = measure(args.batch, args.repeats)
+        records = measure(args.batch, args.repeats, args.all)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(records, f)

@@ -86,6 +86,35 @@ def _vit(dry: bool) -> nn.Module:
     return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=10)  # ViT-B/16, 86M
 
 
+def _timm(name: str, dry_kwargs: dict[str, Any], **kwargs: Any) -> Callable[[bool], nn.Module]:
+    """A timm model with a 10-class head (one block per stage in the dry run)."""
+
+    def build(dry: bool) -> nn.Module:
+        import timm
+
+        return timm.create_model(
+            name, pretrained=False, num_classes=10, **kwargs, **(dry_kwargs if dry else {})
+        )
+
+    return build
+
+
+def _group_norm(channels: int, **kwargs: Any) -> nn.Module:
+    return nn.GroupNorm(32, channels)
+
+
+def _mnist_cnn(dry: bool) -> nn.Module:
+    from recipes.models import tramer_boneh_cnn
+
+    return tramer_boneh_cnn()
+
+
+def _lstm(dry: bool) -> nn.Module:
+    from realistic_models import LSTMClassifier
+
+    return LSTMClassifier(vocab=100, dim=16) if dry else LSTMClassifier()
+
+
 def _llama_lora(dry: bool) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -186,6 +215,52 @@ MODELS: dict[str, SpeedModel] = {
             lambda m, b: m(b[0]),
             _class_loss,
             batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "resnet18_gn",
+            "timm ResNet-18 with GroupNorm at 32×32, 10 classes, fp32",
+            _timm("resnet18", {"layers": (1, 1, 1, 1)}, norm_layer=_group_norm),
+            _images(32, 16),
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "convnext_atto",
+            "timm ConvNeXt-atto at 32×32, 10 classes, fp32",
+            _timm("convnext_atto", {"depths": (1, 1, 1, 1), "dims": (8, 8, 16, 16), "patch_size": 2}),
+            _images(32, 32),  # a stem and three downsamplings: 32 px in the dry run too
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "cnn",
+            "Tramèr & Boneh MNIST CNN, fp32",
+            _mnist_cnn,
+            lambda dry, b, g: (
+                torch.randn(b, 1, 28, 28, generator=g),
+                torch.randint(0, 10, (b,), generator=g),
+            ),
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "lstm",
+            "Embedding(10000, 256) + LSTM(256), T=64, fp32",
+            _lstm,
+            lambda dry, b, g: (
+                torch.randint(1, 100 if dry else 10_000, (b, 8 if dry else 64), generator=g),
+                torch.randint(0, 2, (b,), generator=g),
+            ),
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=64,
             bf16=False,
         ),
         SpeedModel(

@@ -111,10 +111,10 @@ CPU_COSTS: dict[str, Features] = {
     "grouped-samples": (4.43e-11, 0.0, 4.64e-11, 7.64e-07, 2.24e-05),
     "correlate-samples": (1.41e-10, 6.07e-11, 0.0, 0.0, 4.60e-06),
 }
-"""Seconds per unit of each :func:`features` term, fitted by ``bench/conv_costs.py`` (non-negative least
-squares on relative error) to the thread CPU time of every method on the convolutions of the benchmark
-models, one CPU thread, fp32 (AMD EPYC, AVX-512; the README gives the fit and how far its choices are from
-the fastest measured)."""
+"""Seconds per unit of each :func:`features` term, fitted by ``bench/conv_costs.py --all --fit``
+(non-negative least squares on relative error) to the thread CPU time of every method on the 70
+convolution shapes of the benchmark models at B = 64, one CPU thread, fp32 (AMD EPYC, AVX-512). On those
+shapes its norm method is within 10 % of the fastest allowed one on 54 and its sum method on 62 (bench/README)."""
 
 GPU_COSTS: dict[str, Features] = {
     method: (6.7e-14, 0.0, 2.0e-12, 1.0e-8, 1.6e-7) for method in (*CONV_METHODS, *SUM_METHODS)
@@ -150,13 +150,16 @@ def _candidates(
     allowed only when those take at most :data:`.certified.KEEP_FACTOR` times what the layer's record
     holds (:func:`saved_per_example`), and not for a cropped kernel (its cache would need the dead
     offsets' zeros); otherwise the same methods run for the norms only, a chunk at a time. "correlate"
-    also needs its C/G-fold copy of the output gradients to fit in the record. The Gram methods work a
-    chunk at a time and are always allowed.
+    also needs its C/G-fold copy of the output gradients to fit in the record, and more than one output
+    position. The Gram methods work a chunk at a time and are always allowed.
     """
     budget = saved_per_example(x, backprops)
     keep = not cropped and layer.weight.numel() <= KEEP_FACTOR * budget
     allowed = [m for m in CONV_METHODS if (m not in NORMS_ONLY if keep else m not in MATERIALISING)]
-    if core.in_channels // core.groups * backprops[0].numel() > budget:
+    one_position = (
+        math.prod(backprops.shape[2:]) == 1
+    )  # a 1×1 correlation: B·C groups, 100× slower (measured)
+    if one_position or core.in_channels // core.groups * backprops[0].numel() > budget:
         allowed = [m for m in allowed if NORMS_ONLY.get(m, m) != "correlate"]
     return allowed
 
