@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 import copy
 import gc
+import hashlib
 import json
 import statistics
 import time
@@ -209,9 +210,20 @@ def rows(entry: ZooModel | RealisticModel, variants: list[Variant]) -> list[dict
                 phases_ms={k: statistics.median(t) * 1e3 for k, t in v.phase_times.items()},
                 rounds=len(v.times),
                 paths=v.paths or None,
+                conv_methods=_conv_methods(v),
             )
         out.append(row)
     return out
+
+
+def _conv_methods(v: Variant) -> str | None:
+    """lightning-dp's convolution methods (``conv_tuner.report()``): how many shapes, and a digest that two
+    runs can compare (the methods are a function of the shapes, so it must not change between runs)."""
+    grads = v.engine.grads if v.engine is not None else None
+    if grads is None or not grads.conv_tuner.choices:
+        return None
+    text = json.dumps(grads.conv_tuner.report(), sort_keys=True)
+    return f"{len(grads.conv_tuner.choices)} shapes, digest {hashlib.sha1(text.encode()).hexdigest()[:10]}"
 
 
 def print_rows(table: list[dict[str, Any]], verbose: bool = False) -> None:
@@ -226,6 +238,8 @@ def print_rows(table: list[dict[str, Any]], verbose: bool = False) -> None:
         print(f"{row['model']:<32}{row['variant']:<15}{row['median_ms']:>10.2f}{ratio:>9}{peak:>9}{mem:>7}")
         if row.get("paths"):
             print(f"{'':<47}{row['paths']}")
+        if row.get("conv_methods"):
+            print(f"{'':<47}conv methods: {row['conv_methods']}")
         if row.get("phases_ms") and verbose:
             phases = ", ".join(f"{k} {v:.1f}" for k, v in row["phases_ms"].items())
             print(f"{'':<47}phases ms: {phases} (n={row['rounds']})")
