@@ -47,6 +47,9 @@ def privacy_report(
     if isinstance(checks, RunChecks):
         data["checks"] = checks.summary()
     data["ledger_events"] = engine.ledger.steps
+    conv_tuner = getattr(strategy, "conv_tuner", None)  # the cost model's methods per convolution shape
+    if conv_tuner is not None and conv_tuner.choices:
+        data["conv_methods"] = conv_tuner.report()
     if engine.prior_events:  # the model's releases before this strategy: counted in ε above
         data["earlier_ledger_events"] = engine.prior_events
     facts = engine.noise.report()

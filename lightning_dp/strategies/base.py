@@ -35,6 +35,7 @@ from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError
 from lightning_dp.per_example.capture import tracing
+from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.privacy_unit import PrivacyUnit
 from lightning_dp.strategies import checkpoints, loaders, refusals, routing, units
@@ -74,6 +75,8 @@ class DPStrategyBase(Strategy):
         self.on_batchnorm: OnBatchNorm = config.on_batchnorm
         self.setup_notes: list[str] = []
         self.clipping_paths = ""
+        self.conv_tuner: ConvAutotuner | None = None
+        """The capture's convolution methods (set at fit start, kept for the report after teardown)."""
         self._resumed = False
         self._train_loader_pass: object = refusals.NO_PASS
         self._realised_sizes: loaders.RealisedSizes | None = None
@@ -137,6 +140,9 @@ class DPStrategyBase(Strategy):
         described = "; ".join(f"{path} {', '.join(names)}" for path, names in sorted(paths.items()))
         self.clipping_paths = f"per-example clipping ({grads.mode} mode): {described}"
         rank_zero_info(f"lightning-dp: {self.clipping_paths}")
+        # each convolution's methods, chosen on its first batch by the cost model: one line per shape
+        self.conv_tuner = grads.conv_tuner
+        self.conv_tuner.announce = lambda line: rank_zero_info(f"lightning-dp: {line}")
 
     # -- 2. optimizers --------------------------------------------------------------------------------------
     @override
