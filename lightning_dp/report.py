@@ -49,6 +49,9 @@ def privacy_report(
     data["ledger_events"] = engine.ledger.steps
     if engine.prior_events:  # the model's releases before this strategy: counted in ε above
         data["earlier_ledger_events"] = engine.prior_events
+    clip_norm = engine.clipping.report()
+    if clip_norm is not None:  # a clipping bound adapted from released values: its trajectory's summary
+        data["clip_norm"] = clip_norm
     correlated = engine.noise.report()
     if correlated is not None:  # BandMF / BLT: the strategy matrix, its accounting and its predicted error
         data["correlated_noise"] = correlated
