@@ -349,3 +349,41 @@ def test_every_zoo_model_s_contributions_stay_below_the_bound_and_sum_exactly(en
             want = sum(float(w) * r[p] for w, r in zip(factors, expected, strict=True))
             scale = (max(float(r[p].abs().max()) for r in expected) + 1e-9 * overall) * float(factors.max())
             assert float((total.double() - want).abs().max()) <= 1e-4 * scale, (name, p.shape)
+
+
+# -- the shipped config: the LightningCLI form ---------------------------------------------------------------
+
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_quantile.yaml"
+
+
+def test_the_shipped_config_trains_with_quantile_clipping_from_its_class_path(tmp_path):
+    from lightning_dp.cli import main
+
+    main(
+        [
+            "fit", "--config", str(CONFIG), "--trainer.max_steps", "3", "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.logger.init_args.save_dir", str(tmp_path),
+            "--test_after_fit", "false",
+        ]
+    )  # fmt: skip
+    report = json.loads(next(tmp_path.rglob("privacy_report.json")).read_text())
+    assert report["clipping"] == "QuantileClipping"
+    assert report["steps"] == 3
+    assert report["epsilon"] <= 3.0
+    assert report["clip_norm"]["initial"] == 0.1
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        logged = [float(r["dp/clip_norm"]) for r in csv.DictReader(f) if r.get("dp/clip_norm")]
+    assert len(logged) == 3
+    assert logged[0] == pytest.approx(0.1)
+
+
+def test_the_config_s_clipping_class_path_takes_auto_clipping_too():
+    from lightning_dp.tuning.planning import instantiate_cli
+
+    cli = instantiate_cli(
+        ["--config", str(CONFIG), "--trainer.strategy.init_args.clipping", "lightning_dp.AutoClipping"]
+    )
+    clipping = cli.trainer.strategy.engine.clipping
+    assert isinstance(clipping, AutoClipping)
+    assert clipping.stability == 0.01
