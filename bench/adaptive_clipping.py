@@ -4,10 +4,11 @@ At each ε of ``--epsilons`` (δ = 1e-5), ``--seeds`` seeds each, test accuracy 
 
 * ``digits``: the embedded default (configs/digits_dpsgd.yaml): logistic regression on scikit-learn's digits,
   1,257 training images, batch 128, SGD lr 1.0, 30 epochs (300 steps);
-* ``mnist``: Tramèr & Boneh's CNN (tanh, 26,010 parameters) on a stated subset of MNIST: the first 10,000
+* ``mnist``: Tramèr & Boneh's CNN (tanh, 26,010 parameters) on a stated subset of MNIST: the first 6,000
   training images of the recipe's seeded split (5,000 held out for validation), the standard 10,000 test
-  images, batch 256 (q = 0.0256), SGD lr 0.05 with momentum 0.9 (Tramèr & Boneh's step lr·C = 0.05 at C = 1),
-  4 epochs (160 steps). Sized to keep the whole bench under an hour of one CPU core.
+  images, batch 256 (q = 0.0427), SGD with momentum 0.9 at lr 0.2 (DP-SGD's best at C = 1 and ε = 3 on the
+  validation split among 0.05, 0.1, 0.2, 0.4: 79.2, 87.4, 90.8, 90.3 %, as a user tunes the learning rate
+  first), 4 epochs (94 steps). Sized to keep the whole bench under an hour of one CPU core.
 
 Methods, every one with the task's learning rate and optimizer:
 
@@ -18,7 +19,8 @@ Methods, every one with the task's learning rate and optimizer:
   that ε, seed 100; the tuning runs are not charged to the budget, the usual convention: the honest price
   of that choice is the composition of all of them, stated beside the table);
 * ``tune``: ``lightning_dp.tune`` over the same C grid (K ~ Poisson(5) trials, noisy validation accuracy,
-  σ of each trial calibrated so that the WHOLE search costs the ε of the column; through the Trainer);
+  σ of each trial calibrated so that the WHOLE search costs the ε of the column; through the Trainer; on
+  MNIST at ε = 3 only, to keep the bench's CPU time in bounds);
 * ``opacus``: Opacus's ``AdaClipDPOptimizer`` (``make_private(clipping="adaptive")``) on the same model with
   the same defaults as ``quantile`` and the same σ (its count is not shifted by ½ and is divided by the
   realised batch size, so its accounting at that σ understates ε: the column is at the nominal ε).
@@ -88,6 +90,8 @@ class Task:
     momentum: float
     cli: Callable[[str, float], list[str]]
     """LightningCLI arguments of one trial at ε (for ``lightning_dp.tune``), given the MNIST root."""
+    tune_epsilons: tuple[float, ...] = EPSILONS
+    """The ε at which ``lightning_dp.tune`` runs (each search is K ≈ 5 Trainer fits)."""
 
 
 def _digits_cli(root: str, eps: float) -> list[str]:
@@ -102,9 +106,9 @@ def _digits_cli(root: str, eps: float) -> list[str]:
 def _mnist_cli(root: str, eps: float) -> list[str]:
     return [
         "--config", str(ROOT / "configs/mnist_dpsgd.yaml"), f"--trainer.strategy.init_args.target_epsilon={eps}",
-        "--trainer.max_epochs=4", "--trainer.accelerator=cpu", "--model.init_args.lr=0.05",
+        "--trainer.max_epochs=4", "--trainer.accelerator=cpu", "--model.init_args.lr=0.2",
         f"--data.init_args.root={root}", "--data.init_args.download=false", "--data.init_args.batch_size=256",
-        "--data.init_args.train_size=10000", "--trainer.enable_checkpointing=false",
+        "--data.init_args.train_size=6000", "--trainer.enable_checkpointing=false",
     ]  # fmt: skip
 
 
@@ -115,8 +119,8 @@ TASKS = {
     ),
     "mnist": Task(
         "mnist", lambda: tramer_boneh_cnn(activation="tanh"),
-        lambda root: MNISTDataModule(root=root, batch_size=256, download=False, train_size=10000),
-        batch=256, epochs=4, lr=0.05, momentum=0.9, cli=_mnist_cli,
+        lambda root: MNISTDataModule(root=root, batch_size=256, download=False, train_size=6000),
+        batch=256, epochs=4, lr=0.2, momentum=0.9, cli=_mnist_cli, tune_epsilons=(3.0,),
     ),
 }  # fmt: skip
 
@@ -314,6 +318,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             tuned = tuned_clip(task, eps, data, runs) if "dpsgd_tuned" in args.methods else 1.0
             for seed in range(args.seeds):
                 for method in args.methods:
+                    if method == "tune" and eps not in task.tune_epsilons:
+                        continue
                     clip = tuned if method == "dpsgd_tuned" else 1.0
                     runs.run(
                         (name, method, eps, seed, clip),
