@@ -86,9 +86,11 @@ def check_joint_statistic(sampler: Sampler, clipping: Clipping, noise: Noise, st
     """A clipping whose count is priced inside the step's one Gaussian event (quantile clipping) needs that
     event to be the subsampled Gaussian at the noise slot's σ, released once per step with i.i.d. noise.
 
-    The combined σ (Andrew et al. 2021, Thm 1) covers the gradient and the count only together: a noise rule
-    or ledger rule of the step's own, a second gradient in a step, correlated noise or a sampler that bounds
-    the contributions itself would leave the count unpriced or price it at a σ it was not noised for.
+    The combined σ (Andrew et al. 2021, Thm 1) covers the gradient and the count only together: a noise rule,
+    ledger rule or clipping bound of the step's own, correlated noise or a sampler that bounds the
+    contributions itself would leave the count unpriced or price it at a σ it was not noised for. (Each
+    gradient release releases its own count, so a step that reads the noisy sums or prices a second gradient
+    at the same kind of event combines.)
     """
     name = clipping.name
     if noise.correlated:
@@ -111,11 +113,10 @@ def check_joint_statistic(sampler: Sampler, clipping: Clipping, noise: Noise, st
         for hook in ("plan", "gradient_event", "clip_bound")
         if getattr(type(step), hook) is not getattr(Step, hook)
     ]
-    if own or step.needs_sums or step.spends_until_budget or step.charges_unsampled:
+    if own or step.spends_until_budget or step.charges_unsampled:
         raise DPConfigurationError(
             f"{name} cannot be combined with step={step.name}: that step brings its own noise, ledger or "
-            f"clipping-bound rule, or releases more than one noisy gradient per step, and {name}'s unclipped "
-            "count is priced only inside one subsampled Gaussian gradient release per step at the noise slot's "
-            f"σ. Use the default step (your optimizer) or HeavyBall/Nesterov with {name}, or FlatClipping with "
-            f"{step.name}."
+            f"clipping-bound rule, and {name}'s unclipped count is priced only inside the subsampled Gaussian "
+            f"gradient release at the noise slot's σ. Use the default step (your optimizer) or HeavyBall/Nesterov "
+            f"with {name}, or FlatClipping with {step.name}."
         )

@@ -30,9 +30,10 @@ from lightning_dp import (
     HeavyBall,
     LineSearch,
     QuantileClipping,
+    Step,
     StepContext,
 )
-from lightning_dp.accounting import compute_epsilon
+from lightning_dp.accounting import Gaussian, compute_epsilon
 from lightning_dp.clipping import clip_factors
 from lightning_dp.clipping.automatic import normalise_factors
 from lightning_dp.clipping.quantile import geometric_update, gradient_noise_multiplier
@@ -288,6 +289,28 @@ def test_heavy_ball_steps_train_at_dp_sgd_s_epsilon():
 def test_combinations_that_would_leave_the_count_unpriced_are_refused(slots, match):
     with pytest.raises(DPConfigurationError, match=match):
         DPStrategy(target_epsilon=1.0, clipping=QuantileClipping(), **slots)
+
+
+class _PricedStatisticStep(Step):
+    """Reads the released sums (post-processing) and releases a statistic of its own, priced through Releases."""
+
+    needs_sums = True
+
+    def bind(self, host):
+        self.host = host
+
+    def step(self, optimizer, ctx):
+        assert ctx.noisy_sums is not None
+        self.host.releases.spend(Gaussian(50.0), mechanism="a statistic of the step's own")
+        optimizer.step()
+
+
+def test_a_step_that_prices_its_own_statistic_trains_with_the_count():
+    strategy = DPStrategy(noise_multiplier=1.0, clipping=QuantileClipping(), step=_PricedStatisticStep())
+    make_trainer(strategy, max_steps=3).fit(TinyModule(n=128, batch_size=32))
+    kinds = sorted({type(event).__name__ for event, _ in strategy.ledger.history})
+    assert kinds == ["Gaussian", "PoissonGaussian"]
+    assert strategy.engine.clipping.norm != 0.1
 
 
 def test_auto_clipping_refuses_an_infinite_scale():
