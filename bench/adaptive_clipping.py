@@ -360,7 +360,8 @@ def print_table(rows: list[dict]) -> None:
         if "dpsgd_tuned" in means:
             for method in ("quantile", "auto", "dpsgd_c1", "tune", "opacus"):
                 if method in means:
-                    gap = [f"{a - t:+.2f}" for a, t in zip(means[method], means["dpsgd_tuned"], strict=True)]
+                    pairs = zip(means[method], means["dpsgd_tuned"], strict=True)
+                    gap = ["n/a" if math.isnan(a - t) else f"{a - t:+.2f}" for a, t in pairs]
                     print(f"| {LABELS[method]} − tuned C | " + " | ".join(gap) + " |")
         chosen = [
             next(
