@@ -72,12 +72,12 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import lightning_dp
 from lightning_dp import DPStrategy, PrivacyCallback
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
-from lightning_dp.clipping import AutoClipping, FlatClipping, QuantileClipping
+from lightning_dp.clipping import AutoClipping, FlatClipping, GridClipping, QuantileClipping
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.noise import ConstantNoise
+from lightning_dp.noise import ConstantNoise, DiscreteGaussian
 from lightning_dp.per_example import GradMode
 from lightning_dp.sampling import Poisson
-from lightning_dp.slots import Clipping, Step, StepContext
+from lightning_dp.slots import Clipping, Noise, Step, StepContext
 from recipes.models import mlp, tramer_boneh_cnn
 
 SIGMA = 1.0
@@ -304,17 +304,22 @@ def private_variant(
     name: str = "lightning-dp",
     lr: float = LR,
     dataset_size: int = DATASET_SIZE,
+    secure: bool = False,
     clipping: Clipping | None = None,
 ) -> Variant:
     """The library's :class:`~lightning_dp.engine.PrivateStepEngine` on a copy of ``base`` (σ = SIGMA,
     C = MAX_GRAD_NORM, SGD over the trainable parameters): fwd+bwd (``forward_backward(model)``),
-    privatize, update; ``clipping`` (default FlatClipping). Shared by this script, ``model_zoo.py`` and
-    ``gpu_speed.py``."""
+    privatize, update. Shared by this script, ``model_zoo.py`` and ``gpu_speed.py``. ``secure``: the slots
+    of ``DPStrategy(secure=True)`` (integer grid, discrete Gaussian from ``os.urandom``); ``clipping``: another
+    clipping slot with ConstantNoise (default FlatClipping)."""
     model = copy.deepcopy(base)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=lr)
+    noise: Noise = DiscreteGaussian(SIGMA) if secure else ConstantNoise(SIGMA)
+    if isinstance(noise, DiscreteGaussian):
+        clipping = GridClipping(noise.grid)
     engine = PrivateStepEngine(
-        sampler=Poisson(seed=0), clipping=clipping or FlatClipping(), noise=ConstantNoise(SIGMA), step=Step(),
+        sampler=Poisson(seed=0), clipping=clipping or FlatClipping(), noise=noise, step=Step(),
         max_grad_norm=MAX_GRAD_NORM, delta=1e-5, target_epsilon=None, accountant="rdp",
         loss_reduction="mean", seed=0, grad_sample_mode=mode,
     )  # fmt: skip
@@ -344,14 +349,19 @@ def private_variant(
 
 
 def build_lightning_dp(
-    base: nn.Module, x: Tensor, y: Tensor, mode: GradMode, clipping: str | None = None
+    base: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    mode: GradMode,
+    secure: bool = False,
+    clipping: str | None = None,
 ) -> Variant:
     def forward_backward(model: nn.Module) -> Callable[[], None]:
         return lambda: F.cross_entropy(model(x), y).backward()
 
     slot = {"quantile": QuantileClipping, "auto": AutoClipping}[clipping]() if clipping else None
-    name = f"lightning-dp {clipping or mode}"
-    return private_variant(base, forward_backward, len(y), mode, name=name, clipping=slot)
+    name = "lightning-dp secure" if secure else f"lightning-dp {clipping or mode}"
+    return private_variant(base, forward_backward, len(y), mode, name=name, secure=secure, clipping=slot)
 
 
 def _opacus_loader(x: Tensor, y: Tensor) -> DataLoader:
@@ -410,6 +420,8 @@ BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Variant]] = {
     "lightning-dp materialize": functools.partial(build_lightning_dp, mode="materialize"),
     "lightning-dp quantile": functools.partial(build_lightning_dp, mode="fast", clipping="quantile"),
     "lightning-dp auto": functools.partial(build_lightning_dp, mode="fast", clipping="auto"),
+    # secure=True (issue #50); not a default variant: `--variants plain,lightning-dp fast,lightning-dp secure`
+    "lightning-dp secure": functools.partial(build_lightning_dp, mode="auto", secure=True),
     "opacus hooks": build_opacus_hooks,
     "opacus ghost": build_opacus_ghost,
 }

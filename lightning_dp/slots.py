@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
+from lightning_dp.accounting.discrete_gaussian import IntegerGrid
 from lightning_dp.context import StepContext
 from lightning_dp.release import Releases
 
@@ -97,14 +98,29 @@ class Sampler(Slot, ABC):
     """The privacy unit one draw samples: ``"example"``, or ``"user"`` (``UserPoisson``: then ``num_samples``
     is U, the number of users, and the ledger's q is over users)."""
 
+    public_size: int | None = None
+    """N (U for a user sampler) declared public with ``DPStrategy(dataset_size=...)``: q, the divisor q·N and
+    the steps of an epoch come from it, never from the data set's real size (set before ``bind``; None: the
+    real size is used and assumed public). Only samplers with ``takes_public_size`` accept one."""
+    takes_public_size: bool = False
+    """Whether this sampler's guarantee holds for a q set from a declared size whatever the real one is
+    (Poisson sampling: each unit joins with probability q, independently of how many there are)."""
+
+    @property
+    def size_for_releases(self) -> int:
+        """The N every released constant is computed from: the declared public size, else the real one."""
+        return self.public_size if self.public_size is not None else self.num_samples
+
     def bind_dataset(self, dataset: Any) -> None:
         """Called by the strategy with the train ``Dataset`` before ``bind``, for samplers that read
         per-example metadata (``UserPoisson``: each example's user id). Default: nothing to read."""
         del dataset
 
     def batches_per_epoch(self, num_samples: int, batch_size: int) -> int:
-        """The steps of one epoch (after ``bind``): each unit sampled once in expectation, ⌈N / B⌉."""
-        return max(1, math.ceil(num_samples / batch_size))
+        """The steps of one epoch (after ``bind``): each unit sampled once in expectation, ⌈N / B⌉ (N the
+        declared public size, if any)."""
+        size = self.public_size if self.public_size is not None else num_samples
+        return max(1, math.ceil(size / batch_size))
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
         """Called by the strategy before every epoch's loader is built; default: nothing to keep."""
@@ -152,7 +168,7 @@ class Sampler(Slot, ABC):
 
     @property
     def expected_batch_size(self) -> float:
-        return self.sample_rate * self.num_samples
+        return self.sample_rate * self.size_for_releases
 
     num_samples: int = 0
 
@@ -187,6 +203,12 @@ class Clipping(Slot, ABC):
     def is_flat_l2(self) -> bool:
         """Whether the clipped sum is DP-SGD's flat L2 one (mechanisms that assume it, DPIS and DP-AGD, check)."""
         return False
+
+    @property
+    def integer_grid(self) -> IntegerGrid | None:
+        """The integer grid ``clip_and_sum``'s int64 sums are on (``GridClipping``, secure noise); None:
+        float sums. :func:`~lightning_dp.compatibility.check_mechanisms` pairs it with the noise slot's."""
+        return None
 
     @abstractmethod
     def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:
@@ -272,6 +294,12 @@ class Noise(Slot, ABC):
         """Called once with the run's step slot (schedules that weight steps by its error bound)."""
         del step
 
+    @property
+    def integer_grid(self) -> IntegerGrid | None:
+        """The integer grid of the sums this slot adds noise to (``DiscreteGaussian``, secure noise); None:
+        float sums. The clipping slot must be on the very same grid."""
+        return None
+
     correlated: bool = False
     """True for noise correlated across steps (matrix factorization: BandMF, BLT). Every ``add_noise``
     advances its state, so the gradient must be a step's only noisy release, and the step, sampler and
@@ -284,6 +312,11 @@ class Noise(Slot, ABC):
     def setup(self, params: Sequence[Tensor]) -> None:
         """Called once the trainable parameters are known (noise that keeps per-parameter state)."""
         del params
+
+    def link_ranks(self, world_size: int) -> None:
+        """Called when the processes exist, with their number W: noise whose shares' sum is priced by W
+        (``DiscreteGaussian``: a sum of W discrete Gaussians is not one). Default: nothing to keep."""
+        del world_size
 
     @property
     def steps_per_event(self) -> int:

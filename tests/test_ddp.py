@@ -320,3 +320,33 @@ def test_user_level_ddp_ranks_sample_disjoint_users_at_the_single_process_rate_a
     assert abs(total - expected) < 4 * math.sqrt(expected * (1 - q))
     for user in range(NUM_USERS):
         assert abs(union[user] / steps - q) < 4.5 * math.sqrt(q * (1 - q) / steps), user
+
+
+# -- secure noise under DDP (issue #50): ddp_worker.py's scenario 13 ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_secure_integer_sums_add_exactly_over_ranks_and_each_rank_adds_a_share(ddp_results):
+    """σ = 0: both ranks release the very integers one process sums (int64, exact in any split); σ = 2:
+    each rank's discrete Gaussian share is σΔ/√2 and the ledger prices 2 shares (Kairouz et al. 2021)."""
+    from neighbour import released_sum
+
+    _, load = ddp_results
+    exact = load("secure_exact")
+    assert exact[0]["dtype"] == "torch.int64"
+    assert exact[0]["integers"] == exact[1]["integers"]
+    module = TinyModule(n=64, batch_size=64)
+    torch.manual_seed(0)
+    single = released_sum(
+        TinyModule(n=64, batch_size=64),
+        torch.utils.data.TensorDataset(module.x, module.y),
+        lambda: DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0, secure=True),
+    )
+    assert single.sums is not None
+    assert exact[0]["integers"][0] == [
+        int(v) for v in torch.cat([s.reshape(-1) for s in single.sums]).tolist()
+    ]
+    noisy = load("secure_noise")
+    assert [r["ranks"] for r in noisy] == [2, 2]
+    assert noisy[0]["share_scale"] == pytest.approx(2.0 * noisy[0]["sensitivity"] / math.sqrt(2))
+    assert noisy[0]["integers"] == noisy[1]["integers"]

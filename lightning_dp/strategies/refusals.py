@@ -129,7 +129,7 @@ def refuse_laplace_shares(accountant: str, world_size: int) -> None:
 
 def refuse_uncovered_parameters(optimizers: Sequence[Optimizer], engine: PrivateStepEngine) -> None:
     """Every trainable parameter an optimizer holds must get per-example gradients from a hooked layer."""
-    hooked = {id(p) for p in engine.params}
+    hooked = {id(p) for p in engine.stepped_params}
     for optimizer in optimizers:
         missing = [
             p for g in optimizer.param_groups for p in g["params"] if id(p) not in hooked and p.requires_grad
@@ -213,7 +213,7 @@ def refuse_unaffordable_first_step(engine: PrivateStepEngine) -> None:
         raise DPConfigurationError(
             f"Not even one step fits in target_epsilon={engine.target_epsilon} at noise multiplier "
             f"{engine.noise_multiplier():.4g} and sample rate q={sampler.sample_rate:.6g} (expected "
-            f"batch {sampler.expected_batch_size:g} of N={sampler.num_samples} examples). Raise the noise "
+            f"batch {sampler.expected_batch_size:g} of N={sampler.size_for_releases} examples). Raise the noise "
             "multiplier or the budget, or lower q (a smaller batch_size; q grows when the data set shrinks)."
             + earlier
         )
