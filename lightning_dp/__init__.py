@@ -10,7 +10,7 @@ from lightning_dp.audit import AuditResult, audit
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.checks import checking
-from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
+from lightning_dp.clipping import AdaCliP, AutoClipping, FlatClipping, L1Clipping, QuantileClipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
 from lightning_dp.noise import BLT, BandMF, ConstantNoise, DiscreteGaussian, NoiseDividing
@@ -31,6 +31,7 @@ __all__ = [
     "AdaCliP",
     "AdaptiveGD",
     "AuditResult",
+    "AutoClipping",
     "BandMF",
     "Clipping",
     "ConstantNoise",
@@ -53,6 +54,7 @@ __all__ = [
     "Poisson",
     "PrivacyCallback",
     "PrivacyConfig",
+    "QuantileClipping",
     "Sampler",
     "Step",
     "StepContext",

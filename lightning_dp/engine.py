@@ -126,6 +126,7 @@ class PrivateStepEngine:
         self.releases.prefetch_draw = _GAUSSIAN_DRAW if type(step) is Step else None
         self.releases.prefetch_slice = NOISE_SLICE
         sampler.use_releases(self.releases)
+        clipping.use_releases(self.releases)  # a clipping's joint statistic (quantile clipping's count)
         self.steps = 0
         self.prior_events = 0
         """Ledger events of releases the model had before this engine trained it (an earlier strategy's
@@ -172,8 +173,8 @@ class PrivateStepEngine:
 
     @property
     def max_grad_norm(self) -> float:
-        """The clipping bound C of the next release: the configured one unless the step adapts it."""
-        return self.step_slot.clip_bound(self._max_grad_norm)
+        """The clipping bound C of the next release: the configured one unless the clipping or the step adapts it."""
+        return self.step_slot.clip_bound(self.clipping.clip_bound(self._max_grad_norm))
 
     # -- the run's releases (one Releases service; these views keep the strategy's reads working) -----
     @property
@@ -437,7 +438,10 @@ class PrivateStepEngine:
             batch_size=batch,
             expected_batch_size=self.sampler.expected_batch_size,
             max_grad_norm=self.max_grad_norm,
-            noise_multiplier=float(self.noise_multiplier() or 0.0),
+            # the gradient's σ: the step's own, or its share when the clipping releases a joint statistic
+            noise_multiplier=self.clipping.gradient_noise_multiplier(
+                float(self.noise_multiplier() or 0.0), self.sampler.expected_batch_size
+            ),
             generator=self._noise_generator(self.grads.params[0].device),
         )
 

@@ -198,14 +198,19 @@ class Releases:
             ctx.noisy_sums = [s.clone() for s in noisy]
         return self._clipping.finalize(noisy, ctx)
 
-    def noisy_statistic(self, local_sum: float, std: float, generator: torch.Generator) -> float:
+    def noisy_statistic(
+        self, local_sum: float, std: float, generator: torch.Generator, *, shares: bool = False
+    ) -> float:
         """Σ over all ranks of a scalar plus one Gaussian draw of std ``std``: the same value everywhere.
 
-        The draw is rank 0's (every rank draws, so the streams stay aligned); fp64 on the CPU. Prices
-        nothing: the caller has spent the statistic's event (:meth:`spend`).
+        The draw is rank 0's (every rank draws, so the streams stay aligned); fp64 on the CPU. ``shares``:
+        each rank adds its own draw of std ``std``/√W instead, as the gradient's noise is added (a count
+        over the ranks' shares of the batch). Prices nothing: the caller has spent the statistic's event
+        (:meth:`spend`), or it is part of the gradient's (quantile clipping's count).
         """
-        noise = float(torch.randn(1, generator=generator, dtype=torch.float64)) * std
-        value = torch.tensor([local_sum + (noise if self.rank == 0 else 0.0)], dtype=torch.float64)
+        scale = std / math.sqrt(self.world_size) if shares else std
+        noise = float(torch.randn(1, generator=generator, dtype=torch.float64)) * scale
+        value = torch.tensor([local_sum + (noise if shares or self.rank == 0 else 0.0)], dtype=torch.float64)
         if self.world_size > 1:
             if self.all_reduce_fn is None:
                 raise RuntimeError(

@@ -52,6 +52,9 @@ def privacy_report(
         data["conv_methods"] = conv_tuner.report()
     if engine.prior_events:  # the model's releases before this strategy: counted in ε above
         data["earlier_ledger_events"] = engine.prior_events
+    clip_norm = engine.clipping.report()
+    if clip_norm is not None:  # a clipping bound adapted from released values: its trajectory's summary
+        data["clip_norm"] = clip_norm
     facts = engine.noise.report()
     if facts is not None and engine.noise.correlated:  # BandMF / BLT: the strategy matrix, its accounting
         data["correlated_noise"] = facts

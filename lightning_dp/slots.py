@@ -224,6 +224,37 @@ class Clipping(Slot, ABC):
         """L2 sensitivity of the released sum; the noise std is noise_multiplier × this."""
         return ctx.max_grad_norm
 
+    joint_statistic: bool = False
+    """True for clippings that release a statistic of the batch besides the gradient, priced with it in the
+    step's one Gaussian event (quantile clipping's count, Andrew et al. 2021 Thm 1): the step's σ is then the
+    combined one, the gradient is noised at :meth:`gradient_noise_multiplier`, and
+    ``compatibility.check_mechanisms`` refuses slots whose own rules would leave the statistic unpriced."""
+
+    def use_releases(self, releases: Releases) -> None:
+        """Called once by the engine: clippings with a ``joint_statistic`` release it through ``releases``
+        (in ``finalize``, once per gradient release). Default: nothing to keep."""
+        del releases
+
+    def clip_bound(self, configured: float) -> float:
+        """The bound C of the next release (default: the configured ``max_grad_norm``); clippings that adapt
+        it from released values (quantile clipping) return their own."""
+        return configured
+
+    def gradient_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float) -> float:
+        """σ of the clipped sum (relative to ``sensitivity``) in a step whose ledger event has σ =
+        ``noise_multiplier``; default: that σ. A ``joint_statistic`` clipping returns the gradient's share
+        of the combined σ, and refuses a σ it cannot split (a ``DPConfigurationError``)."""
+        del expected_batch_size
+        return noise_multiplier
+
+    def metrics(self) -> dict[str, float]:
+        """Released (or post-processed) values worth logging each step (``dp/clip_norm``); default: none."""
+        return {}
+
+    def report(self) -> dict[str, Any] | None:
+        """Plain JSON-able facts for the privacy report (``"clip_norm"``); None: nothing to add."""
+        return None
+
     def finalize(self, noisy_sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
         """Turn the released noisy sums into the gradient the step uses (post-processing only).
 

@@ -244,4 +244,18 @@ for name, sigma in (("secure_exact", 0.0), ("secure_noise", 2.0)):
         ranks=event.ranks, share_scale=event.share_scale, sensitivity=strategy.engine.noise.grid.sensitivity,
     )  # fmt: skip
 
+# 14. QuantileClipping (issue #49): each rank counts its own examples' unclipped indicators and adds its share
+# σ_b/√W of the count's noise; the all-reduced count moves C alike on every rank. σ = 0: the single-process run.
+from lightning_dp import QuantileClipping  # noqa: E402
+
+for name, sigma in (("quantile_exact", 0.0), ("quantile_noisy", 1.0)):
+    torch.manual_seed(0)
+    module = TinyModule(n=64, batch_size=64)
+    quantile = QuantileClipping(initial_norm=0.5, seed=1)
+    t = trainer(DPDDPStrategy(noise_multiplier=sigma, clipping=quantile, seed=0), max_epochs=3)
+    t.fit(module)
+    if t.global_rank == 0:
+        torch.save(module.state_dict(), OUT / f"{name}.pt")
+    dump(name, t.strategy, norm=quantile.norm, norm_range=list(quantile.norm_range))
+
 _worker.finish_distributed()

@@ -238,6 +238,7 @@ class DPStrategyBase(Strategy):
             loaders.calibrate(engine, loaders.planned_steps(trainer, num_batches))
         if not self._resumed:
             refusals.refuse_unaffordable_first_step(engine)
+        refusals.refuse_unsplit_joint_release(engine)
         self._check_ranks_agree(
             {"q (sample rate)": sampler.sample_rate, "noise multiplier": loaders.first_sigma(engine)}
         )

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from lightning_dp import validation
-from lightning_dp.clipping import FlatClipping
+from lightning_dp.clipping import AutoClipping, FlatClipping
 from lightning_dp.clipping.integer_grid import GridClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
@@ -289,6 +289,7 @@ def _validate(config: PrivacyConfig) -> None:
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {config.loss_reduction!r}.")
     if config.noise is not None and config.noise_multiplier is not None:
         raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")
+    _validate_clipping(config)
     _validate_augmentation(config)
     _validate_secure(config)
     number(config.dataset_size, "dataset_size", owner=owner, low=1, integer=True, optional=True)
@@ -325,6 +326,25 @@ def _validate_secure(config: PrivacyConfig) -> None:
         raise DPConfigurationError(
             f"{owner}: secure=True with clipping={config.clipping.name}: secure noise rounds DP-SGD's flat L2 "
             "clipping onto its integer grid and cannot round another clipping. Leave clipping unset."
+        )
+
+
+def _validate_clipping(config: PrivacyConfig) -> None:
+    """A clipping that sets C itself ignores ``max_grad_norm``; one that scales by it needs it finite."""
+    clipping, owner = config.clipping, config.owner
+    if clipping is None or config.max_grad_norm == 1.0:
+        return
+    if type(clipping).clip_bound is not Clipping.clip_bound:
+        raise DPConfigurationError(
+            f"{owner}: max_grad_norm={config.max_grad_norm:g} with clipping={clipping.name}, which sets the "
+            "clipping bound itself from released values (starting at its initial_norm) and would ignore it. "
+            f"Leave max_grad_norm unset and give {clipping.name}(initial_norm=...) to choose where C starts."
+        )
+    if isinstance(clipping, AutoClipping) and math.isinf(config.max_grad_norm):
+        raise DPConfigurationError(
+            f"{owner}: max_grad_norm=inf with AutoClipping: each example's gradient is scaled to norm just "
+            "below max_grad_norm, so an infinite one makes every gradient infinite. Leave max_grad_norm at its "
+            "default 1 (the learning rate sets the step) or give a finite one."
         )
 
 

@@ -219,6 +219,17 @@ def refuse_unaffordable_first_step(engine: PrivateStepEngine) -> None:
         )
 
 
+def refuse_unsplit_joint_release(engine: PrivateStepEngine) -> None:
+    """Once σ is known, before any data is touched: a clipping that shares the step's σ with a statistic
+    (quantile clipping's count) must be able to split it (its ``gradient_noise_multiplier`` refuses)."""
+    sampler = engine.sampler
+    if not engine.clipping.joint_statistic or sampler.schedules_noise or not engine.noise.is_set:
+        return
+    sigma = engine.noise_multiplier()
+    if sigma is not None:
+        engine.clipping.gradient_noise_multiplier(float(sigma), sampler.expected_batch_size)
+
+
 def budget_message(engine: PrivateStepEngine, trainer: Trainer | None) -> str:
     """Why a step the Trainer asks for releases nothing: the budget is spent, and what forced the step."""
     forced = ""
