@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import broadcast, kernels, recurrent, vmap
+from lightning_dp.per_example.batchnorm import batch_statistics_message, uses_batch_statistics
 from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients, tie
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
@@ -34,7 +35,6 @@ from lightning_dp.per_example.materialized import add_samples, direct_params, gr
 from lightning_dp.per_example.precision import ieee_fp32
 from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
 from lightning_dp.per_example.uses import UseTracer, _to_examples, time_major_message
-from lightning_dp.prepare import batch_statistics_message, uses_batch_statistics
 
 
 def trainable_layers(root: nn.Module, trainable: bool = True) -> Iterator[tuple[str, nn.Module]]:
