@@ -289,6 +289,22 @@ for name, n, chunk, check in (
     dump(name, strat, passes=strat.lockstep.passes, placeholders=strat.lockstep.placeholders)
 
 
+# 10d. training_step returns no loss on rank 1 at its second batch, after the model's forward: that pass
+# ends with a backward of zeros, rank 1 adds nothing to that step, and both ranks go on in step.
+class NoLossOnRankOne(ShardedTiny):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if self.global_rank == 1 and batch_idx == 1 else loss
+
+
+torch.manual_seed(0)
+module = NoLossOnRankOne(n=64, batch_size=64, dtype=torch.float64)
+strat = strategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0)
+t = fit(module, strat, max_epochs=3)
+save_weights("noloss", module, t)
+dump("noloss", strat, passes=strat.lockstep.passes)
+
+
 # 11. A loss that mixes examples on rank 1 only: both ranks refuse before the release.
 class MixesOnRankOne(ShardedTiny):
     def training_step(self, batch, batch_idx):

@@ -229,6 +229,59 @@ def test_a_rank_with_an_empty_batch_fewer_chunks_or_no_check_runs_placeholders_a
     assert (r0["placeholders"], r1["placeholders"]) == (0, placeholders)
 
 
+class _RankZeroOnlyInStep2(ShardedTiny):
+    """One process standing for the sharded run below: a summed loss whose second step counts only the
+    examples rank 0 owns (index ≡ 0 mod 2); the others are in the batch with gradient 0."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        losses = torch.nn.functional.cross_entropy(self(x), y, reduction="none")
+        return (losses * ((index % 2 == 0) | (batch_idx != 1))).sum()
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(
+            TensorDataset(self.x, self.y, torch.arange(len(self.x))), batch_size=self.batch_size
+        )
+
+
+def test_a_training_step_without_loss_on_one_rank_adds_nothing_there_and_keeps_both_in_step(fsdp_results):
+    """Rank 1's second step returns None after its forward: that step releases rank 0's examples alone (as one
+    process whose loss leaves rank 1's out), the next one both halves again, and no rank waits for the other."""
+    out, load = fsdp_results
+    torch.manual_seed(0)
+    single = _RankZeroOnlyInStep2(n=64, batch_size=64, dtype=torch.float64)
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0, loss_reduction="sum")
+    make_trainer(strategy, max_epochs=3).fit(single)
+    got = torch.load(out / "noloss.pt", weights_only=True)
+    assert_weights_equal(got, single.state_dict(), torch.float32, terms=64)
+    r0, r1 = load("noloss")
+    assert r0["steps"] == r1["steps"] == 3
+    assert r0["passes"] == r1["passes"]
+
+
+def test_one_process_dp_fsdp_equals_dp_strategy():
+    """W = 1 (in this process): FSDP2 still gathers and reshards each unit per pass (the root one stays
+    gathered after a forward-only pass unless resharded), and the result is DPStrategy's."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    single = ShardedTiny(n=32, batch_size=16, dtype=torch.float64)
+    make_trainer(DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0), max_epochs=2).fit(single)
+    torch.manual_seed(0)
+    sharded = ShardedTiny(n=32, batch_size=16, dtype=torch.float64)
+    try:
+        strategy = DPFSDPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0)
+        make_trainer(strategy, devices=1, max_epochs=2).fit(sharded)
+        got = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert_weights_equal(got, single.state_dict(), torch.float32, terms=16)
+    assert strategy.engine.steps == 4
+
+
 def test_resume_on_another_world_size_is_refused(fsdp_results):
     import torch.distributed as dist
 

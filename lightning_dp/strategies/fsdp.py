@@ -374,20 +374,17 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
         compute = shards.compute_precision()
         if compute is not None and "true" in str(self.precision_plugin.precision):
             self.precision_plugin.precision = compute  # type: ignore[assignment]
-        self.engine.gradient_sink = shards
-        if self.world_size > 1:
-            self.engine.sum_sink = shards
-            self.engine.releases.reduce_scatter_fn = lambda sums: shards.to_shards(self.engine.params, sums)
+        self.engine.gradient_sink = self.engine.sum_sink = shards
+        self.engine.releases.reduce_scatter_fn = lambda sums: shards.to_shards(self.engine.params, sums)
         shards.stand_in()  # the hooks key by the full-size tensors the forward uses (until setup_optimizers)
         super().setup(trainer)
         assert self.engine.grads is not None
         self.engine.grads.registered = shards.registered
-        if self.world_size > 1:
-            self.lockstep = Lockstep(
-                self._module(), shards.roots, shards.settle, shards.forget_grads, lambda: self.engine.grads,
-                self._placeholder, self.precision_plugin, self.root_device,
-            )  # fmt: skip
-            self.lockstep.install()
+        self.lockstep = Lockstep(
+            self._module(), shards.roots, shards.settle, shards.forget_grads, lambda: self.engine.grads,
+            self._placeholder, self.precision_plugin, self.root_device,
+        )  # fmt: skip
+        self.lockstep.install()  # also on one process: each pass ends with every unit resharded
 
     def _placeholder(self) -> Any:
         """One training example, collated: what a placeholder pass runs on."""
@@ -430,10 +427,11 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
         if lockstep is None or not self._fitting() or not self._module().automatic_optimization:
             return output
         loss = output.get("loss") if isinstance(output, Mapping) else output
-        if isinstance(loss, Tensor) or not lockstep.agree_max(int(isinstance(loss, Tensor))):
+        if isinstance(loss, Tensor) or self.engine.halted:  # halted: no rank releases anything
             return output
-        # No loss here, one on another rank: this rank's pass makes its backward's collectives with zeros,
-        # and the step releases this rank's share like an empty batch's (nothing, the others' sums).
+        # No loss: the pass ends now with a backward of zeros (as the other ranks' backward of their loss),
+        # and the step goes on through post_backward like theirs, releasing noise alone for this rank's share
+        # (what a step without loss releases on one process). No collective decides it.
         lockstep.close()
         grads = self.engine.grads
         if grads is not None:
@@ -450,18 +448,18 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
 
     @override
     def _refuse_together(self, check: Callable[[], None]) -> None:
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            check()
-            return
         lockstep = self.lockstep
 
         def in_step() -> None:
             if lockstep is None:
                 check()
                 return
-            with lockstep.window():  # a check's dry passes: every rank answers them
+            with lockstep.window():  # a check's dry passes: every rank answers them (and their gradients go)
                 check()
 
+        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
+            in_step()
+            return
         refuse_together(in_step, self.root_device)
 
     @override
