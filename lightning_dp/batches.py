@@ -83,7 +83,7 @@ def unit_chunks(units: UnitInfo, size: int | None, isolate: bool = False) -> lis
     largest = max(counts, default=0)
     if size is not None and largest > size:
         raise DPConfigurationError(
-            f"A privacy unit (a user's rows, or an example's augmented views) has {largest} rows, more than "
+            "A privacy unit (a user's rows, or an example's augmented views) has more rows than "
             f"max_physical_batch_size={size}. A unit is clipped as one, so it must fit one physical chunk: "
             "split across two chunks, each half would be clipped to C and the unit would count 2C. Raise "
             "max_physical_batch_size to at least the largest unit (examples_per_user × augmentation_multiplicity)."

@@ -468,8 +468,8 @@ class PrivateStepEngine:
                 self.grads.clear()
                 self._partial, self._partial_batch, self._partial_rows = None, 0, 0
                 raise BatchDimensionError(
-                    f"The batch carries privacy units for {units.unit_of_row.numel()} rows, but its per-example "
-                    f"gradients number {batch}: keep every row of the collated batch on dimension 0."
+                    "The batch carries privacy units for another number of rows than it has per-example "
+                    "gradients: keep every row of the collated batch on dimension 0."
                 )
             if self.normalisation == "public":  # the loss weighs a unit's rows itself: their sum, unscaled
                 grad_samples = grad_samples.grouped(units.unit_of_row, "sum")

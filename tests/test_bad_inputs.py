@@ -352,7 +352,7 @@ ROWS = [
     Row(
         "time-major batch dimension",
         lambda _: fit(DPStrategy(noise_multiplier=1.0), TimeMajorTagger()),
-        "Layer 'net' (Linear) has 3 on its batch dimension (dim 0)",
+        "rows on its batch dimension (dim 0) than this batch has examples",
     ),
     Row(
         "sequence-first LSTM subclass",

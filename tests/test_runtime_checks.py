@@ -84,7 +84,7 @@ class TimeMajorTagger(TinyModule):
 def test_time_major_layers_are_refused_before_the_first_release():
     strategy = DPStrategy(noise_multiplier=1.0, seed=0)
     with pytest.raises(
-        BatchDimensionError, match=r"Layer 'net' \(Linear\) has 3 on its batch dimension"
+        BatchDimensionError, match=r"Layer 'net' \(Linear\) has (fewer|more) rows on its batch dimension"
     ) as info:
         fit(TimeMajorTagger(), strategy, max_steps=2)
     assert "batch_first=True" in str(info.value)
@@ -168,7 +168,9 @@ def test_virtual_batching_checks_each_chunk_and_trains():
     strategy = DPStrategy(noise_multiplier=1.0, seed=0, max_physical_batch_size=5)
     assert fit(TinyModule(n=128, batch_size=32), strategy, max_steps=3).engine.steps == 3
     strategy = DPStrategy(noise_multiplier=1.0, seed=0, max_physical_batch_size=5)
-    with pytest.raises(BatchDimensionError, match="'net' \\(Linear\\) has 3 on its batch dimension"):
+    with pytest.raises(
+        BatchDimensionError, match=r"'net' \(Linear\) has (fewer|more) rows on its batch dimension"
+    ):
         fit(TimeMajorTagger(), strategy, max_steps=1)
 
 

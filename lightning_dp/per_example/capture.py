@@ -880,8 +880,8 @@ class GradientCapture:
             if sample.shape[0] != batch:
                 self.clear()
                 raise BatchDimensionError(
-                    "Per-example gradients disagree on the batch size "
-                    f"({sample.shape[0]} vs {batch}): every layer must see the batch on dimension 0."
+                    "Per-example gradients disagree on the batch size: every layer must see the batch on "
+                    "dimension 0."
                 )
         if self._reach_handles and batch:
             self._check_reached()
@@ -1220,8 +1220,8 @@ def check_batch_dimension(
             "(no transpose or view(B * T, ...) before a trainable layer)."
         )
     raise BatchDimensionError(
-        f"Layer {name!r} ({type(module).__name__}) has {size} on its batch dimension (dim 0), but this batch "
-        f"has {expected} examples. Likely cause: {cause}"
+        f"Layer {name!r} ({type(module).__name__}) has {'fewer' if size < expected else 'more'} rows on its "
+        f"batch dimension (dim 0) than this batch has examples. Likely cause: {cause}"
     )
 
 

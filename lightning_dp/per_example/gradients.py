@@ -467,9 +467,7 @@ class UnitGradients(PerExampleGradients):
         device = rows.params[0].device if rows.params else unit_of_row.device
         self.unit_of_row = unit_of_row.to(device=device, dtype=torch.int64)
         if self.unit_of_row.numel() != rows.batch:
-            raise ValueError(
-                f"The unit map has {self.unit_of_row.numel()} rows, the per-example gradients {rows.batch}."
-            )
+            raise ValueError("The unit map and the per-example gradients have different numbers of rows.")
         self.info = UnitInfo(self.unit_of_row, reduction, views)
         super().__init__(rows.params, self.info.num_units, {}, [], rows.scale)
         self.rows = rows

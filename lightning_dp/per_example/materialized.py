@@ -225,8 +225,7 @@ def add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, Te
             previous = into.get(param)
             if previous is not None and previous.shape != sample.shape:
                 raise DPConfigurationError(
-                    f"A parameter of shape {tuple(param.shape)} is used by layer calls that see different "
-                    f"batches ({previous.shape[0]} vs {sample.shape[0]} examples): every call must see the whole "
-                    "batch on dimension 0 (a PackedSequence through Opacus's DPLSTM does not; use nn.LSTM)."
+                    f"A parameter of shape {tuple(param.shape)} is used by layer calls that see batches of "
+                    "different sizes: every call must see the whole batch on dimension 0 (a PackedSequence through Opacus's DPLSTM does not; use nn.LSTM)."
                 )
             into[param] = sample if previous is None else previous + sample

@@ -154,7 +154,7 @@ def _relabel(raw: Sequence[Any] | Tensor | np.ndarray, owner: str) -> UserIds:
     missing = sum(_missing(v) for v in values)
     if missing:
         raise DPConfigurationError(
-            f"{owner}: {missing} of {len(values)} examples have no user id (None or NaN). Every example must "
+            f"{owner}: some examples have no user id (None or NaN). Every example must "
             "belong to a user: give them an id (each its own user, if they are one person's), or drop them "
             "from the training set."
         )
