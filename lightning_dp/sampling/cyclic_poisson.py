@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
 from lightning_dp.batches import IndicesWithInfo
-from lightning_dp.draws import poisson_share
+from lightning_dp.draws import check_population, poisson_share
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases
@@ -116,6 +116,7 @@ class CyclicPoisson(SeededSampler):
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         if num_samples <= 0:
             raise ValueError("The training set is empty: DP training needs at least one example.")
+        check_population(num_samples)
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}.")
         self.num_samples, self.batch_size = num_samples, batch_size
