@@ -600,6 +600,15 @@ class PrivateStepEngine:
         before = self.releases.prefetch.state_before(self.generator)
         return before if before is not None else self.generator.get_state()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled like a checkpoint: the noise generator only as the state a seeded run saves (none without a
+        seed), taken before any draws made ahead, so a seeded copy draws the next release's noise again."""
+        state = dict(self.__dict__)
+        if self.generator is not None:
+            state["_pending_generator_state"] = self._noise_generator_state()
+        state["generator"] = None
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the ledger, the step count and the slots; random streams only where a seed was given.
 
