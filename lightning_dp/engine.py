@@ -633,5 +633,10 @@ class PrivateStepEngine:
         self.generator = None
         self._pending_generator_state = state.get("noise_generator") if self.seed is not None else None
 
+    def resume_inside_step(self) -> None:
+        """The state just loaded was saved inside a step: every slot learns the steps released so far."""
+        for _, slot in self._slots():
+            slot.resume_at(self.steps)
+
     def _slots(self) -> list[tuple[str, Any]]:
         return list(iter_slots(self.sampler, self.clipping, self.noise, self.step_slot))

@@ -199,6 +199,12 @@ class CorrelatedNoise(Noise):
                 stacklevel=2,
             )
 
+    def resume_at(self, steps: int) -> None:
+        """An interrupted step may have drawn its noise before the engine counted it: count released steps."""
+        self.steps_taken = min(self.steps_taken, steps)
+        if self.resets and self.resets[-1] > steps:
+            self.resets[-1] = steps
+
     # -- reporting ----------------------------------------------------------------------------------
     def _predicted_ratio(self, rmse: float, steps: int) -> float | None:
         if self.dpsgd_sigma is None:

@@ -221,6 +221,10 @@ class CyclicPoisson(SeededSampler):
         self.steps_released = ctx.step + 1
         return None
 
+    def resume_at(self, steps: int) -> None:
+        """``weigh`` counts a step before its release: an interrupted step's batch is drawn again for it."""
+        self.steps_released, self._batch_step = steps, None
+
     def event(self, noise_multiplier: float) -> PrivacyEvent:
         """One round's event: a Poisson-subsampled Gaussian at the within-group rate q_b."""
         return PoissonGaussian(noise_multiplier=noise_multiplier, sample_rate=self.sample_rate)

@@ -155,9 +155,13 @@ class DPStrategyBase(Strategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(
-            self.engine, self.world_size, self.step_counts
-        )
+        restoring = self.step_counts.window.restoring(super().load_checkpoint)
+        if restoring is not None:  # written while a resume restores: the checkpoint it restores
+            checkpoint = restoring
+        else:
+            checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(
+                self.engine, self.world_size, self.step_counts
+            )
         plain_file = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None
         if not (plain_file and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -166,6 +170,7 @@ class DPStrategyBase(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.step_counts.window.begin(checkpoint_path, weights_only, fitting=self._fitting())
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except Exception as err:
@@ -189,6 +194,7 @@ class DPStrategyBase(Strategy):
         self._train_loader_pass = refusals.refuse_several_train_loaders(trainer, self._train_loader_pass)
         loader = refusals.refuse_unsupported_loader(dataloader)
         num_batches = self._bind_sampler(loader)
+        self.step_counts.window.end()  # the resume is complete (Lightning has restored its loops before this)
         self._plan_noise(trainer, loader, num_batches)
         sampler = self.engine.sampler
         views = self.config.augmentation_multiplicity
@@ -271,14 +277,19 @@ class DPStrategyBase(Strategy):
             return None  # the budget cannot pay for this batch: nothing is released, training stops
         self._before_user_code(batch, args, kwargs)
         if isinstance(batch, EmptyBatch):
-            self.step_counts.noise_only(module)
-            return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
+            return self._noise_only_step(module)
         if self.chunking.whole:
             return super().training_step(*args, **kwargs)
         user_step, chunking = super().training_step, self.chunking
         return routing.virtual_batch_step(
             user_step, self.engine, module, batch, chunking, *args[1:], **kwargs
         )
+
+    def _noise_only_step(self, module: Any) -> Any:
+        """An empty batch's noise-only step, counted once released (a checkpoint between counts it once)."""
+        output = routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
+        self.step_counts.noise_only(module)
+        return output
 
     def _module(self) -> Any:
         module = self.lightning_module
