@@ -124,8 +124,9 @@ def test_an_unseeded_runs_files_pickles_logs_and_messages_hold_no_seed_no_genera
 ):
     """Also no private statistic in the files. The pickles (issue #47): the slots, the engine, the strategy
     and the loader, as a spawn launcher, a ``torch.save`` or a cache writes them, before the fit, after its
-    second step and after it, hold neither the correlated noise's history, nor the noise drawn ahead for
-    the next release, nor a generator's state; files and pickles are walked for the noise every release
+    second step, inside the third (released, not yet applied) and after the fit, hold neither the correlated
+    noise's history, nor the noise drawn ahead for the next release, nor a step's clipped sums, nor a
+    generator's state; files and pickles are walked for the noise every release
     of the run added (``NoiseRecord``), not only for seeds and generator states."""
     draws = UrandomDraws()
     monkeypatch.setattr(os, "urandom", draws)  # every seed an unseeded stream draws passes through here
@@ -170,7 +171,7 @@ def test_an_unseeded_runs_files_pickles_logs_and_messages_hold_no_seed_no_genera
     assert len([p for p in files if p.suffix == ".ckpt"]) >= 3
     said = "\n".join([*(r.getMessage() for r in caplog.records), *(str(w.message) for w in caught), refusal])
     found += [f"log/warning/message: {what}" for what in search_text(said, secrets)]
-    assert len(pickles) >= (7 if isinstance(strategy.engine.sampler, DPIS) else 15), sorted(pickles)
+    assert len(pickles) >= (10 if isinstance(strategy.engine.sampler, DPIS) else 22), sorted(pickles)
     assert noise.count >= 6  # the releases of steps 3 and 4 came after the mid-run pickles
     found += [line for name, data in pickles.items() for line in scan_pickle(data, secrets, name)]
     assert not found, "\n".join(found)
@@ -322,7 +323,8 @@ def test_an_unseeded_audit_writes_no_canary_draw(tmp_path, monkeypatch):
 
 
 class PickleAt(Callback):
-    """Pickles what the library built once the given step has ended (a user's ``torch.save`` in a callback)."""
+    """Pickles what the library built once the given step has ended, and inside the next one once it has
+    released (a user's ``torch.save`` in a callback)."""
 
     def __init__(self, step: int) -> None:
         self.step = step
@@ -331,6 +333,10 @@ class PickleAt(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             self.pickles.update(_pickles(trainer, f"after step {self.step}"))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step:  # inside the next step: released, not yet applied
+            self.pickles.update(_pickles(trainer, f"inside step {self.step + 1}"))
 
 
 def _pickles(trainer: Any, when: str) -> dict[str, bytes]:
