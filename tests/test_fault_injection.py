@@ -25,6 +25,7 @@ import time
 import types
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ from lightning_dp.checkpointing import (
     checkpoint_problem,
     latest_valid_checkpoint,
 )
+from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.release import Releases
 from lightning_dp.strategies import checkpoints
 
@@ -294,20 +296,22 @@ def test_ddp_rank_death_mid_step_resumes_without_losing_or_double_counting(ddp_r
 class Interrupt(Callback):
     """Raises ``KeyboardInterrupt`` between two Python lines, as a SIGINT does between two bytecodes.
 
-    ``step``: the lines of that training step are counted, and a uniformly random one of the next step's
-    (or of a later one, if it is shorter) interrupts. ``setup``: the set-up is interrupted at that many lines,
-    counted from ``on_fit_start`` (a fresh fit) or from the strategy's ``load_checkpoint`` (a resume: the
-    restore, Lightning's loops, the data, the checks' set-up, until ``on_train_start``). Its counters live in a
-    ``SimpleNamespace``, which the run-time checks' dry passes do not restore."""
+    ``plan="step"``: the lines of training step ``step`` are counted, and a uniformly random one of the next
+    step's (or of a later one, if it is shorter) interrupts. ``"call"``: the first line of the function whose
+    code is ``at``, in step ``step``. ``"first"``: the ``at``-th line from
+    ``on_train_start`` (the fit's first batch: its dry passes). ``"setup"``: the ``at``-th line counted from
+    ``on_fit_start`` (a fresh fit) or from the strategy's ``load_checkpoint`` (a resume: the restore,
+    Lightning's loops, the data, the checks' set-up). It also measures the set-up's lines (to
+    ``on_train_start``) and the first batch's. Its counters live in a ``SimpleNamespace``, which the run-time
+    checks' dry passes do not restore (they put back a callback's own attributes)."""
 
     LOAD = DPStrategy.load_checkpoint.__code__
     STDLIB = sysconfig.get_paths()["stdlib"]
 
-    def __init__(self, rng: random.Random, step: int | None, setup: int | None, fresh: bool) -> None:
-        self.rng, self.step, self.fresh = rng, step, fresh
-        self.state = types.SimpleNamespace(
-            lines=0, left=None, setup=setup, loaded_at=0, setup_lines=None, fired=False, saved=False
-        )
+    def __init__(self, rng: random.Random, plan: str | None, at: Any, step: int | None, fresh: bool) -> None:
+        self.rng, self.plan, self.step, self.fresh = rng, plan, step, fresh
+        self.state = types.SimpleNamespace(lines=0, left=None, at=at, mark=0, fired=False, saved=False)
+        self.state.setup_lines = self.state.first_lines = self.state.first_step = None
 
     def _line(self, frame, event, arg):
         state = self.state
@@ -323,9 +327,12 @@ class Interrupt(Callback):
         return self._line
 
     def _call(self, frame, event, arg):
-        state = self.state
         if frame.f_code is self.LOAD:  # a resume's set-up is counted from here
-            state.loaded_at, state.left = state.lines, state.setup
+            self.state.mark = self.state.lines
+            if self.plan == "setup":
+                self.state.left = self.state.at
+        elif self.plan == "call" and frame.f_code is self.state.at and self.state.mark is None:
+            self.state.left = 0  # the first line of that call, in the step armed below
         return self._line
 
     def on_fit_start(self, trainer, pl_module):
@@ -334,18 +341,29 @@ class Interrupt(Callback):
         while frame is not None:  # the frames already running (Lightning's loops) count their lines too
             frame.f_trace = self._line
             frame = frame.f_back
-        if self.fresh:
-            self.state.left = self.state.setup  # a fresh fit: its set-up is counted from here
+        if self.fresh and self.plan == "setup":
+            self.state.left = self.state.at
 
     def on_train_start(self, trainer, pl_module):
-        self.state.setup_lines = self.state.lines - self.state.loaded_at
+        state = self.state
+        state.setup_lines, state.mark, state.first_step = (
+            state.lines - state.mark,
+            state.lines,
+            trainer.global_step,
+        )
+        if self.plan == "first":
+            state.left = state.at
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         state = self.state
-        if self.step is not None and trainer.global_step == self.step:
-            state.lines = 0
-        elif self.step is not None and trainer.global_step == self.step + 1 and state.left is None:
-            state.left = self.rng.randrange(max(state.lines, 1))  # a line of this step, or a later one
+        if trainer.global_step == state.first_step + 1 and state.first_lines is None:
+            state.first_lines = state.lines - state.mark
+        if self.plan == "call" and trainer.global_step == self.step:
+            state.mark = None  # armed
+        if self.plan == "step" and trainer.global_step == self.step:
+            state.mark = state.lines
+        elif self.plan == "step" and trainer.global_step == self.step + 1 and state.left is None:
+            state.left = self.rng.randrange(max(state.lines - state.mark, 1))  # this step's, or a later one's
 
     def teardown(self, trainer, pl_module, stage):
         sys.settrace(None)
@@ -378,13 +396,13 @@ INTERRUPTED_RUNS = {
     "BandMF": lambda: DPStrategy(sampler=CyclicPoisson(2), noise=BandMF(noise_multiplier=SIGMA)),
 }
 CHAINS = [("DP-SGD", SEED + i) for i in range(4)] + [("BandMF", SEED + 4)]
-INTERRUPTED_STEPS = 12
+INTERRUPTED_STEPS = 16
 PLANS = {
-    "DP-SGD": ("step", "step", "setup", "step", None),
-    "BandMF": ("setup", "step", "setup", "step", None),
+    "DP-SGD": ("step", "first", "setup", "step", None),
+    "BandMF": ("setup", "step", "setup", "first", None),
 }
-"""Each chain: a fit interrupted in a step (or its set-up), three resumes interrupted in a step, in the
-set-up and in a step, then a resume run to the end."""
+"""Each chain: a fit interrupted in a step (or its set-up), three resumes interrupted in a step, in their
+first batch (its dry passes) or in their set-up, then a resume run to the end."""
 
 
 class SavedOnException(OnExceptionCheckpoint):
@@ -405,21 +423,24 @@ class Started(Callback):
 
 
 def _segment(
-    name: str, root: Path, plan: str | None, rng: random.Random, setup_lines: dict, releases
+    name: str, root: Path, plan: str | None, rng: random.Random, lines: dict, releases, call: Any = None
 ) -> dict:
-    """One fit of a chain, interrupted as ``plan`` says; what it did and what it wrote."""
+    """One fit of a chain, interrupted as ``plan`` says (``lines``: the set-ups' and first batches' lines as
+    first measured; ``call``: (code, step) for ``plan="call"``); what it did and what it wrote."""
     resume = root / "on_exception.ckpt" if (root / "on_exception.ckpt").exists() else None
     start = int(torch.load(resume, weights_only=True)["global_step"]) if resume else 0
-    if plan == "step" and start + 1 > INTERRUPTED_STEPS - 2:
+    if (plan == "step" and start + 1 > INTERRUPTED_STEPS - 2) or (
+        plan == "first" and start >= INTERRUPTED_STEPS
+    ):
         plan = None  # no step left to count and then interrupt
-    kind = "resume" if resume else "fresh"
-    setup = rng.randrange(setup_lines[kind]) if plan == "setup" and setup_lines.get(kind) else None
-    step = rng.randint(start + 1, INTERRUPTED_STEPS - 2) if plan == "step" else None
-    interrupt, started, strategy = (
-        Interrupt(rng, step, setup, fresh=not resume),
-        Started(),
-        INTERRUPTED_RUNS[name](),
-    )
+    kind = {"setup": "resume" if resume else "fresh", "first": "first"}.get(plan or "")
+    at = rng.randrange(lines[kind]) if kind in lines else None
+    plan = None if kind and at is None else plan  # nothing measured yet: run on
+    step = rng.randint(start + 1, min(start + 4, INTERRUPTED_STEPS - 2)) if plan == "step" else None
+    if plan == "call":
+        at, step = call
+    interrupt = Interrupt(rng, plan, at, step, fresh=resume is None)
+    started, strategy = Started(), INTERRUPTED_RUNS[name]()
     trainer = make_trainer(
         strategy, root, max_steps=INTERRUPTED_STEPS, max_epochs=-1, enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=3, save_top_k=-1),
@@ -433,18 +454,21 @@ def _segment(
         except SystemExit:  # Lightning's answer to a KeyboardInterrupt, after on_exception has saved
             pass
         except Exception:  # Lightning's own teardown may fail after an interrupt in its data set-up
-            if not interrupt.state.saved:
+            if not (interrupt.state.fired and interrupt.state.saved):
                 raise
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT once hit
-    interrupted = interrupt.state.saved  # (an interrupt a finalizer swallowed lets the fit finish)
+    interrupted = interrupt.state.fired and interrupt.state.saved  # (a finalizer may swallow an interrupt)
     if interrupted:  # kept for the check of every checkpoint written
         (root / "ckpt").mkdir(exist_ok=True)
         shutil.copy(
             root / "on_exception.ckpt", root / "ckpt" / f"on_exception_{len(os.listdir(root / 'ckpt'))}.ckpt"
         )
-    if interrupt.state.setup_lines:
-        setup_lines.setdefault(kind, interrupt.state.setup_lines)
+    measured = {
+        "resume" if resume else "fresh": interrupt.state.setup_lines,
+        "first": interrupt.state.first_lines,
+    }
+    lines.update({k: v for k, v in measured.items() if v and k not in lines})
     return dict(
         plan=plan, interrupted=interrupted, released_before=before, released=releases.value,
         started=hasattr(started, "epsilon"), start_epsilon=getattr(started, "epsilon", None),
@@ -457,7 +481,7 @@ def _segment(
 
 @pytest.fixture(scope="module")
 def interrupted_chains(tmp_path_factory):
-    chains, setup_lines = [], {}  # lines of a fresh fit's and of a resume's set-up, as first measured
+    chains, lines = [], {}  # lines of a fresh fit's and of a resume's set-up, and of a first batch
     with pytest.MonkeyPatch.context() as patch:
         releases = _counting_releases(patch)
         for name, seed in CHAINS:
@@ -465,7 +489,7 @@ def interrupted_chains(tmp_path_factory):
             root = tmp_path_factory.mktemp(f"interrupted_{name}")
             segments: list[dict] = []
             for plan in PLANS[name]:
-                segments.append(_segment(name, root, plan, rng, setup_lines, releases))
+                segments.append(_segment(name, root, plan, rng, lines, releases))
                 if not segments[-1]["interrupted"]:
                     break
             chains.append((name, seed, root, segments))
@@ -507,9 +531,43 @@ def test_an_interrupted_runs_own_checkpoints_resume_and_keep_every_release(inter
             _resume_check(path, INTERRUPTED_RUNS[name])
 
 
-def test_the_interrupts_landed_inside_steps_and_set_ups(interrupted_chains):
-    """The chains above exercised what they claim: checkpoints written inside a step (the resume says so)
-    and an interrupt in a resume's set-up (its checkpoint is the one being restored)."""
+def test_the_interrupts_landed_inside_steps_first_batches_and_set_ups(interrupted_chains):
+    """The chains above exercised what they claim: checkpoints written inside a step (the resume says so),
+    interrupts in a fit's first batch, and in a fresh fit's and a resume's set-up (then the checkpoint is
+    the one being restored)."""
     segments = [s for _, _, _, chain in interrupted_chains for s in chain]
     assert sum(s["in_flight"] for s in segments) >= 2
+    interrupted = {s["plan"] for s in segments if s["interrupted"]}
+    assert {"step", "first", "setup"} <= interrupted, interrupted
     assert any(s["plan"] == "setup" and s["interrupted"] and not s["started"] for s in segments)
+
+
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("DP-SGD", Releases.noisy),  # the event recorded, the noise not yet added: one event more than steps
+        ("DP-SGD", PrivateStepEngine.apply_step),  # released, the update not applied: a step the loop missed
+        ("BandMF", Releases.noisy),  # CyclicPoisson counted the step before the release: drawn again for it
+    ],
+    ids=["event-recorded", "released-not-applied", "cyclic-step-counted"],
+)
+def test_a_checkpoint_written_inside_the_release_resumes_and_counts_the_release_once(name, where, tmp_path):
+    """The race of issue #47, made certain: ``OnExceptionCheckpoint`` written at the first line of a call
+    inside step 3's release. The resume warns, keeps the recorded event, and the counts agree at the end."""
+    with pytest.MonkeyPatch.context() as patch:
+        releases = _counting_releases(patch)
+        first = _segment(name, tmp_path, "call", random.Random(0), {}, releases, call=(where.__code__, 3))
+        last = _segment(name, tmp_path, None, random.Random(0), {}, releases)
+    assert first["interrupted"], first
+    assert first["global_step"] == 3, first
+    assert last["in_flight"], last
+    counts = last["counts"]
+    assert last["global_step"] == INTERRUPTED_STEPS
+    assert last["steps"] - counts["steps_outside_loop"] + counts["silent_steps"] == INTERRUPTED_STEPS
+    assert counts["interrupted_steps"] == 1
+    if name == "DP-SGD":
+        assert last["events"] == last["released"]  # every release began with its event, and nothing else
+        assert last["epsilon"] >= exact_epsilon(last["released"]) * (1 - 1e-12)
+        assert last["released"] == INTERRUPTED_STEPS + 1  # the interrupted release began; its step ran again
+    for path in sorted((tmp_path / "ckpt").glob("*.ckpt")):  # the on-exception one (a copy) and the others
+        _resume_check(path, INTERRUPTED_RUNS[name])
