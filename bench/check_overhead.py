@@ -17,6 +17,7 @@ check looked at. Isolation is not a check: its cost is the ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 import warnings
@@ -32,13 +33,19 @@ from torch.utils.data import DataLoader, TensorDataset
 from bench._harness import cpu_name, trainer_kwargs
 from lightning_dp import DPStrategy
 from lightning_dp.checks import RunChecks
+from lightning_dp.per_example.capture import GradientCapture
+
+UNTRACED = "untraced"
 
 SETTINGS: dict[str, dict[str, Any]] = {
     "off": {"check_sensitivity": False},
     "default (sampled, 5 %)": {},
     "every step": {"check_sensitivity": "every_step"},
     "isolate_examples": {"isolate_examples": True, "check_sensitivity": False},
+    "default, untraced": {UNTRACED: True},
 }
+"""``UNTRACED``: the default with the step's tensor operations not traced (issue #46's ``per_example.uses``),
+to measure what the tracing costs; not a user setting (untraced, uses outside the layers are refused)."""
 
 
 class Model(LightningModule):
@@ -57,13 +64,13 @@ class Model(LightningModule):
         return DataLoader(TensorDataset(self.x, self.y), batch_size=self.batch_size)
 
 
-def mlp(batch_size: int = 256) -> Model:
-    """The bench MLP: 784-1000-10, batch 256 (or ``batch_size``)."""
+def mlp(batch_size: int = 256, n: int = 4096) -> Model:
+    """The bench MLP: 784-1000-10, batch 256 (or ``batch_size``), on ``n`` examples (16 batches an epoch;
+    ``n`` = 60000: MNIST's 234, where the first batch of every epoch is checked about as often as the
+    budget checks others)."""
     g = torch.Generator().manual_seed(0)
     net = nn.Sequential(nn.Linear(784, 1000), nn.ReLU(), nn.Linear(1000, 10))
-    return Model(
-        net, torch.randn(4096, 784, generator=g), torch.randint(0, 10, (4096,), generator=g), batch_size
-    )
+    return Model(net, torch.randn(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g), batch_size)
 
 
 def cnn() -> Model:
@@ -105,6 +112,7 @@ MODELS: dict[str, Callable[[], Model]] = {
     "Transformer d=64": transformer,
     "MLP B=8": lambda: mlp(8),
     "MLP B=1024": lambda: mlp(1024),
+    "MLP N=60000": lambda: mlp(256, 60000),
 }
 
 
@@ -133,11 +141,19 @@ def fit_seconds(build: Callable[[], Model], setting: dict[str, Any], steps: int)
     """(fit seconds, seconds inside the checks, batches the mixing check looked at)."""
     seed_everything(0, verbose=False)
     module = build()
+    setting = dict(setting)
+    untraced = setting.pop(UNTRACED, False)
     strategy = DPStrategy(noise_multiplier=1.0, seed=0, **setting)
     trainer = Trainer(strategy=strategy, max_steps=steps, **trainer_kwargs())
     _inside[0] = 0.0
+    traced = GradientCapture.tracing
+    if untraced:
+        GradientCapture.tracing = lambda self: contextlib.nullcontext()  # type: ignore[method-assign]
     begin = time.perf_counter()
-    trainer.fit(module)
+    try:
+        trainer.fit(module)
+    finally:
+        GradientCapture.tracing = traced  # type: ignore[method-assign]
     return time.perf_counter() - begin, _inside[0], len(strategy.checks.mixing.checked_steps)
 
 

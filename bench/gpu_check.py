@@ -63,17 +63,23 @@ PARTS: list[Part] = [
          "(zoo × fp32/TF32/bf16-mixed) through the Trainer", test_part="trainer"),
     Part("correctness-mechanisms", "tests", 40, "noise std σC/B, dropout and the sensitivity check, "
          "mixing models refused, every slot's step, checkpoint resume", test_part="mechanisms"),
-    Part("speed-gpt2", "speed", 45, "GPT-2 small, T=512, bf16-mixed", model="gpt2"),
-    Part("speed-bert", "speed", 35, "BERT-base seq. classification, T=128, bf16-mixed", model="bert"),
-    Part("speed-vit", "speed", 35, "ViT-B/16 at 224, bf16-mixed", model="vit"),
-    Part("speed-wrn", "speed", 35, "WideResNet-16-4 (GroupNorm) on 32×32, fp32", model="wrn"),
-    Part("speed-lora", "speed", 45, "LoRA on a 1.1B Llama, T=512, bf16-mixed", model="lora"),
+    Part("speed-gpt2", "speed", 35, "GPT-2 small, T=512, bf16-mixed", model="gpt2"),
+    Part("speed-bert", "speed", 30, "BERT-base seq. classification, T=128, bf16-mixed", model="bert"),
+    Part("speed-vit", "speed", 30, "ViT-B/16 at 224, bf16-mixed", model="vit"),
+    Part("speed-wrn", "speed", 35, "WideResNet-16-4 (GroupNorm) on 32×32, B=256, fp32", model="wrn"),
+    Part("speed-resnet18", "speed", 20, "timm ResNet-18 (GroupNorm) on 32×32, B=256, fp32", model="resnet18_gn"),
+    Part("speed-convnext", "speed", 20, "timm ConvNeXt-atto on 32×32, B=256, fp32", model="convnext_atto"),
+    Part("speed-cnn", "speed", 12, "MNIST CNN, B=256, fp32", model="cnn"),
+    Part("speed-lstm", "speed", 15, "Embedding + LSTM(256), T=64, B=64, fp32", model="lstm"),
+    Part("speed-lora", "speed", 30, "LoRA on a 1.1B Llama, T=512, bf16-mixed", model="lora"),
+    Part("speed-fsdp", "speed", 35, "dp_fsdp vs dp_ddp vs plain FSDP2 (GPT-2-shaped, Adam) on 1 GPU, and on 2 "
+         "where lent: step time and memory per rank (bench/fsdp_memory.py)", model="fsdp"),
 ]  # fmt: skip
-"""The parts in the order they run, with their time boxes: 445 s of boxes, inside the 470 s that ``--total``
+"""The parts in the order they run, with their time boxes: 512 s of boxes, inside the 530 s that ``--total``
 allows by default (the children's start-up, imports and CUDA context, included), which with the kill's 10 s
-of grace keeps the check within 8 minutes."""
+of grace keeps the check within 9 minutes."""
 
-TOTAL_S = 470.0
+TOTAL_S = 530.0
 DRY_TOTAL_S = 300.0
 """The dry run takes about 45 s; its boxes are only a net under a loaded CI machine."""
 START_BOX_S = 120.0
@@ -482,11 +488,58 @@ def device_info(device: Any) -> dict[str, Any]:
     return info
 
 
+def run_sharded(child: Child, part: Part, device: Any, deadline: float, info: dict[str, Any]) -> None:
+    """``dp_fsdp`` against ``dp_ddp`` and plain FSDP2: each configuration on 1 device in this child, then on 2
+    devices in their own processes where 2 GPUs are lent; the dry run fits ``dp_fsdp`` alone at a tiny size."""
+    import fsdp_memory
+    import torch
+
+    cuda = device.type == "cuda"
+    args = fsdp_memory.parser().parse_args(
+        ["--accelerator", "cuda" if cuda else "cpu", "--steps", "2" if child.args.dry_run else "8"]
+        + ([] if cuda else ["--size", json.dumps({"vocab": 64, "width": 32, "layers": 2, "length": 16}), "--batch", "4"])
+    )  # fmt: skip
+    configs = fsdp_memory.CONFIGS if cuda else ("dp-fsdp",)
+    results = []
+    for config in configs:
+        if time.monotonic() < deadline:
+            results.append(fsdp_memory.in_process(args, config))
+    if cuda and torch.cuda.device_count() >= 2:
+        args.world_sizes = [2]
+        results += fsdp_memory.sharded(args, deadline, configs)
+    rows = []
+    for r in results:
+        plain = next(
+            (p for p in results if p["config"] == "plain-fsdp" and p["devices"] == r["devices"]), None
+        )
+        worst = {key: max(rank[key] for rank in r["ranks"]) for key in ("step_s", "held", "gathered", "peak")}
+        base = {key: max(rank[key] for rank in plain["ranks"]) for key in ("step_s", "peak")} if plain else {}
+        memory = worst["peak"] if cuda else worst["held"]
+        rows.append({
+            "variant": f"{r['config']} W={r['devices']}", "rounds": args.steps,
+            "median_ms": worst["step_s"] * 1e3, "peak_mb": memory / 2**20,
+            "x_plain": worst["step_s"] / base["step_s"] if base else None,
+            "mem_x_plain": worst["peak"] / base["peak"] if base and base["peak"] else None,
+            "note": f"per rank: {worst['held'] / 2**20:.1f} MB params+grads+optimizer state between steps, "
+                    f"{worst['gathered'] / 2**20:.1f} MB gathered in a step",
+        })  # fmt: skip
+    child.save(part.name, {"model": "fsdp", "title": part.what, "batch": args.batch, "precision": "fp32",
+                           "stage": "done", "rows": rows, "device": info})  # fmt: skip
+
+
 def run_speed(child: Child, part: Part, device: Any, deadline: float, info: dict[str, Any]) -> None:
     from gpu_speed import MODELS, bench
 
     def report(result: dict[str, Any]) -> None:
         child.save(part.name, {**result, "device": info})
+
+    if part.model == "fsdp":
+        try:
+            run_sharded(child, part, device, deadline, info)
+        except Exception as err:  # reported in the part, like a model that failed to build
+            report({"model": "fsdp", "title": part.what, "batch": None, "precision": "", "stage": "failed",
+                    "rows": [{"variant": "all", "rounds": 0, "error": f"{type(err).__name__}: {err}"}]})  # fmt: skip
+        return
 
     try:
         bench(MODELS[part.model], device, child.args.dry_run, deadline, report,

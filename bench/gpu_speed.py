@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from step_time import Variant, _reason, check_variant, measure_peak, private_variant, run_step
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+from wide_resnet import wide_resnet
 
 SIGMA, MAX_GRAD_NORM, LR, DATASET_SIZE = 1.0, 1.0, 1e-4, 50_000
 Batch = tuple[Tensor, ...]
@@ -85,32 +86,33 @@ def _vit(dry: bool) -> nn.Module:
     return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=10)  # ViT-B/16, 86M
 
 
-class _WideBlock(nn.Module):
-    """Pre-activation wide residual block with GroupNorm (16 groups) in place of BatchNorm."""
+def _timm(name: str, dry_kwargs: dict[str, Any], **kwargs: Any) -> Callable[[bool], nn.Module]:
+    """A timm model with a 10-class head (one block per stage in the dry run)."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.n1, self.c1 = nn.GroupNorm(16, c_in), nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.n2, self.c2 = nn.GroupNorm(16, c_out), nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.short = None if c_in == c_out and stride == 1 else nn.Conv2d(c_in, c_out, 1, stride, bias=False)
+    def build(dry: bool) -> nn.Module:
+        import timm
 
-    def forward(self, x: Tensor) -> Tensor:
-        o = F.relu(self.n1(x))
-        y = self.c2(F.relu(self.n2(self.c1(o))))
-        return y + (x if self.short is None else self.short(o))
+        return timm.create_model(
+            name, pretrained=False, num_classes=10, **kwargs, **(dry_kwargs if dry else {})
+        )
+
+    return build
 
 
-def wide_resnet(depth: int = 16, width: int = 4, classes: int = 10) -> nn.Sequential:
-    """WideResNet-depth-width (Zagoruyko & Komodakis) for 32×32 images, GroupNorm for BatchNorm."""
-    n = (depth - 4) // 6
-    layers: list[nn.Module] = [nn.Conv2d(3, 16, 3, 1, 1, bias=False)]
-    c = 16
-    for stage, c_out in enumerate((16 * width, 32 * width, 64 * width)):
-        for i in range(n):
-            layers.append(_WideBlock(c, c_out, 2 if stage and not i else 1))
-            c = c_out
-    layers += [nn.GroupNorm(16, c), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, classes)]
-    return nn.Sequential(*layers)
+def _group_norm(channels: int, **kwargs: Any) -> nn.Module:
+    return nn.GroupNorm(32, channels)
+
+
+def _mnist_cnn(dry: bool) -> nn.Module:
+    from recipes.models import tramer_boneh_cnn
+
+    return tramer_boneh_cnn()
+
+
+def _lstm(dry: bool) -> nn.Module:
+    from realistic_models import LSTMClassifier
+
+    return LSTMClassifier(vocab=100, dim=16) if dry else LSTMClassifier()
 
 
 def _llama_lora(dry: bool) -> nn.Module:
@@ -213,6 +215,52 @@ MODELS: dict[str, SpeedModel] = {
             lambda m, b: m(b[0]),
             _class_loss,
             batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "resnet18_gn",
+            "timm ResNet-18 with GroupNorm at 32×32, 10 classes, fp32",
+            _timm("resnet18", {"layers": (1, 1, 1, 1)}, norm_layer=_group_norm),
+            _images(32, 16),
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "convnext_atto",
+            "timm ConvNeXt-atto at 32×32, 10 classes, fp32",
+            _timm("convnext_atto", {"depths": (1, 1, 1, 1), "dims": (8, 8, 16, 16), "patch_size": 2}),
+            _images(32, 32),  # a stem and three downsamplings: 32 px in the dry run too
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "cnn",
+            "Tramèr & Boneh MNIST CNN, fp32",
+            _mnist_cnn,
+            lambda dry, b, g: (
+                torch.randn(b, 1, 28, 28, generator=g),
+                torch.randint(0, 10, (b,), generator=g),
+            ),
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=256,
+            bf16=False,
+        ),
+        SpeedModel(
+            "lstm",
+            "Embedding(10000, 256) + LSTM(256), T=64, fp32",
+            _lstm,
+            lambda dry, b, g: (
+                torch.randint(1, 100 if dry else 10_000, (b, 8 if dry else 64), generator=g),
+                torch.randint(0, 2, (b,), generator=g),
+            ),
+            lambda m, b: m(b[0]),
+            _class_loss,
+            batch_size=64,
             bf16=False,
         ),
         SpeedModel(

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse
 import copy
 import gc
+import hashlib
 import json
 import statistics
 import time
@@ -49,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from bench import step_time
 from bench._harness import cpu_name
-from bench.realistic_models import REALISTIC, RealisticModel
+from bench.realistic_models import REALISTIC, Classify, RealisticModel
 from bench.step_time import (
     LR,
     MAX_GRAD_NORM,
@@ -102,7 +103,32 @@ def build_opacus(base: nn.Module, batch: Batch) -> Variant:
     )
 
 
-BUILDERS = {"plain": build_plain, "lightning-dp": build_lightning_dp, "opacus hooks": build_opacus}
+def build_opacus_ghost(base: nn.Module, batch: Batch) -> Variant:
+    """Opacus's ghost clipping (its two backward passes); it needs the criterion outside the model, so it
+    runs only on a :class:`~bench.realistic_models.Classify` model's body."""
+    if not isinstance(base, Classify):
+        raise TypeError("ghost clipping needs the loss outside the model")
+    model = copy.deepcopy(base.body)
+    loader = DataLoader(TensorDataset(*(t.cpu() for t in batch)), batch_size=len(batch[0]))
+    gsm, dp_opt, criterion, _ = PrivacyEngine().make_private(
+        module=model, optimizer=_sgd(model), data_loader=loader, noise_multiplier=SIGMA,
+        max_grad_norm=MAX_GRAD_NORM, poisson_sampling=False, grad_sample_mode="ghost",
+        criterion=nn.CrossEntropyLoss(),
+    )  # fmt: skip
+    return Variant(
+        "opacus ghost",
+        [("fwd+bwd", lambda: criterion(gsm(*batch[:-1]), batch[-1]).backward()), ("step", dp_opt.step)],
+        zero=lambda: dp_opt.zero_grad(set_to_none=True),
+        params=[p for p in model.parameters() if p.requires_grad],
+    )
+
+
+BUILDERS = {
+    "plain": build_plain,
+    "lightning-dp": build_lightning_dp,
+    "opacus hooks": build_opacus,
+    "opacus ghost": build_opacus_ghost,
+}
 
 
 def _load() -> str:
@@ -184,9 +210,20 @@ def rows(entry: ZooModel | RealisticModel, variants: list[Variant]) -> list[dict
                 phases_ms={k: statistics.median(t) * 1e3 for k, t in v.phase_times.items()},
                 rounds=len(v.times),
                 paths=v.paths or None,
+                conv_methods=_conv_methods(v),
             )
         out.append(row)
     return out
+
+
+def _conv_methods(v: Variant) -> str | None:
+    """lightning-dp's convolution methods (``conv_tuner.report()``): how many shapes, and a digest that two
+    runs can compare (the methods are a function of the shapes, so it must not change between runs)."""
+    grads = v.engine.grads if v.engine is not None else None
+    if grads is None or not grads.conv_tuner.choices:
+        return None
+    text = json.dumps(grads.conv_tuner.report(), sort_keys=True)
+    return f"{len(grads.conv_tuner.choices)} shapes, digest {hashlib.sha1(text.encode()).hexdigest()[:10]}"
 
 
 def print_rows(table: list[dict[str, Any]], verbose: bool = False) -> None:
@@ -201,6 +238,8 @@ def print_rows(table: list[dict[str, Any]], verbose: bool = False) -> None:
         print(f"{row['model']:<32}{row['variant']:<15}{row['median_ms']:>10.2f}{ratio:>9}{peak:>9}{mem:>7}")
         if row.get("paths"):
             print(f"{'':<47}{row['paths']}")
+        if row.get("conv_methods"):
+            print(f"{'':<47}conv methods: {row['conv_methods']}")
         if row.get("phases_ms") and verbose:
             phases = ", ".join(f"{k} {v:.1f}" for k, v in row["phases_ms"].items())
             print(f"{'':<47}phases ms: {phases} (n={row['rounds']})")
@@ -222,9 +261,15 @@ def main(argv: list[str] | None = None) -> int:
         help="wall time, or the process's CPU time (all its threads; less inflated on a busy machine)",
     )  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak memory step")
-    parser.add_argument("--variants", default=",".join(BUILDERS), help="comma-separated variants")
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated variants (default: all; the zoo: all but opacus ghost)",
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
+    if args.variants is None:
+        args.variants = ",".join(v for v in BUILDERS if args.realistic or v != "opacus ghost")
     torch.set_num_threads(1)
     if args.clock == "cpu":
         step_time.CLOCK = time.process_time

@@ -11,6 +11,9 @@ the batch-mean loss, like the test zoo's (``tests/per_example/zoo.py``), and dra
 | ``vit_s8`` | timm ``vit_small_patch8_224`` at 64 px (d 384, 12 layers, 6 heads, 65 tokens), 10 classes | 32 × 3 × 64 × 64 |
 | ``resnet18_gn`` | timm ResNet-18 with ``GroupNorm(32, ·)`` for every BatchNorm, 10 classes | 32 × 3 × 64 × 64 |
 | ``convnext_atto`` | timm ``convnext_atto`` (layer scale, LayerNorm2d, depthwise 7×7), 10 classes | 32 × 3 × 64 × 64 |
+| ``resnet18_gn_32`` | the same ResNet-18 at CIFAR size (issue #51) | 256 × 3 × 32 × 32 |
+| ``convnext_atto_32`` | the same ConvNeXt-atto at CIFAR size (issue #51) | 256 × 3 × 32 × 32 |
+| ``wrn16_4`` | WideResNet-16-4 with ``GroupNorm(16, ·)`` (De et al. 2022; ``bench/wide_resnet.py``), 10 classes | 256 × 3 × 32 × 32 |
 | ``lstm`` | ``Embedding(10000, 256)`` → ``nn.LSTM(256, 256, batch_first=True)`` → Linear on the last state, 2 classes | 64 × 64 tokens |
 | ``mlp`` | ``bench/step_time.py``'s MLP 784-1000-10 | 256 × 784 |
 | ``cnn`` | ``bench/step_time.py``'s Tramèr & Boneh MNIST CNN | 256 × 1 × 28 × 28 |
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from bench.wide_resnet import wide_resnet
 from lightning_dp.losses import per_example_token_loss
 from recipes.models import mlp, tramer_boneh_cnn
 
@@ -156,6 +160,24 @@ REALISTIC: list[RealisticModel] = [
     ),
     RealisticModel(
         "convnext_atto", "timm ConvNeXt-atto, 64 px, B=32", _timm("convnext_atto"), _images((3, 64, 64), 32)
+    ),
+    RealisticModel(
+        "resnet18_gn_32",
+        "timm ResNet-18 with GroupNorm, 32 px, B=256",
+        _timm("resnet18", norm_layer=_group_norm),
+        _images((3, 32, 32), 256),
+    ),
+    RealisticModel(
+        "convnext_atto_32",
+        "timm ConvNeXt-atto, 32 px, B=256",
+        _timm("convnext_atto"),
+        _images((3, 32, 32), 256),
+    ),
+    RealisticModel(
+        "wrn16_4",
+        "WideResNet-16-4 with GroupNorm, 32 px, B=256",
+        lambda: Classify(wide_resnet(16, 4)),
+        _images((3, 32, 32), 256),
     ),
     RealisticModel(
         "lstm",

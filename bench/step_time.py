@@ -14,6 +14,9 @@ excluded: the batch is already on the device. Each step is timed the way its lib
                             tensors; Gaussian noise; ledger), ``engine.apply_step(optimizer)``, zero_grad
 * lightning-dp materialize  the same engine with ``grad_sample_mode="materialize"`` (the previous
                             behaviour): per-example gradients materialised in the backward hooks
+* lightning-dp quantile     the fast engine with ``QuantileClipping()`` (its noisy unclipped count moves C) and
+  lightning-dp auto         with ``AutoClipping()`` (each example normalised): the clipping slots of issue #49,
+                            reported as a ratio to ``lightning-dp fast`` (DP-SGD's ``FlatClipping``) too
 * opacus hooks              ``PrivacyEngine().make_private(...)``: forward, loss, backward, ``optimizer.step()``
 * opacus ghost              ``make_private(..., grad_sample_mode="ghost")``: the wrapped criterion's
                             ``.backward()`` runs Opacus's two backward passes, then ``optimizer.step()``
@@ -69,19 +72,27 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import lightning_dp
 from lightning_dp import DPStrategy, PrivacyCallback
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
-from lightning_dp.clipping import FlatClipping
+from lightning_dp.clipping import AutoClipping, FlatClipping, GridClipping, QuantileClipping
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.noise import ConstantNoise
+from lightning_dp.noise import ConstantNoise, DiscreteGaussian
 from lightning_dp.per_example import GradMode
 from lightning_dp.sampling import Poisson
-from lightning_dp.slots import Step, StepContext
+from lightning_dp.slots import Clipping, Noise, Step, StepContext
 from recipes.models import mlp, tramer_boneh_cnn
 
 SIGMA = 1.0
 MAX_GRAD_NORM = 1.0
 LR = 0.05
 DATASET_SIZE = 60_000  # what the sample rate q = B / N refers to (MNIST); only the accountants see it
-VARIANTS = ("plain", "lightning-dp fast", "lightning-dp materialize", "opacus hooks", "opacus ghost")
+VARIANTS = (
+    "plain",
+    "lightning-dp fast",
+    "lightning-dp materialize",
+    "lightning-dp quantile",
+    "lightning-dp auto",
+    "opacus hooks",
+    "opacus ghost",
+)
 
 
 # -- models ----------------------------------------------------------------------------------------
@@ -293,15 +304,22 @@ def private_variant(
     name: str = "lightning-dp",
     lr: float = LR,
     dataset_size: int = DATASET_SIZE,
+    secure: bool = False,
+    clipping: Clipping | None = None,
 ) -> Variant:
     """The library's :class:`~lightning_dp.engine.PrivateStepEngine` on a copy of ``base`` (σ = SIGMA,
     C = MAX_GRAD_NORM, SGD over the trainable parameters): fwd+bwd (``forward_backward(model)``),
-    privatize, update. Shared by this script, ``model_zoo.py`` and ``gpu_speed.py``."""
+    privatize, update. Shared by this script, ``model_zoo.py`` and ``gpu_speed.py``. ``secure``: the slots
+    of ``DPStrategy(secure=True)`` (integer grid, discrete Gaussian from ``os.urandom``); ``clipping``: another
+    clipping slot with ConstantNoise (default FlatClipping)."""
     model = copy.deepcopy(base)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(trainable, lr=lr)
+    noise: Noise = DiscreteGaussian(SIGMA) if secure else ConstantNoise(SIGMA)
+    if isinstance(noise, DiscreteGaussian):
+        clipping = GridClipping(noise.grid)
     engine = PrivateStepEngine(
-        sampler=Poisson(seed=0), clipping=FlatClipping(), noise=ConstantNoise(SIGMA), step=Step(),
+        sampler=Poisson(seed=0), clipping=clipping or FlatClipping(), noise=noise, step=Step(),
         max_grad_norm=MAX_GRAD_NORM, delta=1e-5, target_epsilon=None, accountant="rdp",
         loss_reduction="mean", seed=0, grad_sample_mode=mode,
     )  # fmt: skip
@@ -330,11 +348,20 @@ def private_variant(
     return variant
 
 
-def build_lightning_dp(base: nn.Module, x: Tensor, y: Tensor, mode: GradMode) -> Variant:
+def build_lightning_dp(
+    base: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    mode: GradMode,
+    secure: bool = False,
+    clipping: str | None = None,
+) -> Variant:
     def forward_backward(model: nn.Module) -> Callable[[], None]:
         return lambda: F.cross_entropy(model(x), y).backward()
 
-    return private_variant(base, forward_backward, len(y), mode, name=f"lightning-dp {mode}")
+    slot = {"quantile": QuantileClipping, "auto": AutoClipping}[clipping]() if clipping else None
+    name = "lightning-dp secure" if secure else f"lightning-dp {clipping or mode}"
+    return private_variant(base, forward_backward, len(y), mode, name=name, secure=secure, clipping=slot)
 
 
 def _opacus_loader(x: Tensor, y: Tensor) -> DataLoader:
@@ -391,6 +418,10 @@ BUILDERS: dict[str, Callable[[nn.Module, Tensor, Tensor], Variant]] = {
     "plain": build_plain,
     "lightning-dp fast": functools.partial(build_lightning_dp, mode="fast"),
     "lightning-dp materialize": functools.partial(build_lightning_dp, mode="materialize"),
+    "lightning-dp quantile": functools.partial(build_lightning_dp, mode="fast", clipping="quantile"),
+    "lightning-dp auto": functools.partial(build_lightning_dp, mode="fast", clipping="auto"),
+    # secure=True (issue #50); not a default variant: `--variants plain,lightning-dp fast,lightning-dp secure`
+    "lightning-dp secure": functools.partial(build_lightning_dp, mode="auto", secure=True),
     "opacus hooks": build_opacus_hooks,
     "opacus ghost": build_opacus_ghost,
 }
@@ -664,12 +695,24 @@ def print_model_table(
     for v in variants:
         if v.paths:
             print(f"  {v.name}: {v.paths}")
+    print_clipping_ratios(variants)
     gap = norm_gap(variants)
     if gap is not None:
         print(f"  check: fast vs materialised per-example norms (first step), max relative gap {gap:.1e}")
     for v in variants:
         if v.note:
             print(f"  note: {v.name}: {v.note}")
+
+
+def print_clipping_ratios(variants: list[Variant]) -> None:
+    """The adaptive clipping slots' median step time as a ratio to DP-SGD's (``lightning-dp fast``)."""
+    timed = {v.name: statistics.median(v.times) for v in variants if v.error is None and v.times}
+    dpsgd = timed.get("lightning-dp fast")
+    cells = [
+        f"{n} ×{timed[n] / dpsgd:.2f}" for n in ("lightning-dp quantile", "lightning-dp auto") if n in timed
+    ]
+    if dpsgd and cells:
+        print("  clipping slots vs DP-SGD (lightning-dp fast, FlatClipping): " + ", ".join(cells))
 
 
 def variant_record(spec: ModelSpec, v: Variant, plain_median: float | None) -> dict[str, Any]:

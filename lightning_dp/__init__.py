@@ -10,16 +10,16 @@ from lightning_dp.audit import AuditResult, audit
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.checks import checking
-from lightning_dp.clipping import AdaCliP, FlatClipping, L1Clipping
+from lightning_dp.clipping import AdaCliP, AutoClipping, FlatClipping, L1Clipping, QuantileClipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
-from lightning_dp.noise import BLT, BandMF, ConstantNoise, NoiseDividing
+from lightning_dp.noise import BLT, BandMF, ConstantNoise, DiscreteGaussian, NoiseDividing
 from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
 from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson, UserPoisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.line_search import LineSearch
-from lightning_dp.strategies import DPDDPStrategy, DPStrategy, PrivacyConfig, register
+from lightning_dp.strategies import DPDDPStrategy, DPFSDPStrategy, DPStrategy, PrivacyConfig, register
 from lightning_dp.tuning import tune
 from lightning_dp.version import __version__
 
@@ -31,13 +31,16 @@ __all__ = [
     "AdaCliP",
     "AdaptiveGD",
     "AuditResult",
+    "AutoClipping",
     "BandMF",
     "Clipping",
     "ConstantNoise",
     "CyclicPoisson",
     "DPConfigurationError",
     "DPDDPStrategy",
+    "DPFSDPStrategy",
     "DPStrategy",
+    "DiscreteGaussian",
     "EmptyBatch",
     "FixedSize",
     "FlatClipping",
@@ -51,6 +54,7 @@ __all__ = [
     "Poisson",
     "PrivacyCallback",
     "PrivacyConfig",
+    "QuantileClipping",
     "Sampler",
     "Step",
     "StepContext",

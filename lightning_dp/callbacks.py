@@ -110,6 +110,7 @@ class PrivacyCallback(Callback):
             "dp/sample_rate": float(engine.sampler.sample_rate),
             "dp/steps": float(engine.steps),
         }
+        out.update(engine.clipping.metrics())  # released values only, e.g. quantile clipping's C
         out.update(engine.step_slot.metrics())  # released values only, e.g. the line search's η
         return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+from lightning_dp.accounting import PoissonGaussian
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 
@@ -30,6 +31,9 @@ def check_mechanisms(
             "Pure ε-DP Laplace steps (privacy='paper') need FixedSize(), L1Clipping(), a Laplace noise slot "
             "and accountant='pure'; Gaussian steps need none of these."
         )
+    if clipping.joint_statistic:
+        check_joint_statistic(sampler, clipping, noise, step)
+    check_secure_noise(sampler, clipping, noise, accountant, step)
     if noise.correlated:
         check_correlated_noise(sampler, clipping, noise, step)
     elif sampler.bands not in (None, 1):
@@ -77,4 +81,85 @@ def check_correlated_noise(sampler: Sampler, clipping: Clipping, noise: Noise, s
             "released gradients are still private (post-processing), but the error reduction is not "
             "guaranteed.",
             stacklevel=4,
+        )
+
+
+def check_secure_noise(
+    sampler: Sampler, clipping: Clipping, noise: Noise, accountant: str, step: Step | None
+) -> None:
+    """Secure noise (``DiscreteGaussian`` with ``GridClipping``, ``secure=True``) is priced only as the
+    Poisson-subsampled discrete Gaussian of an integer sum made by its own grid, with the RDP accountant and a
+    step that releases the one gradient (the ledger event is the noise slot's, not the step's)."""
+    noise_grid, clipping_grid = noise.integer_grid, clipping.integer_grid
+    if noise_grid is None and clipping_grid is None:
+        return
+    if noise_grid is None or noise_grid is not clipping_grid:
+        raise DPConfigurationError(
+            f"noise={noise.name} with clipping={clipping.name}: secure noise needs both, sharing one grid "
+            "(the integer sums of GridClipping carry DiscreteGaussian's noise). Pass secure=True, or "
+            "noise=DiscreteGaussian(...) and no clipping: the strategy builds the grid clipping from it."
+        )
+    if accountant != "rdp":
+        raise DPConfigurationError(
+            f"secure=True with accountant={accountant!r}: the discrete Gaussian steps are priced by their RDP "
+            "curve (the PRV and PLD accountants price continuous Gaussians only). Use accountant='rdp'."
+        )
+    if (
+        sampler.schedules_noise
+        or sampler.bands not in (None, 1)
+        or type(sampler.event(1.0)) is not PoissonGaussian
+    ):
+        raise DPConfigurationError(
+            f"secure=True with sampler={sampler.name}: secure noise is priced as a Poisson-subsampled discrete "
+            "Gaussian, which this sampler's steps are not. Use the default sampler (Poisson, or UserPoisson for "
+            "users)."
+        )
+    if step is None:
+        return
+    own_rules = type(step).plan is not Step.plan or type(step).gradient_event is not Step.gradient_event
+    if own_rules or step.needs_sums or step.spends_until_budget or step.charges_unsampled:
+        raise DPConfigurationError(
+            f"secure=True with step={step.name}: that step brings its own noise or ledger rule, or reads the "
+            "clipped sums (a search, a re-measurement), which secure noise does not release or price. Use the "
+            "default step (your optimizer), HeavyBall or Nesterov with secure=True."
+        )
+
+
+def check_joint_statistic(sampler: Sampler, clipping: Clipping, noise: Noise, step: Step | None) -> None:
+    """A clipping whose count is priced inside the step's one Gaussian event (quantile clipping) needs that
+    event to be the subsampled Gaussian at the noise slot's σ, released once per step with i.i.d. noise.
+
+    The combined σ (Andrew et al. 2021, Thm 1) covers the gradient and the count only together: a noise rule,
+    ledger rule or clipping bound of the step's own, correlated noise or a sampler that bounds the
+    contributions itself would leave the count unpriced or price it at a σ it was not noised for. (Each
+    gradient release releases its own count, so a step that reads the noisy sums or prices a second gradient
+    at the same kind of event combines.)
+    """
+    name = clipping.name
+    if noise.correlated:
+        raise DPConfigurationError(
+            f"{name} cannot be combined with noise={noise.name}: its unclipped count is priced with the gradient "
+            f"as one Gaussian release per step at the step's σ, while {noise.name}'s noise is correlated across "
+            "steps and priced over the whole run, which does not cover the count. Use ConstantNoise (or leave "
+            f"noise unset) with {name}, or FlatClipping with {noise.name}."
+        )
+    if sampler.schedules_noise or type(sampler).weigh is not Sampler.weigh:
+        raise DPConfigurationError(
+            f"{name} cannot be combined with sampler={sampler.name}: that sampler sets each step's σ or bounds "
+            f"each contribution itself, so the count {name} releases would not be part of the event it prices. "
+            f"Use Poisson (or UserPoisson) sampling with {name}."
+        )
+    if step is None:
+        return
+    own = [
+        hook
+        for hook in ("plan", "gradient_event", "clip_bound")
+        if getattr(type(step), hook) is not getattr(Step, hook)
+    ]
+    if own or step.spends_until_budget or step.charges_unsampled:
+        raise DPConfigurationError(
+            f"{name} cannot be combined with step={step.name}: that step brings its own noise, ledger or "
+            f"clipping-bound rule, and {name}'s unclipped count is priced only inside the subsampled Gaussian "
+            f"gradient release at the noise slot's σ. Use the default step (your optimizer) or HeavyBall/Nesterov "
+            f"with {name}, or FlatClipping with {step.name}."
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +64,19 @@ CONSISTENCY_FLOOR = 1e-3
 """Gaps are relative to a parameter's own gradient plus this fraction of the whole gradient's norm."""
 
 
+class GradientSink(Protocol):
+    """Where the released gradient goes when the optimizer holds other tensors than the ones the hooks see
+    (``dp_fsdp``: each rank's shard of a parameter whose full tensor the forward uses)."""
+
+    def stepped(self, param: nn.Parameter) -> nn.Parameter:
+        """The parameter the optimizer steps for the hooked ``param``."""
+        ...
+
+    def assign(self, params: list[nn.Parameter], grads: list[Tensor]) -> None:
+        """Hand each released gradient to the parameter the optimizer steps."""
+        ...
+
+
 _GAUSSIAN_DRAW = Noise.add_noise
 """The default noise draw, as defined (a noise slot that overrides or patches it draws in the release)."""
 
@@ -113,6 +126,7 @@ class PrivateStepEngine:
         self.releases.prefetch_draw = _GAUSSIAN_DRAW if type(step) is Step else None
         self.releases.prefetch_slice = NOISE_SLICE
         sampler.use_releases(self.releases)
+        clipping.use_releases(self.releases)  # a clipping's joint statistic (quantile clipping's count)
         self.steps = 0
         self.prior_events = 0
         """Ledger events of releases the model had before this engine trained it (an earlier strategy's
@@ -127,6 +141,14 @@ class PrivateStepEngine:
         self._partial: list[Tensor] | None = None
         self._partial_batch = 0
         self._partial_rows = 0
+        self.normalisation: Literal["batch", "public"] = "batch"
+        """How a ``loss_reduction="mean"`` loss is normalised, as the mixing check reads it: "batch", a mean over
+        the batch's rows (each row's gradient is the rows' count times its share, then reduced per unit as
+        configured); "public", divided by public constants only (a per-user mean over ``users_per_step``):
+        each unit's gradient is the expected batch size times its share, its rows summed. Either way no other
+        unit's rows, nor how many there are, enter a unit's gradient (:meth:`use_normalisation`)."""
+        self.normalisation_settled = False
+        """True once a check told the two readings apart (one passed, the other did not)."""
         self.units: UnitInfo | None = None
         """The privacy units of the rows about to be backpropagated (the chunk's under virtual batching),
         set by the strategy from the batch's info; None: every row is its own unit."""
@@ -145,12 +167,14 @@ class PrivateStepEngine:
         """Noisy gradient releases made from the current sampled batch (None: not tracked)."""
         self.halted = False
         """True for a sampled batch the budget cannot pay for: its optimizer steps release nothing."""
+        self.gradient_sink: GradientSink | None = None
+        """None: the released gradient goes to ``p.grad`` of each hooked parameter (set by ``dp_fsdp``)."""
         step.bind(self)
 
     @property
     def max_grad_norm(self) -> float:
-        """The clipping bound C of the next release: the configured one unless the step adapts it."""
-        return self.step_slot.clip_bound(self._max_grad_norm)
+        """The clipping bound C of the next release: the configured one unless the clipping or the step adapts it."""
+        return self.step_slot.clip_bound(self.clipping.clip_bound(self._max_grad_norm))
 
     # -- the run's releases (one Releases service; these views keep the strategy's reads working) -----
     @property
@@ -164,6 +188,7 @@ class PrivateStepEngine:
     def connect(self, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
         """Once the processes exist: this rank, their number and the sum over them (None on one process)."""
         self.releases.connect(rank, world_size, all_reduce)
+        self.noise.link_ranks(world_size)
 
     @property
     def rank(self) -> int:
@@ -201,6 +226,14 @@ class PrivateStepEngine:
             self.clipping.setup(self.grads.params)
             self.noise.setup(self.grads.params)
             self.releases.anchor = self.grads.params[0]
+            self.use_normalisation(self.normalisation)
+
+    def use_normalisation(self, kind: Literal["batch", "public"]) -> None:
+        """Form the per-unit gradients under ``kind`` (:attr:`normalisation`) from the next backward on."""
+        self.normalisation = kind
+        if self.grads is not None:
+            public = kind == "public"
+            self.grads.public_scale = float(self.sampler.expected_batch_size) if public else None
 
     def refresh_parameters(self) -> None:
         """Before each step: cover exactly the parameters that are trainable now (``BackboneFinetuning``
@@ -246,6 +279,12 @@ class PrivateStepEngine:
     def params(self) -> list[nn.Parameter]:
         assert self.grads is not None, "attach() first"
         return self.grads.params
+
+    @property
+    def stepped_params(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps, one per hooked parameter (the same ones but under ``dp_fsdp``)."""
+        sink = self.gradient_sink
+        return self.params if sink is None else [sink.stepped(p) for p in self.params]
 
     def _noise_generator(self, device: torch.device) -> torch.Generator:
         if self.generator is None or self.generator.device != device:
@@ -384,8 +423,8 @@ class PrivateStepEngine:
         self.grads.clear()
         self._partial, self._partial_batch, self._partial_rows = None, 0, 0
         raise BatchDimensionError(
-            f"The per-example gradients of this batch number {batch}, but the sampler drew "
-            f"{self.realised_batch} examples: the batch is not on dimension 0 of the collated tensors or "
+            f"The per-example gradients of this batch are {'more' if batch > self.realised_batch else 'fewer'} "
+            "than the examples the sampler drew: the batch is not on dimension 0 of the collated tensors or "
             "of the layers (sequence-first tensors, a reshaped batch). Keep the examples on dimension 0 of "
             "every tensor the collate function returns and use batch_first=True in recurrent and attention "
             "layers."
@@ -399,7 +438,10 @@ class PrivateStepEngine:
             batch_size=batch,
             expected_batch_size=self.sampler.expected_batch_size,
             max_grad_norm=self.max_grad_norm,
-            noise_multiplier=float(self.noise_multiplier() or 0.0),
+            # the gradient's σ: the step's own, or its share when the clipping releases a joint statistic
+            noise_multiplier=self.clipping.gradient_noise_multiplier(
+                float(self.noise_multiplier() or 0.0), self.sampler.expected_batch_size
+            ),
             generator=self._noise_generator(self.grads.params[0].device),
         )
 
@@ -425,7 +467,10 @@ class PrivateStepEngine:
                     f"The batch carries privacy units for {units.unit_of_row.numel()} rows, but its per-example "
                     f"gradients number {batch}: keep every row of the collated batch on dimension 0."
                 )
-            grad_samples = grad_samples.grouped(units.unit_of_row, units.reduction, units.views)
+            if self.normalisation == "public":  # the loss weighs a unit's rows itself: their sum, unscaled
+                grad_samples = grad_samples.grouped(units.unit_of_row, "sum")
+            else:
+                grad_samples = grad_samples.grouped(units.unit_of_row, units.reduction, units.views)
         ctx = self._context(grad_samples.batch)
         ctx.extras["rows"] = batch
         weighed = self.sampler.weigh(grad_samples, ctx)
@@ -478,8 +523,12 @@ class PrivateStepEngine:
             ctx.extras["rows"] += self._partial_rows
             self._partial, self._partial_batch, self._partial_rows = None, 0, 0
         self._check_realised_total(ctx.extras["rows"])
-        for p, g in zip(self.params, self._release(sums, ctx, None if covered else event), strict=True):
-            p.grad = g.to(p.dtype)
+        released = self._release(sums, ctx, None if covered else event)
+        if self.gradient_sink is not None:
+            self.gradient_sink.assign(self.params, released)
+        else:
+            for p, g in zip(self.params, released, strict=True):
+                p.grad = g.to(p.dtype)
         self.steps += 1
         self.pending_ctx = ctx
         return ctx
@@ -533,7 +582,7 @@ class PrivateStepEngine:
         parameter by parameter; a parameter whose gradient they miss in part is refused by name (its missed
         part would be released without clipping, or dropped)."""
         self._checked_consistency = True
-        scale = batch if self.loss_reduction == "mean" else 1
+        scale = self.grads._scale(batch) if self.grads is not None else 1.0
         ones = torch.ones(batch, device=params[0].device)
         gaps: list[tuple[str, float]] = []
         names = {p: n for n, p in self.module.named_parameters()} if self.module is not None else {}

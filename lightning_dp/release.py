@@ -23,6 +23,9 @@ from lightning_dp.rng import NoisePrefetch
 AllReduce = Callable[[list[Tensor]], list[Tensor]]
 """Sums a list of tensors over all ranks (same shapes and devices back)."""
 
+ReduceScatter = Callable[[list[Tensor]], list[Tensor]]
+"""Sums a list of tensors over all ranks, each rank getting back only its shard of each (``dp_fsdp``)."""
+
 
 class NoiseDraw(Protocol):
     """The part of the noise slot a release uses (``slots.Noise.add_noise``)."""
@@ -78,6 +81,9 @@ class Releases:
         self.rank = 0
         self.world_size = 1
         self.all_reduce_fn: AllReduce | None = None
+        self.reduce_scatter_fn: ReduceScatter | None = None
+        """Set by ``dp_fsdp``: the gradient's sums are reduce-scattered first and each rank adds the whole
+        noise to the shard it owns (each coordinate noised once, by one rank); None: shares + all-reduce."""
         self.anchor: Tensor | None = None
         """A model parameter, set when the engine attaches: collectives run on its current device (the
         strategy may move the model after attaching); None: on the CPU."""
@@ -138,22 +144,21 @@ class Releases:
         std ``std`` exactly once; one collective, the same result on every rank. Prices nothing: the
         caller has recorded the release (:meth:`release_gradient` or :meth:`spend`).
         """
-        local = std / math.sqrt(self.world_size)
+        return self.all_reduce(self._add_noise(sums, std / math.sqrt(self.world_size), generator))
+
+    def _add_noise(self, sums: list[Tensor], std: float, generator: torch.Generator) -> list[Tensor]:
+        """Gaussian noise of std ``std`` added to ``sums`` in place, drawn ahead where it was."""
         drawn = (
-            self.prefetch.take(generator, NoisePrefetch.layout(sums))
-            if self._draws_ahead() and local
-            else None
+            self.prefetch.take(generator, NoisePrefetch.layout(sums)) if self._draws_ahead() and std else None
         )
         if drawn is None:  # nothing drawn ahead for these sums (a σ = 0 release rewinds what was)
             self.prefetch.cancel()
-            noisy = self._noise.add_noise(sums, local, generator)
-        else:  # the same draws, made while the step's backward ran: added slice by slice, as add_noise does
-            size = self.prefetch_slice
-            for s, z in zip(sums, drawn, strict=True):
-                for part, noise in zip(s.view(-1).split(size), z.view(-1).split(size), strict=True):
-                    part.add_(noise, alpha=local)
-            noisy = sums
-        return self.all_reduce(noisy)
+            return self._noise.add_noise(sums, std, generator)
+        size = self.prefetch_slice  # the same draws, made while the step's backward ran, slice by slice
+        for s, z in zip(sums, drawn, strict=True):
+            for part, noise in zip(s.view(-1).split(size), z.view(-1).split(size), strict=True):
+                part.add_(noise, alpha=std)
+        return sums
 
     def _draws_ahead(self) -> bool:
         """Whether the noise slot draws as ``prefetch_draw`` does (not overridden, not patched)."""
@@ -178,9 +183,13 @@ class Releases:
             ctx.clipped_sums = [s.clone() for s in sums]
         sigma = ctx.noise_multiplier
         sensitivity = ctx.sensitivity if ctx.sensitivity is not None else self._clipping.sensitivity(ctx)
-        layout = NoisePrefetch.layout(sums) if self._draws_ahead() and not self.hooks else None
+        ahead = self._draws_ahead() and not self.hooks
         std = 0.0 if sigma == 0 else sigma * sensitivity
-        noisy = self.noisy(sums, std, ctx.generator)
+        if self.reduce_scatter_fn is not None and self.world_size > 1:
+            noisy = self._add_noise(self.reduce_scatter_fn(sums), std, ctx.generator)  # this rank's rows only
+        else:
+            noisy = self.noisy(sums, std, ctx.generator)
+        layout = NoisePrefetch.layout(noisy) if ahead else None
         if layout is not None and std != 0.0:  # the next release's noise, drawn while its step runs
             self.prefetch.start(ctx.generator, layout, self.prefetch_slice)
         for hook in reversed(self.hooks):
@@ -189,14 +198,19 @@ class Releases:
             ctx.noisy_sums = [s.clone() for s in noisy]
         return self._clipping.finalize(noisy, ctx)
 
-    def noisy_statistic(self, local_sum: float, std: float, generator: torch.Generator) -> float:
+    def noisy_statistic(
+        self, local_sum: float, std: float, generator: torch.Generator, *, shares: bool = False
+    ) -> float:
         """Σ over all ranks of a scalar plus one Gaussian draw of std ``std``: the same value everywhere.
 
-        The draw is rank 0's (every rank draws, so the streams stay aligned); fp64 on the CPU. Prices
-        nothing: the caller has spent the statistic's event (:meth:`spend`).
+        The draw is rank 0's (every rank draws, so the streams stay aligned); fp64 on the CPU. ``shares``:
+        each rank adds its own draw of std ``std``/√W instead, as the gradient's noise is added (a count
+        over the ranks' shares of the batch). Prices nothing: the caller has spent the statistic's event
+        (:meth:`spend`), or it is part of the gradient's (quantile clipping's count).
         """
-        noise = float(torch.randn(1, generator=generator, dtype=torch.float64)) * std
-        value = torch.tensor([local_sum + (noise if self.rank == 0 else 0.0)], dtype=torch.float64)
+        scale = std / math.sqrt(self.world_size) if shares else std
+        noise = float(torch.randn(1, generator=generator, dtype=torch.float64)) * scale
+        value = torch.tensor([local_sum + (noise if shares or self.rank == 0 else 0.0)], dtype=torch.float64)
         if self.world_size > 1:
             if self.all_reduce_fn is None:
                 raise RuntimeError(

@@ -34,7 +34,7 @@ def privacy_report(
         "noise_multiplier": sigma,
         "sample_rate": engine.sampler.sample_rate,
         "expected_batch_size": engine.sampler.expected_batch_size,
-        "dataset_size": engine.sampler.num_samples,
+        "dataset_size": engine.sampler.size_for_releases,
         "max_grad_norm": engine.max_grad_norm,
         "sampler": engine.sampler.name,
         "clipping": engine.clipping.name,
@@ -47,11 +47,21 @@ def privacy_report(
     if isinstance(checks, RunChecks):
         data["checks"] = checks.summary()
     data["ledger_events"] = engine.ledger.steps
+    conv_tuner = getattr(strategy, "conv_tuner", None)  # the cost model's methods per convolution shape
+    if conv_tuner is not None and conv_tuner.choices:
+        data["conv_methods"] = conv_tuner.report()
     if engine.prior_events:  # the model's releases before this strategy: counted in ε above
         data["earlier_ledger_events"] = engine.prior_events
-    correlated = engine.noise.report()
-    if correlated is not None:  # BandMF / BLT: the strategy matrix, its accounting and its predicted error
-        data["correlated_noise"] = correlated
+    clip_norm = engine.clipping.report()
+    if clip_norm is not None:  # a clipping bound adapted from released values: its trajectory's summary
+        data["clip_norm"] = clip_norm
+    facts = engine.noise.report()
+    if facts is not None and engine.noise.correlated:  # BandMF / BLT: the strategy matrix, its accounting
+        data["correlated_noise"] = facts
+    elif facts is not None:  # secure noise: the grid, the generator, the bound used and the sampler's δ
+        data["noise_mechanism"] = facts | secure_delta(engine, float(epsilon))
+    data["released_constants"] = released_constants(strategy)
+    data["public_constants"] = public_constants_statement(engine.sampler)
     if isinstance(engine.ledger, PrivacyFilter):
         # Adaptively chosen releases: the guarantee is the budget fixed in advance (the filter's target);
         # the composition of what happened to be released is an odometer reading beside it.
@@ -70,6 +80,85 @@ def privacy_report(
             if key in test_metrics:
                 data["test_accuracy"] = test_metrics[key]
     return data
+
+
+def secure_delta(engine: Any, epsilon: float) -> dict[str, Any]:
+    """The δ the discrete Gaussian sampler's tail adds (``DiscreteGaussian``), and the whole guarantee's δ."""
+    from lightning_dp.noise.discrete_gaussian import DiscreteGaussian
+
+    noise = engine.noise
+    if not isinstance(noise, DiscreteGaussian):
+        return {}
+    extra = noise.sampler_delta(engine.ledger.steps, epsilon)
+    return {
+        "sampler_delta": extra,
+        "guarantee": f"(ε, δ + sampler_delta) = ({epsilon:.4g}, {engine.delta + extra:.6g})",
+    }
+
+
+def released_constants(strategy: Any) -> dict[str, dict[str, Any]]:
+    """Every constant that entered the releases: its value, where it came from, and whether it was declared
+    public. N (U with users) is declared only with ``dataset_size=``; q, the divisor, the epoch length and a
+    calibrated σ are computed from it, so they are declared exactly when it is; the rest are arguments."""
+    engine = strategy.engine
+    sampler = engine.sampler
+    declared = sampler.public_size is not None
+    users = sampler.unit == "user"
+    derived = "declared" if declared else "assumed public"
+    size_source = "dataset_size=" if declared else "the training set's real size (assumed public)"
+    batch = max(1, round(sampler.expected_batch_size))
+    config = getattr(strategy, "config", None)
+    sigma_given = config is not None and not config.sigma_calibrated
+
+    def entry(value: Any, source: str, public: bool) -> dict[str, Any]:
+        return {"value": value, "source": source, "declared_public": public}
+
+    out = {
+        "num_units" if users else "dataset_size": entry(sampler.size_for_releases, size_source, declared),
+        "expected_batch_size": entry(
+            sampler.expected_batch_size, "users_per_step" if users else "the DataLoader's batch_size", True
+        ),
+        "sample_rate": entry(
+            sampler.sample_rate, f"expected batch / {'U' if users else 'N'} ({derived})", declared
+        ),
+        "steps_per_epoch": entry(
+            sampler.batches_per_epoch(sampler.num_samples, batch), f"⌈N / B⌉ ({derived})", declared
+        ),
+        "steps": entry(engine.steps, f"max_epochs × steps per epoch, or max_steps ({derived})", declared),
+        "noise_multiplier": entry(
+            engine.last_noise_multiplier(),
+            "noise_multiplier="
+            if sigma_given
+            else f"calibrated from target_epsilon, δ, q and the steps ({derived})",
+            True if sigma_given else declared,
+        ),
+        "max_grad_norm": entry(engine.max_grad_norm, "max_grad_norm=", True),
+        "delta": entry(engine.delta, "delta=", True),
+        "target_epsilon": entry(engine.target_epsilon, "target_epsilon=", True),
+    }
+    if isinstance(sampler.bands, int) and sampler.bands > 1:
+        out["bands"] = entry(
+            sampler.bands, f"CyclicPoisson bands (b = ⌊N / B⌋ when 'auto'; {derived})", declared
+        )
+    if users:
+        out["examples_per_user"] = entry(
+            getattr(sampler, "examples_per_user", None), "examples_per_user=", True
+        )
+    return out
+
+
+def public_constants_statement(sampler: Any) -> str:
+    """One sentence: whether N was declared public or is assumed public."""
+    name = "U (the number of users)" if sampler.unit == "user" else "N (the number of training examples)"
+    if sampler.public_size is not None:
+        return (
+            f"{name} was declared public (dataset_size={sampler.public_size}): q, the divisor q·N and the steps "
+            "per epoch read it, not the training set's real size."
+        )
+    return (
+        f"{name} is assumed public: it is the training set's real size and it sets q, the divisor q·N and the "
+        "steps per epoch. Pass dataset_size=... to declare a public value instead."
+    )
 
 
 NO_USER_LEVEL_GUARANTEE = (

@@ -48,6 +48,23 @@ def _fresh_unseeded(device: str) -> UnseededGenerator:
     return generator
 
 
+#: Largest value of a :func:`secure_words` word plus one: 63 uniform bits, so every word is a non-negative
+#: int64 and two of them compare as one 126-bit number with signed integer arithmetic on any device.
+SECURE_WORD = 1 << 63
+
+
+def secure_words(count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``count`` independent uniform integers in [0, 2⁶³) from the operating system's CSPRNG (``os.urandom``),
+    as an int64 tensor on ``device``. No torch generator is involved: there is no state to seed, save or
+    regenerate, and nothing of it reaches a checkpoint (the secure noise of ``DiscreteGaussian`` reads them)."""
+    raw = (
+        torch.frombuffer(bytearray(os.urandom(8 * count)), dtype=torch.int64)
+        if count
+        else torch.empty(0, dtype=torch.int64)
+    )
+    return (raw & (SECURE_WORD - 1)).to(device)
+
+
 #: Keys under which a slot's ``state_dict`` stores generator states (one state, or a dict of named ones).
 GENERATOR_KEYS = ("generator", "generators")
 

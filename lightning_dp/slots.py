@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
+from lightning_dp.accounting.discrete_gaussian import IntegerGrid
 from lightning_dp.context import StepContext
 from lightning_dp.release import Releases
 
@@ -103,14 +104,29 @@ class Sampler(Slot, ABC):
     """The privacy unit one draw samples: ``"example"``, or ``"user"`` (``UserPoisson``: then ``num_samples``
     is U, the number of users, and the ledger's q is over users)."""
 
+    public_size: int | None = None
+    """N (U for a user sampler) declared public with ``DPStrategy(dataset_size=...)``: q, the divisor q·N and
+    the steps of an epoch come from it, never from the data set's real size (set before ``bind``; None: the
+    real size is used and assumed public). Only samplers with ``takes_public_size`` accept one."""
+    takes_public_size: bool = False
+    """Whether this sampler's guarantee holds for a q set from a declared size whatever the real one is
+    (Poisson sampling: each unit joins with probability q, independently of how many there are)."""
+
+    @property
+    def size_for_releases(self) -> int:
+        """The N every released constant is computed from: the declared public size, else the real one."""
+        return self.public_size if self.public_size is not None else self.num_samples
+
     def bind_dataset(self, dataset: Any) -> None:
         """Called by the strategy with the train ``Dataset`` before ``bind``, for samplers that read
         per-example metadata (``UserPoisson``: each example's user id). Default: nothing to read."""
         del dataset
 
     def batches_per_epoch(self, num_samples: int, batch_size: int) -> int:
-        """The steps of one epoch (after ``bind``): each unit sampled once in expectation, ⌈N / B⌉."""
-        return max(1, math.ceil(num_samples / batch_size))
+        """The steps of one epoch (after ``bind``): each unit sampled once in expectation, ⌈N / B⌉ (N the
+        declared public size, if any)."""
+        size = self.public_size if self.public_size is not None else num_samples
+        return max(1, math.ceil(size / batch_size))
 
     def attach_runtime(self, runtime: SamplerRuntime) -> None:
         """Called by the strategy before every epoch's loader is built; default: nothing to keep."""
@@ -158,7 +174,7 @@ class Sampler(Slot, ABC):
 
     @property
     def expected_batch_size(self) -> float:
-        return self.sample_rate * self.num_samples
+        return self.sample_rate * self.size_for_releases
 
     num_samples: int = 0
 
@@ -194,6 +210,12 @@ class Clipping(Slot, ABC):
         """Whether the clipped sum is DP-SGD's flat L2 one (mechanisms that assume it, DPIS and DP-AGD, check)."""
         return False
 
+    @property
+    def integer_grid(self) -> IntegerGrid | None:
+        """The integer grid ``clip_and_sum``'s int64 sums are on (``GridClipping``, secure noise); None:
+        float sums. :func:`~lightning_dp.compatibility.check_mechanisms` pairs it with the noise slot's."""
+        return None
+
     @abstractmethod
     def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:
         """Sum over examples of the bounded per-example gradients, in fp32, one tensor per parameter.
@@ -207,6 +229,37 @@ class Clipping(Slot, ABC):
     def sensitivity(self, ctx: StepContext) -> float:
         """L2 sensitivity of the released sum; the noise std is noise_multiplier × this."""
         return ctx.max_grad_norm
+
+    joint_statistic: bool = False
+    """True for clippings that release a statistic of the batch besides the gradient, priced with it in the
+    step's one Gaussian event (quantile clipping's count, Andrew et al. 2021 Thm 1): the step's σ is then the
+    combined one, the gradient is noised at :meth:`gradient_noise_multiplier`, and
+    ``compatibility.check_mechanisms`` refuses slots whose own rules would leave the statistic unpriced."""
+
+    def use_releases(self, releases: Releases) -> None:
+        """Called once by the engine: clippings with a ``joint_statistic`` release it through ``releases``
+        (in ``finalize``, once per gradient release). Default: nothing to keep."""
+        del releases
+
+    def clip_bound(self, configured: float) -> float:
+        """The bound C of the next release (default: the configured ``max_grad_norm``); clippings that adapt
+        it from released values (quantile clipping) return their own."""
+        return configured
+
+    def gradient_noise_multiplier(self, noise_multiplier: float, expected_batch_size: float) -> float:
+        """σ of the clipped sum (relative to ``sensitivity``) in a step whose ledger event has σ =
+        ``noise_multiplier``; default: that σ. A ``joint_statistic`` clipping returns the gradient's share
+        of the combined σ, and refuses a σ it cannot split (a ``DPConfigurationError``)."""
+        del expected_batch_size
+        return noise_multiplier
+
+    def metrics(self) -> dict[str, float]:
+        """Released (or post-processed) values worth logging each step (``dp/clip_norm``); default: none."""
+        return {}
+
+    def report(self) -> dict[str, Any] | None:
+        """Plain JSON-able facts for the privacy report (``"clip_norm"``); None: nothing to add."""
+        return None
 
     def finalize(self, noisy_sums: list[Tensor], ctx: StepContext) -> list[Tensor]:
         """Turn the released noisy sums into the gradient the step uses (post-processing only).
@@ -247,6 +300,12 @@ class Noise(Slot, ABC):
         """Called once with the run's step slot (schedules that weight steps by its error bound)."""
         del step
 
+    @property
+    def integer_grid(self) -> IntegerGrid | None:
+        """The integer grid of the sums this slot adds noise to (``DiscreteGaussian``, secure noise); None:
+        float sums. The clipping slot must be on the very same grid."""
+        return None
+
     correlated: bool = False
     """True for noise correlated across steps (matrix factorization: BandMF, BLT). Every ``add_noise``
     advances its state, so the gradient must be a step's only noisy release, and the step, sampler and
@@ -259,6 +318,11 @@ class Noise(Slot, ABC):
     def setup(self, params: Sequence[Tensor]) -> None:
         """Called once the trainable parameters are known (noise that keeps per-parameter state)."""
         del params
+
+    def link_ranks(self, world_size: int) -> None:
+        """Called when the processes exist, with their number W: noise whose shares' sum is priced by W
+        (``DiscreteGaussian``: a sum of W discrete Gaussians is not one). Default: nothing to keep."""
+        del world_size
 
     @property
     def steps_per_event(self) -> int:

@@ -301,6 +301,8 @@ class MNISTDataModule(_SplitDataModule):
         seed: seeds the train/val split (default 0).
         num_workers: DataLoader workers (default 0).
         normalize: standardise with the public constants (0.1307, 0.3081) (default True).
+        train_size: keep only this many of the training images (the first of the seeded permutation, after
+            the validation ones), for runs sized to a machine; None (default): all of them.
     """
 
     num_classes = 10
@@ -316,9 +318,15 @@ class MNISTDataModule(_SplitDataModule):
         seed: int = 0,
         num_workers: int = 0,
         normalize: bool = True,
+        train_size: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if train_size is not None and (
+            isinstance(train_size, bool) or not isinstance(train_size, int) or train_size < 1
+        ):
+            raise ValueError(f"train_size must be a positive integer or None, got {train_size!r}")
+        self.train_size = train_size
         self.root = root
         self.batch_size = batch_size
         self.download = download
@@ -360,7 +368,7 @@ class MNISTDataModule(_SplitDataModule):
         if not 0 <= self.val_size < n:
             raise ValueError(f"val_size must be in [0, {n}), got {self.val_size}")
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed))
-        val_idx, train_idx = perm[: self.val_size], perm[self.val_size :]
+        val_idx, train_idx = perm[: self.val_size], perm[self.val_size :][: self.train_size]
         self.split_indices = {"train": train_idx, "val": val_idx}
         self.train_set = _ImageTensorDataset(train.data[train_idx], train.targets[train_idx], mean, std)
         self.val_set = _ImageTensorDataset(train.data[val_idx], train.targets[val_idx], mean, std)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import warnings
@@ -93,3 +94,29 @@ def run_worker(script: str, out: Path, *args: str) -> subprocess.CompletedProces
     )
     assert run.returncode == 0, run.stderr[-5000:]
     return run
+
+
+def launch_ranks(
+    script: str, out: Path, *args: str, world_size: int = 2, timeout: float = 300
+) -> list[subprocess.CompletedProcess[str]]:
+    """Every rank of ``tests/<script>`` at once (Lightning sees LOCAL_RANK and does not spawn), so their
+    imports overlap; a rank still running after ``timeout`` seconds (left waiting for a dead peer) is killed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world_size):
+        rank_env = worker_env(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), NODE_RANK="0",
+            LOCAL_RANK=str(rank), GLOBAL_RANK=str(rank),
+        )  # fmt: skip
+        procs.append(launch(script, out, *args, env=rank_env))
+    done = []
+    for proc in procs:
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            text, _ = proc.communicate()
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, text))
+    return done

@@ -215,4 +215,47 @@ for name, (args, fit) in RUNS.items():
         sigma=t.strategy.engine.noise_multiplier(),
     )  # fmt: skip
 
+# 13. Secure noise (issue #50): at σ = 0 the int64 sums of the two ranks add up to the single-process
+# integers exactly; at σ = 2 each rank adds a discrete Gaussian share of σΔ/√2, the sum's std is σΔ.
+from lightning_dp.release import ReleaseHook  # noqa: E402
+
+
+class Released(ReleaseHook):
+    """Keeps every released (all-reduced) integer sum, before finalize."""
+
+    def __init__(self) -> None:
+        self.noisy: list[torch.Tensor] = []
+
+    def after_release(self, noisy: list[torch.Tensor], ctx) -> list[torch.Tensor]:
+        self.noisy.append(torch.cat([s.reshape(-1) for s in noisy]).clone())
+        return noisy
+
+
+for name, sigma in (("secure_exact", 0.0), ("secure_noise", 2.0)):
+    torch.manual_seed(0)
+    strategy = DPDDPStrategy(noise_multiplier=sigma, max_grad_norm=0.1, seed=0, secure=True)
+    released = Released()
+    strategy.engine.release_hooks.append(released)
+    t = trainer(strategy, max_steps=1 if sigma == 0 else 3)
+    t.fit(TinyModule(n=64, batch_size=64))
+    event = strategy.engine.ledger.history[0][0]
+    dump(
+        name, t.strategy, integers=[x.tolist() for x in released.noisy], dtype=str(released.noisy[0].dtype),
+        ranks=event.ranks, share_scale=event.share_scale, sensitivity=strategy.engine.noise.grid.sensitivity,
+    )  # fmt: skip
+
+# 14. QuantileClipping (issue #49): each rank counts its own examples' unclipped indicators and adds its share
+# σ_b/√W of the count's noise; the all-reduced count moves C alike on every rank. σ = 0: the single-process run.
+from lightning_dp import QuantileClipping  # noqa: E402
+
+for name, sigma in (("quantile_exact", 0.0), ("quantile_noisy", 1.0)):
+    torch.manual_seed(0)
+    module = TinyModule(n=64, batch_size=64)
+    quantile = QuantileClipping(initial_norm=0.5, seed=1)
+    t = trainer(DPDDPStrategy(noise_multiplier=sigma, clipping=quantile, seed=0), max_epochs=3)
+    t.fit(module)
+    if t.global_rank == 0:
+        torch.save(module.state_dict(), OUT / f"{name}.pt")
+    dump(name, t.strategy, norm=quantile.norm, norm_range=list(quantile.norm_range))
+
 _worker.finish_distributed()

@@ -58,6 +58,8 @@ MECHANISMS: dict[str, tuple[Callable[[float], dict[str, Any]], int | None, int |
     ),
     "AdaptiveGD()": (lambda lr: {"step": AdaptiveGD()}, None, None),
     "AdaptiveGD(), full batch, max_epochs=-1": (lambda lr: {"step": AdaptiveGD()}, FULL_BATCH, -1),
+    # secure noise (issue #50): integer sums, discrete Gaussian from os.urandom, its own ledger bound
+    "secure=True": (lambda lr: {"secure": True}, None, None),
 }
 
 

@@ -413,13 +413,22 @@ def test_parameter_writes_are_found_by_value_before_any_release(model, setting):
 
 
 @pytest.mark.filterwarnings("ignore")
-def test_a_buffer_written_through_data_between_steps_is_refused():
-    strategy = _strategy()
-    with pytest.raises(DPConfigurationError, match="were written between two training steps"):
+@pytest.mark.parametrize(
+    ("setting", "match", "steps"),
+    [
+        (True, "were written after the optimizer step by BufferDataWrite", 0),
+        (False, "between two training", 1),
+    ],
+)
+def test_a_buffer_written_through_data_between_steps_is_refused(setting, match, steps):
+    """Checked (the passes run the callback too, issue #47): before the first release; unchecked: before the
+    next one."""
+    strategy = _strategy(check_sensitivity=setting)
+    with pytest.raises(DPConfigurationError, match=match):
         make_trainer(strategy, max_steps=3, callbacks=[BufferDataWrite()]).fit(
             Plain(), train_dataloaders=DataLoader(data(16), batch_size=8)
         )
-    assert strategy.engine.steps == 1
+    assert strategy.engine.steps == steps
 
 
 # -- which rows pass B changes, and how often a dependence on one record is caught ---------------------------------

@@ -47,12 +47,16 @@ class WithBatchNorm(TinyModule):
 
 
 class DirectParameter(TinyModule):
+    """A scale on the LightningModule itself multiplying the batch's mean loss (its gradient is that mean);
+    ``self.net(x) * self.scale``, per example, trains (tests/test_model_patterns.py)."""
+
     def __init__(self):
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(3))
+        self.scale = nn.Parameter(torch.ones(()))
 
-    def forward(self, x):
-        return self.net(x) * self.scale
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y) * self.scale
 
 
 class Stream(IterableDataset):
@@ -290,16 +294,15 @@ ROWS = [
         "The train DataLoader has no batch_size",
     ),
     Row(
-        "BatchNorm",
+        "BatchNorm in train mode",
         lambda _: fit(DPStrategy(noise_multiplier=1.0), WithBatchNorm()),
-        "DP training cannot use BatchNorm: it mixes the examples of a batch, so one example's gradient depends "
-        "on the others. Layers: ['net.1']. Replace them with GroupNorm yourself, or pass "
-        "DPStrategy(on_batchnorm='replace')",
+        "The BatchNorm layers ['net.1'] normalised this step's batch with its own statistics (train mode, or "
+        "track_running_stats=False): each example's output depends on the other examples of the batch",
     ),
     Row(
-        "BatchNorm affine=False",
+        "BatchNorm affine=False in train mode",
         lambda _: fit(DPStrategy(noise_multiplier=1.0), WithBatchNorm(affine=False)),
-        "Layers: ['net.1']",
+        "Freeze them in eval mode",
     ),
     Row(
         "layer with buffers and no formula",
@@ -307,10 +310,9 @@ ROWS = [
         "buffers ['net.0.running'] were written from the batch in the forward",
     ),
     Row(
-        "parameters on the LightningModule",
+        "a parameter on the LightningModule times the batch's mean loss",
         lambda _: fit(DPStrategy(noise_multiplier=1.0), DirectParameter()),
-        "Parameters registered directly on the LightningModule (scale) cannot get per-example gradients. "
-        "Move them into a submodule",
+        "A trainable parameter is used outside the forward of its layer (mul on ['scale'])",
     ),
     Row(
         "gradient_clip_val",

@@ -317,8 +317,8 @@ def test_embedding_bag_is_exact_with_repeated_tokens(mode, offsets, padding_idx,
 
 @pytest.mark.parametrize(
     "build",
-    [PerRowLoop, lambda: PerRowLoop(first=True), ReversedRows, LabelledHidden],
-    ids=["hidden-rows", "batch-rows", "reversed-rows", "labelled-hidden-rows"],
+    [PerRowLoop, lambda: PerRowLoop(first=True), ReversedRows, LabelledHidden, LabelledOnly],
+    ids=["hidden-rows", "batch-rows", "reversed-rows", "labelled-hidden-rows", "labelled-input-rows"],
 )
 def test_a_layer_called_on_rows_of_the_batch_gives_each_row_to_its_example(build, neighbour):
     seed_everything(0, verbose=False)
@@ -330,19 +330,21 @@ def test_a_sparse_embedding_with_a_dense_optimizer_is_exact(neighbour):
     assert_exact_clipped_sum(SparseEmbedding("sgd"), 0.05, neighbour)
 
 
-# -- refused by name, before any release -------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
-    ("model", "name"), [(TiedProjection, "net.emb.weight"), (LossTemperature, "net.temperature")]
+    "model", [TiedProjection, LossTemperature], ids=["tied-projection", "loss-temperature"]
 )
-def test_a_parameter_also_used_outside_its_module_is_refused_before_the_release(model, name):
-    assert_refused_before_release(model(), name, "outside the forward of the module")
+def test_a_parameter_also_used_outside_its_module_has_every_use_in_its_per_example_gradient(model, neighbour):
+    seed_everything(0, verbose=False)  # issue #46: these were refused; each use is traced to the examples
+    assert_exact_clipped_sum(model(), 0.05, neighbour)
 
 
-def test_a_functional_use_that_starts_after_the_first_batch_is_refused_before_its_release():
-    # the two steps before the use began are released, nothing after
-    assert_refused_before_release(LateFunctionalUse(), "net.2.bias", "weight_decay", max_steps=5, released=2)
+def test_a_functional_use_that_starts_after_the_first_batch_is_covered_from_its_first_step():
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    make_trainer(strategy, max_steps=5).fit(LateFunctionalUse())
+    assert strategy.engine.ledger.steps == 5
+
+
+# -- refused by name, before any release -------------------------------------------------------------------
 
 
 def test_sparse_adam_is_refused_up_front_with_the_fix():
@@ -351,10 +353,6 @@ def test_sparse_adam_is_refused_up_front_with_the_fix():
 
 def test_attention_across_the_batch_is_refused_not_broadcast():
     assert_refused_before_release(SetAttention(), "unsqueeze(0)")
-
-
-def test_a_forward_over_the_labelled_rows_gets_the_subset_message_with_the_fix():
-    assert_refused_before_release(LabelledOnly(), "subset of the batch", "zero the loss")
 
 
 class GAN(TinyModule):

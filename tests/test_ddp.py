@@ -167,6 +167,27 @@ def test_adaclip_under_ddp_equals_single_process(ddp_results):
     assert ranks[0]["s_sum"] == ranks[1]["s_sum"]
 
 
+@pytest.mark.slow
+def test_quantile_clipping_under_ddp_moves_c_alike_on_every_rank(ddp_results):
+    """σ = 0: the count over both ranks' shares gives the single-process trajectory and weights; σ = 1: the
+    noisy count (each rank's share noised) is all-reduced, so both ranks still hold one C."""
+    from lightning_dp import QuantileClipping
+
+    out, load = ddp_results
+    torch.manual_seed(0)
+    single = TinyModule(n=64, batch_size=64)
+    clip = QuantileClipping(initial_norm=0.5, seed=1)
+    make_trainer(DPStrategy(noise_multiplier=0.0, clipping=clip, seed=0), max_epochs=3).fit(single)
+    exact, noisy = load("quantile_exact"), load("quantile_noisy")
+    assert exact[0]["norm"] == exact[1]["norm"] == pytest.approx(clip.norm, rel=1e-9)
+    assert clip.norm != 0.5
+    state = torch.load(out / "quantile_exact.pt", weights_only=True)
+    for key, value in single.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+    assert noisy[0]["norm"] == noisy[1]["norm"] != exact[0]["norm"]
+    assert noisy[0]["norm_range"] == noisy[1]["norm_range"]
+
+
 def test_dpis_under_ddp_releases_once_and_keeps_ranks_in_lock_step(ddp_results):
     """Candidates split across ranks; N~, K~, σ_G and the ledger identical on both; ε meets the target."""
     _, load = ddp_results
@@ -299,3 +320,33 @@ def test_user_level_ddp_ranks_sample_disjoint_users_at_the_single_process_rate_a
     assert abs(total - expected) < 4 * math.sqrt(expected * (1 - q))
     for user in range(NUM_USERS):
         assert abs(union[user] / steps - q) < 4.5 * math.sqrt(q * (1 - q) / steps), user
+
+
+# -- secure noise under DDP (issue #50): ddp_worker.py's scenario 13 ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_secure_integer_sums_add_exactly_over_ranks_and_each_rank_adds_a_share(ddp_results):
+    """σ = 0: both ranks release the very integers one process sums (int64, exact in any split); σ = 2:
+    each rank's discrete Gaussian share is σΔ/√2 and the ledger prices 2 shares (Kairouz et al. 2021)."""
+    from neighbour import released_sum
+
+    _, load = ddp_results
+    exact = load("secure_exact")
+    assert exact[0]["dtype"] == "torch.int64"
+    assert exact[0]["integers"] == exact[1]["integers"]
+    module = TinyModule(n=64, batch_size=64)
+    torch.manual_seed(0)
+    single = released_sum(
+        TinyModule(n=64, batch_size=64),
+        torch.utils.data.TensorDataset(module.x, module.y),
+        lambda: DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0, secure=True),
+    )
+    assert single.sums is not None
+    assert exact[0]["integers"][0] == [
+        int(v) for v in torch.cat([s.reshape(-1) for s in single.sums]).tolist()
+    ]
+    noisy = load("secure_noise")
+    assert [r["ranks"] for r in noisy] == [2, 2]
+    assert noisy[0]["share_scale"] == pytest.approx(2.0 * noisy[0]["sensitivity"] / math.sqrt(2))
+    assert noisy[0]["integers"] == noisy[1]["integers"]

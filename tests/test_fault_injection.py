@@ -17,7 +17,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -29,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from _worker import launch, worker_env
+from _worker import launch, launch_ranks
 from conftest import TinyModule, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
@@ -238,29 +237,7 @@ def test_full_disk_while_writing_the_report_says_so_and_leaves_no_temp_file(tmp_
 # -- SIGKILL of one DDP rank mid-step, resume under 2-process DDP ------------------------------------------
 def launch_ddp(out: Path, *args: str) -> list[subprocess.CompletedProcess]:
     """Both ranks at once (Lightning sees LOCAL_RANK and does not spawn), so their imports overlap."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in (0, 1):
-        rank_env = worker_env(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            WORLD_SIZE="2",
-            NODE_RANK="0",
-            LOCAL_RANK=str(rank),
-            GLOBAL_RANK=str(rank),
-        )
-        procs.append(launch("fault_worker.py", out, *args, env=rank_env))
-    outs = []
-    for proc in procs:
-        try:
-            text, _ = proc.communicate(timeout=300)
-        except subprocess.TimeoutExpired:  # a rank left waiting for its dead peer
-            proc.kill()
-            text, _ = proc.communicate()
-        outs.append(subprocess.CompletedProcess(proc.args, proc.returncode, text))
-    return outs
+    return launch_ranks("fault_worker.py", out, *args)
 
 
 @pytest.fixture(scope="module")

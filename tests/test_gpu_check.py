@@ -57,6 +57,11 @@ def test_the_dry_run_runs_every_part_and_passes(dry_run: tuple[int, dict[str, An
             outcomes = [t["outcome"] for t in part["result"]["tests"]]
             assert outcomes, name
             assert set(outcomes) <= {"passed", "xfailed"}, outcomes
+        elif name == "speed-fsdp":  # dp_fsdp against dp_ddp and plain FSDP2; the dry run fits dp_fsdp alone
+            assert part["status"] == "done", part
+            rows = {row["variant"]: row for row in part["result"]["rows"]}
+            assert rows["dp-fsdp W=1"]["rounds"] >= 1, rows
+            assert rows["dp-fsdp W=1"]["median_ms"] > 0, rows
         else:
             assert part["status"] == "done", part
             rows = {row["variant"]: row for row in part["result"]["rows"]}

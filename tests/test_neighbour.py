@@ -21,12 +21,14 @@ from torch.utils.data import TensorDataset
 from lightning_dp import (
     AdaCliP,
     AdaptiveGD,
+    AutoClipping,
     DPStrategy,
     FixedSize,
     HeavyBall,
     L1Clipping,
     LineSearch,
     MultiStageNesterov,
+    QuantileClipping,
 )
 from lightning_dp.noise import NoiseDividing
 from recipes.accelerated import PaperLogisticRegression
@@ -106,6 +108,25 @@ MECHANISMS: dict[str, tuple[Callable[[], DPStrategy], str, float | None]] = {
         C,
     ),
 }
+
+
+ADAPTIVE: dict[str, Callable[[], DPStrategy]] = {
+    # step 0's C_t is C_0 (QuantileClipping sets C itself); AutoClipping normalises to just below C
+    "quantile": lambda: DPStrategy(noise_multiplier=0.0, seed=0, clipping=QuantileClipping(initial_norm=C)),
+    "auto": _dp(lambda: {"clipping": AutoClipping()}),
+}
+FAST_PATH_FAMILIES = ("tiny_mlp", "conv_groupnorm", "sequence_embedding_layernorm", "token_lm_per_example")
+"""Linear; Conv + GroupNorm; Embedding + LayerNorm + Linear over sequences; Embedding + Linear over tokens (every
+zoo model's contributions: tests/test_adaptive_clipping.py)."""
+
+
+@pytest.mark.parametrize("clipping", sorted(ADAPTIVE))
+@pytest.mark.parametrize("name", FAST_PATH_FAMILIES)
+def test_adaptive_clippings_move_the_sum_by_at_most_c_t_on_every_fast_path_family(name, clipping, neighbour):
+    module, data = MODELS[name]()
+    move = neighbour.neighbour_move(module, data, ADAPTIVE[clipping])
+    assert move.sensitivity == C  # the released step's C_t (QuantileClipping: C_0)
+    neighbour.assert_neighbour_bound(move, bound=C)
 
 
 @pytest.mark.parametrize("name", sorted(MECHANISMS))

@@ -52,6 +52,7 @@ from lightning_dp import (
     Nesterov,
     NoiseDividing,
     PrivacyCallback,
+    checking,
 )
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.noise.correlated import CorrelatedNoise
@@ -331,11 +332,11 @@ class PickleAt(Callback):
         self.pickles: dict[str, bytes] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == self.step:
+        if trainer.global_step == self.step and not checking():  # not in the run-time checks' dry passes
             self.pickles.update(_pickles(trainer, f"after step {self.step}"))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == self.step:  # inside the next step: released, not yet applied
+        if trainer.global_step == self.step and not checking():  # inside the next step: released, not applied
             self.pickles.update(_pickles(trainer, f"inside step {self.step + 1}"))
 
 

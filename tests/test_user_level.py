@@ -268,7 +268,7 @@ def test_user_key_is_read_from_ids_a_function_a_column_an_attribute_or_the_items
     ("key", "match"),
     [
         ([1, None, 2, float("nan")], "2 of 4 examples have no user id"),
-        ([1, (1, 2), 2, 3], "exactly one user"),
+        ([1, [1, 2], 2, 3], "lists several ids"),
         (torch.zeros(4, 2), "exactly one user"),
         ([1, 2, 3], "3 user ids for a training set of 4"),
         (None, "needs user_key"),

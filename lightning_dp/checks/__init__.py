@@ -8,8 +8,10 @@ hooks only call these methods; ``docs/guarantees.md`` has the table):
 * **each sampled batch, before user code** (:meth:`RunChecks.before_user_code`): on the first batch of a
   fit, which layer calls are shared by the batch (``structure``); the batch is the sampled batch,
   unchanged by hooks (``integrity``); no buffer was written between steps (``state``); and, on the first
-  batch of a fit and on randomly drawn later ones, the mixing check (``mixing``) runs the user's step on
-  this very batch with examples removed or replaced (whole units: a user's rows, an example's views).
+  batch of a fit, of every epoch, after a change the run can see (``changes``) and on randomly drawn later
+  ones, the mixing check (``mixing``) runs the user's step (and its after-step hooks, ``after_step``) on
+  this very batch (every physical chunk of it) with examples removed or replaced (whole units: a user's
+  rows, an example's views).
 * **each release** (:meth:`RunChecks.before_release`): no parameter was written during the step; buffers
   the forward wrote are ones a check showed to be independent of the batch (else the next step is checked).
 * **after each optimizer step** (:meth:`RunChecks.after_step`): the state later writes are measured from.
@@ -21,7 +23,7 @@ per batch, the budget) are in ``engine.py``; resume checks in ``strategies/check
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from lightning_dp.batches import EmptyBatch, UnitInfo
+from lightning_dp.checks.changes import ChangeWatch
 from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.checks.mixing import DEFAULT_OVERHEAD, CheckSetting, MixingCheck, MixingResult
 from lightning_dp.checks.state import StateWatch
@@ -72,6 +75,9 @@ class RunChecks:
     unit: str = "example"
     """What the run's privacy unit is called in refusals ("example" or "user")."""
     state: StateWatch | None = None
+    changes: ChangeWatch = field(default_factory=ChangeWatch)
+    checked_after_change: int = 0
+    """Batches checked because an epoch started or something the run can see changed (``changes``)."""
     _checked_this_step: bool = False
 
     @classmethod
@@ -94,6 +100,7 @@ class RunChecks:
         refuse_self_writing_layers(module)
         self.state = StateWatch(module, self.public_buffers)
         self.integrity = BatchIntegrity(convert_input=convert_input)
+        self.changes.start_fit()
         self.mixing.start_fit()  # the state's baseline is taken at the first batch (after DDP's broadcast
         # of rank 0's weights and a resume's restore, which write the parameters on purpose)
 
@@ -115,14 +122,13 @@ class RunChecks:
         trainer: Trainer | None,
         batch: Any,
         batch_idx: int,
-        check_batch: Any,
+        chunks: Sequence[tuple[Any, UnitInfo | None]],
         precision: Any,
         device: torch.device,
-        check_units: UnitInfo | None = None,
     ) -> None:
-        """``batch``: what training_step receives; ``check_batch``: what one forward sees (a physical chunk
-        under virtual batching), ``check_units``: its privacy units (a user's rows, an example's augmented
-        views; None: every row is its own unit). Raises before user code runs when a check fails."""
+        """``batch``: what training_step receives; ``chunks``: what each forward sees (the batch, or every
+        physical chunk under virtual batching), each with its privacy units (a user's rows, an example's
+        augmented views; None: every row is its own unit). Raises before user code runs when a check fails."""
         with self._counted():
             self._checked_this_step = False
             if engine.grads is not None and engine.train_data is not None:  # structure, not a check: always
@@ -131,15 +137,25 @@ class RunChecks:
             self.integrity.check(batch, module, trainer)
             if self.state is not None:
                 self.state.between_steps()
+            self._watch_changes(module, trainer, engine)
             if isinstance(batch, EmptyBatch):
                 return
             if not self.isolate_examples and self.mixing.due():
-                result = self.mixing.run(
-                    engine, module, check_batch, batch_idx, precision, device, check_units, self.unit
-                )
-                self._checked_this_step = result is not None
+                results = self.mixing.run(engine, module, chunks, batch_idx, precision, device, self.unit)
+                self._checked_this_step = results is not None
             if self.state is not None:
                 self.state.at_entry()
+
+    def _watch_changes(
+        self, module: LightningModule, trainer: Trainer | None, engine: PrivateStepEngine
+    ) -> None:
+        """The first batch of an epoch, or after a change the run can see, is checked (``changes``)."""
+        if not self.mixing.enabled or self.isolate_examples:
+            return
+        written = self.state.written_between if self.state is not None else []
+        if self.changes.observe(module, trainer, engine, written) and not self.mixing.due_next:
+            self.mixing.due_next = True
+            self.checked_after_change += 1
 
     # -- each release -------------------------------------------------------------------------------------
     def before_release(self) -> None:
@@ -168,7 +184,11 @@ class RunChecks:
     def summary(self) -> dict[str, Any]:
         """For the privacy report: what was checked, when, and what could not be verified."""
         out: dict[str, Any] = {
-            "mixing": {**self.mixing.summary(), "isolate_examples": self.isolate_examples},
+            "mixing": {
+                **self.mixing.summary(),
+                "isolate_examples": self.isolate_examples,
+                "checked_after_a_change": self.checked_after_change,
+            },
             "batch_integrity": {"batches_compared": self.integrity.checked},
         }
         if self.state is not None:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from lightning_dp.batches import batch_length
 from lightning_dp.checks.fingerprint import row_hashes
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.errors import DPConfigurationError, quote_error
 
 T = TypeVar("T")
 
@@ -168,9 +168,22 @@ def _value_hash(value: Any) -> int:
 # -- the helpers the mixing check calls (their signatures are the check's contract) ----------------------------
 
 
-def _different_row(batch: Any, rows: int, row: int, kept: list[int], draw: int) -> int:
-    """A kept row of the batch (``draw``-th), preferring one whose content differs from ``row``'s."""
-    hashes = _example_hashes(batch, rows)
+def _different_row(
+    batch: Any,
+    rows: int,
+    row: int,
+    kept: list[int],
+    draw: int,
+    hashes: list[int] | None = None,
+    kept_hashes: set[int] | None = None,
+) -> int:
+    """A kept row of the batch (``draw``-th), preferring one whose content differs from ``row``'s
+    (``hashes``, ``kept_hashes``: the batch's :func:`_example_hashes` and those of the ``kept`` rows, when the
+    caller computed them once for many rows)."""
+    if hashes is None:
+        hashes = _example_hashes(batch, rows)
+    if hashes is not None and kept_hashes is not None and hashes[row] not in kept_hashes:
+        return kept[draw % len(kept)]  # no kept row has this content: every one differs
     if hashes is not None:
         differing = [i for i in kept if hashes[i] != hashes[row]]
         if differing:
@@ -395,7 +408,9 @@ def run_on_changed_batch(
     changed = removed + replaced
 
     def replacing(targets: tuple[int, ...]) -> Any:
-        sources = [_different_row(batch, rows, r, kept, draw(len(kept))) for r in targets]
+        hashes = _example_hashes(batch, rows) if targets else None  # once, not once per row (O(B²))
+        seen = {hashes[i] for i in kept} if hashes is not None else None
+        sources = [_different_row(batch, rows, r, kept, draw(len(kept)), hashes, seen) for r in targets]
         return replace_rows(batch, targets, sources, keep_fields, relabel)
 
     first_error: BaseException | None = None
@@ -411,15 +426,8 @@ def run_on_changed_batch(
         result = run(replacing(changed), rows, kept)
     except Exception as error:
         raise DPConfigurationError(_unrunnable_message(removed, changed, first_error, error)) from error
-    fallback = None if first_error is None else _quote(first_error)
+    fallback = None if first_error is None else quote_error(first_error)
     return ChangedPass(result, (), changed, list(kept), fallback)
-
-
-def _quote(error: BaseException) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _unrunnable_message(
@@ -430,10 +438,10 @@ def _unrunnable_message(
 ) -> str:
     tried = []
     if removal_error is not None:
-        tried.append(f"with {_examples(removed)} removed it raised {_quote(removal_error)}")
+        tried.append(f"with {_examples(removed)} removed it raised {quote_error(removal_error)}")
     tried.append(
         f"with {_examples(changed)} replaced by copies of other examples of the batch it raised "
-        f"{_quote(replacement_error)}"
+        f"{quote_error(replacement_error)}"
     )
     return (
         "The sensitivity check could not run your training_step on the sampled batch with some examples "
@@ -452,4 +460,6 @@ def _unrunnable_message(
 
 
 def _examples(rows: tuple[int, ...]) -> str:
-    return f"example {rows[0]}" if len(rows) == 1 else f"examples {list(rows)}"
+    """The changed examples, for a message: one by its position; several not listed (their positions and
+    their number bound the private batch's size)."""
+    return f"example {rows[0]}" if len(rows) == 1 else "some examples"

@@ -13,10 +13,12 @@ the same global random state and module state as the real step:
 * pass B: the batch with many examples changed, chosen where a dependence hides (:func:`choose_rows`): the
   first and the last, every example holding an extreme (the minimum or maximum) of any column of any
   tensor of the batch, of pass A's per-example gradient norms, one example of each rarest value of every
-  integer (label-like) column, and a random half of the others. They are removed when the step draws no
-  random numbers (the batch's size and its content both move, so a dependence on either shows), else
-  replaced by copies of kept examples (same shapes, so every random draw, dropout masks included, is the
-  same for the others).
+  integer (label-like) column, and a random half of the others. One is removed and the others replaced
+  by copies of kept examples (the batch's size and its content both move, so a dependence on either
+  shows). Pass A's random draws are replayed row by row in pass B (``row_draws``), so a kept example gets
+  its own dropout masks however many rows the batch has; where a draw cannot be replayed so (Python's
+  ``random``, NumPy, a layer's built-in dropout), every changed example is replaced (same shapes, so every
+  draw is the same for the others).
 
 The criterion is the proof's own quantity, in units of C: how far the kept examples' clipped gradients
 move, ‖Σ_j (ḡ_j(D) − ḡ_j(D′))‖ / C (each with its clip factor from pass A), against a tolerance set by
@@ -36,7 +38,10 @@ units (:func:`choose_units`: every unit holding a row :func:`choose_rows` would 
 norm extremes, a random half of the others), removing one with all its rows (its unit map
 ``UnitInfo.without``) and replacing the others' rows by copies of kept units' rows that keep their own
 unit's id field (``batch_edit.unit_id_fields``); the criterion is the kept units' clipped sum, with a
-rounding allowance over the rows the sums add (:meth:`_Items.magnitudes`).
+rounding allowance over the rows the sums add (:meth:`_Items.magnitudes`). For users under a mean loss the
+criterion is read two ways (:class:`_Reading`): the loss as a mean over the batch's rows (the engine's
+default rescaling by the rows' count) and as divided by public constants only (a per-user loss over
+``users_per_step``); the engine keeps the reading under which no kept unit moves (``engine.normalisation``).
 
 Which steps: the first sampled batch of every fit, and then steps drawn at random while the time spent
 checking stays within ``overhead`` of the training time (default 5 %); ``"every_step"`` checks every step.
@@ -45,29 +50,46 @@ A step whose ``training_step`` returns no loss moves the check to the next batch
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_dp.batches import UnitInfo, batch_length
+from lightning_dp.checks.after_step import (
+    after_step_hooks,
+    after_step_write_message,
+    after_step_writes,
+    differing_writes,
+)
 from lightning_dp.checks.batch_edit import (  # the batch-editing helpers live there; re-exported here
     _different_row,  # noqa: F401
     _example_hashes,  # noqa: F401
     _rows_of,  # noqa: F401
     id_extremes,
     id_forms,
-    remove_rows,  # noqa: F401
+    remove_rows,
     replace_rows,  # noqa: F401
     run_on_changed_batch,
     unit_id_fields,
 )
 from lightning_dp.checks.fingerprint import _columns
+from lightning_dp.checks.pass_precision import (
+    FullPrecision,
+    full_precision,
+    runs_in_full_precision,
+    upcast_batch,
+)
+from lightning_dp.checks.row_draws import DrawLog, RowDraws
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
 from lightning_dp.checks.user_step import ModuleState, dry_training_step, hook_note
 from lightning_dp.clipping import clip_factors
@@ -94,6 +116,14 @@ FP32_EXAMPLE_ROUNDING = 2.0**-13
 blocking and the convolution algorithm a batch size selects (Winograd and FFT ones differ by ~1e-5 to
 1e-4) change the rounding, not the value."""
 
+USER_LOSS_NOTE = (
+    " A per-user loss may weigh each user by public constants only: the sum over the batch's users of each "
+    "user's mean (or summed) loss, divided by users_per_step, trains as it is; divided by the batch's number "
+    "of users or rows, or weighted by another user's row count (relative to the batch's largest user), it "
+    "mixes users."
+)
+"""Appended to a refusal of a user-level check: how a per-user loss is normalised without mixing users."""
+
 _U32 = 2.0**-24
 RARE_VALUE_COLUMNS = 64
 """Integer tensors with at most this many columns per example are read as labels (rare values sought)."""
@@ -102,7 +132,10 @@ RARE_VALUES = 16
 
 
 def _compute_eps(precision: str, device: torch.device) -> float:
-    """Machine epsilon of the dtype the forward computes in."""
+    """Machine epsilon of the dtype the forward computes in (IEEE fp32 in the check's own passes,
+    :data:`~lightning_dp.checks.pass_precision.FullPrecision`)."""
+    if precision == FullPrecision.precision:
+        return torch.finfo(torch.float32).eps
     if "bf16" in precision:
         return torch.finfo(torch.bfloat16).eps
     if "16" in precision:
@@ -147,6 +180,18 @@ def move_tolerance(
     return NEGLIGIBLE_MOVE + (summed + recomputed) / c
 
 
+SUMMATION_SHARE = 1 / 16
+"""The share of C the fp32 summation of the kept sum may add to the tolerance at most (each item ≤ C)."""
+
+
+def summation_chunk(items: int) -> int:
+    """How many items one fp32 partial sum of a kept sum adds at most (the partial sums are added in fp64):
+    with m items per partial sum, the summation's share of :func:`move_tolerance` is 2·γ_m·Σ_j c_j ≤ 2·m·u·K·C,
+    kept at most :data:`SUMMATION_SHARE`·C for K items, so at no batch size can rounding hide a move of C
+    (one fp32 sum of K = 2048 items would allow 0.5·C, of 8192 items 2·C)."""
+    return max(1, int(SUMMATION_SHARE / (2 * _U32 * max(items, 1))))
+
+
 @dataclass(frozen=True)
 class MixingResult:
     """What one check measured on one batch."""
@@ -188,6 +233,147 @@ class _Pass:
     written_parameters: list[str]
     row_norms: Tensor | None = None
     """With units: each row's certified norm (pass A only)."""
+    after_step: dict[str, Tensor] = field(default_factory=dict)
+    """Parameters and buffers with new values once the after-step hooks ran too (``after_step.py``)."""
+
+
+class _UnalignedDrawsError(Exception):
+    """Pass B's random draws could not be given to each row as in pass A: it replaces units instead."""
+
+
+def _unit_weights(items: _Items) -> Tensor:
+    """w_u of each item (fp64, CPU): its rows' weight in its gradient (1/n_u under "mean"; 1 for a row)."""
+    if items.units is None:
+        return torch.ones(items.rows, dtype=torch.float64)
+    weights = torch.zeros(items.count, dtype=torch.float64)
+    weights[items.units.unit_of_row.cpu()] = items.units.row_weights().double().cpu()
+    return weights
+
+
+@dataclass
+class _Reading:
+    """One reading of how the loss is normalised, and the kept units' clipped sums under it.
+
+    ``scale`` None: the loss is a mean over the batch's R rows (each row's gradient is R times its share,
+    reduced per unit as configured: the engine's default under ``loss_reduction="mean"``). ``scale`` B (the
+    expected batch size, ``users_per_step``): it is divided by public constants only, and a unit's gradient
+    is B times its share of the gradient, its rows summed. Under it each item's gradient is ``factor`` times
+    the batch reading's."""
+
+    scale: float | None
+    norms_a: Tensor
+    factors: Tensor
+    magnitudes: Tensor
+    weights_a: Tensor
+    norms_b: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    weights_b: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    move: float = 0.0
+
+    @classmethod
+    def of(cls, scale: float | None, items: _Items, full: _Pass, c: float) -> _Reading:
+        magnitudes = full.norms
+        if items.units is not None:
+            assert full.row_norms is not None
+            magnitudes = items.magnitudes(full.row_norms, full.norms)
+        lam = _factor(scale, items)
+        norms = lam * full.norms
+        factors = clip_factors(norms.float(), c).double()
+        return cls(scale, norms, factors, lam * magnitudes, factors * lam)
+
+    def finish(self, other: _Pass, after: _Items, kept_full: list[int], kept_changed: list[int]) -> None:
+        """Pass B's norms and sum weights under this reading (pass A's clip factors, pass B's own scale)."""
+        lam = _factor(self.scale, after)
+        self.norms_b = lam * other.norms
+        self.weights_b = torch.zeros(after.count, dtype=torch.float64)
+        self.weights_b[kept_changed] = self.factors[kept_full] * lam[kept_changed]
+
+
+def _factor(scale: float | None, items: _Items) -> Tensor:
+    """Each item's gradient under a reading, relative to the batch reading's: 1, or B / (R · w_u)."""
+    if scale is None:
+        return torch.ones(items.count, dtype=torch.float64)
+    return scale / (items.rows * _unit_weights(items))
+
+
+def _readings(engine: PrivateStepEngine, items: _Items, full: _Pass) -> dict[str, _Reading]:
+    """The readings a check compares: the batch mean, and for users under ``loss_reduction="mean"`` the public
+    one (at example level a loss is a mean or a sum: a sum returned as a mean stays refused, with its fix)."""
+    c = engine.max_grad_norm
+    out = {"batch": _Reading.of(None, items, full, c)}
+    if engine.loss_reduction == "mean" and items.units is not None and engine.sampler.unit == "user":
+        out["public"] = _Reading.of(float(engine.sampler.expected_batch_size), items, full, c)
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What pass B does: the unit it removes (or none), those it replaces, the id fields a copied row keeps
+    and the ids replaced users take, and the items left after the removal."""
+
+    removed: tuple[int, ...]
+    replaced: tuple[int, ...]
+    keep_fields: frozenset[int]
+    relabel: dict[int, dict[int, Any]] | None
+    items: _Items
+    after: _Items
+    index: list[int]
+
+    def units_after(self, rows: int) -> UnitInfo | None:
+        """Pass B's unit map: one unit fewer, or as in pass A (nothing removed)."""
+        return self.items.units if rows == self.items.rows else self.after.units
+
+
+@dataclass
+class _Compared:
+    """Both passes and what the check compares between them."""
+
+    full: _Pass
+    other: _Pass
+    items: _Items
+    changed: tuple[int, ...]
+    kept_full: list[int]
+    kept_changed: list[int]
+    removed: tuple[int, ...]
+    replaced: tuple[int, ...]
+    readings: dict[str, _Reading]
+    full_sums: dict[str, list[Tensor]]
+    """Pass A's kept clipped sum under each reading."""
+    log: DrawLog
+    """Pass A's random draws, which every later pass replays row by row."""
+
+
+def _written_differently(full: _Pass, other: _Pass) -> tuple[str, ...]:
+    """Refuse parameters either pass wrote; the buffers the two passes wrote differently."""
+    written = sorted(set(full.written_parameters) | set(other.written_parameters))
+    if written:
+        raise DPConfigurationError(parameter_write_message(written, "training_step"))
+    return tuple(
+        name
+        for name in sorted(full.buffers.keys() | other.buffers.keys())
+        if name not in full.buffers
+        or name not in other.buffers
+        or not torch.equal(full.buffers[name], other.buffers[name])
+    )
+
+
+def _would_switch(engine: PrivateStepEngine, results: dict[str, MixingResult]) -> bool:
+    """Whether this check would move a run from the batch reading to the public one."""
+    public, batch = results.get("public"), results["batch"]
+    return (
+        public is not None
+        and public.passed
+        and not batch.passed
+        and engine.normalisation == "batch"
+        and not engine.normalisation_settled
+    )
+
+
+def _other_streams_moved(state: ModuleState) -> bool:
+    """Whether the pass drew from Python's or NumPy's global stream or from a generator the module holds
+    (draws :class:`~lightning_dp.checks.row_draws.RowDraws` does not make row by row)."""
+    saved, now = state.random_state, state.rng.state()
+    numpy_same = all(np.array_equal(x, y) for x, y in zip(saved[3], now[3], strict=True))
+    return saved[2] != now[2] or not numpy_same or state.python.drew_random_numbers()
 
 
 def _batch_tensors(batch: Any, rows: int) -> list[Tensor]:
@@ -223,11 +409,11 @@ def field_extremes(batch: Any, rows: int) -> list[int]:
     return list(dict.fromkeys(found))
 
 
-def rare_values(batch: Any, rows: int) -> list[int]:
-    """One row of each rarest value of every integer column (class counts over the batch, a singleton
-    class, oversampling a minority class read these). Columns whose values are all distinct (indices,
-    ids) have no rare value."""
-    found: list[int] = []
+def rare_groups(batch: Any, rows: int) -> list[list[int]]:
+    """The rows of each rarest value of every integer column (at most :data:`RARE_VALUES` values per column):
+    class counts over the batch, a singleton class and oversampling a minority class read these. Columns
+    whose values are all distinct (indices, ids) or all equal have no rare value."""
+    found: list[list[int]] = []
     for t in _batch_tensors(batch, rows):
         if t.is_floating_point() or t.is_complex():
             continue
@@ -238,10 +424,35 @@ def rare_values(batch: Any, rows: int) -> list[int]:
             values, inverse, counts = torch.unique(column, return_inverse=True, return_counts=True)
             if values.numel() in (1, rows):
                 continue
-            first = torch.full((values.numel(),), rows, device=column.device, dtype=torch.long)
-            first = first.scatter_reduce(0, inverse, torch.arange(rows, device=column.device), "amin")
-            found += first[counts == counts.min()][:RARE_VALUES].tolist()
-    return list(dict.fromkeys(found))
+            rarest = (counts == counts.min()).nonzero().squeeze(1)[:RARE_VALUES]
+            found += [(inverse == v).nonzero().squeeze(1).tolist() for v in rarest.tolist()]
+    return found
+
+
+def rare_values(batch: Any, rows: int) -> list[int]:
+    """One row (the first) of each rarest value of every integer column (:func:`rare_groups`)."""
+    return list(dict.fromkeys(group[0] for group in rare_groups(batch, rows)))
+
+
+def rare_split(
+    batch: Any, rows: int, generator: torch.Generator, taken: set[int]
+) -> tuple[list[int], list[int]]:
+    """Rows of each rarest value to change and to keep: a singleton is changed; of two or more rows, one is
+    changed (one already in ``taken``, the rows changed anyway, else one drawn at random) and another, drawn
+    from the rest, is kept, so a dependence between the rows of a rare class (in-batch oversampling: SMOTE
+    interpolates between minority rows) shows in a kept row whatever else the check changes."""
+    change: list[int] = []
+    keep: list[int] = []
+    for group in rare_groups(batch, rows):
+        order = [group[i] for i in torch.randperm(len(group), generator=generator).tolist()]
+        free = [r for r in order if r not in taken and r not in change and r not in keep]
+        if len(order) > 1 and any(r in keep for r in order):
+            continue  # this class is split already (another column holds the same rows)
+        if len(free) == len(order):  # none changed yet: change one of them
+            change.append(free.pop(0))
+        if len(order) > 1 and free:
+            keep.append(free[0])
+    return change, keep
 
 
 def norm_extremes(norms: Tensor) -> list[int]:
@@ -259,8 +470,10 @@ def norm_extremes(norms: Tensor) -> list[int]:
 
 def choose_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> tuple[int, ...]:
     """The rows pass B changes: one drawn at random, the first and the last, the gradient norms' extremes,
-    the rarest label values, every field's extremes, then a random half of the others (:func:`_choose`)."""
-    return _choose(rows, _special_rows(batch, rows, norms, generator), generator)
+    one row of each rarest label value (another is kept), every field's extremes, then a random half of the
+    others (:func:`_choose`)."""
+    special, keep = _special_rows(batch, rows, norms, generator)
+    return _choose(rows, special, generator, keep)
 
 
 def choose_units(
@@ -268,49 +481,82 @@ def choose_units(
 ) -> tuple[int, ...]:
     """The units pass B changes: every unit holding a row :func:`choose_rows` would single out (drawn at
     random, first, last, the rows' norm extremes, rarest labels, fields' extremes), the units with the
-    largest and the smallest gradient norm, then a random half of the other units (:func:`_choose`)."""
+    largest and the smallest gradient norm, then a random half of the other units (:func:`_choose`), and
+    the unit with the most rows (:func:`_with_largest`)."""
     rows = units.unit_of_row.numel()
     unit_of_row = units.unit_of_row.cpu().tolist()
-    special = [unit_of_row[r] for r in _special_rows(batch, rows, row_norms, generator)]
-    return _choose(units.num_units, special + norm_extremes(unit_norms), generator)
+    special_rows, keep_rows = _special_rows(batch, rows, row_norms, generator)
+    special = [unit_of_row[r] for r in special_rows] + norm_extremes(unit_norms)
+    keep = [u for u in dict.fromkeys(unit_of_row[r] for r in keep_rows) if u not in set(special)]
+    changed = _choose(units.num_units, special, generator, keep)
+    return _with_largest(changed, units, set(special), generator)
 
 
-def _special_rows(batch: Any, rows: int, norms: Tensor, generator: torch.Generator) -> list[int]:
-    """The rows where a dependence hides: one drawn at random, the first and the last, the gradient norms'
-    extremes, the rarest label values and every field's extremes."""
-    return [
+def _with_largest(
+    changed: tuple[int, ...], units: UnitInfo, special: set[int], generator: torch.Generator
+) -> tuple[int, ...]:
+    """``changed`` with the unit holding the most rows in it, when it is the only one that large: it takes
+    the place of a changed unit that is not special (as many units stay kept), so that removing it (a
+    weight relative to the batch's largest user) is possible on every check."""
+    sizes = units.rows_per_unit().cpu()
+    largest = int(sizes.argmax())
+    if largest in changed or int((sizes == sizes[largest]).sum()) > 1:
+        return changed
+    swappable = [u for u in changed if u not in special]
+    if not swappable:
+        return changed
+    out = swappable[int(torch.randint(len(swappable), (), generator=generator))]
+    return tuple(sorted({*changed, largest} - {out}))
+
+
+def _special_rows(
+    batch: Any, rows: int, norms: Tensor, generator: torch.Generator
+) -> tuple[list[int], list[int]]:
+    """The rows where a dependence hides, to change: one drawn at random, the first and the last, the gradient
+    norms' extremes, every field's extremes and one row of each rarest label value; and the rows to keep, one
+    more of each rarest value (:func:`rare_split`)."""
+    special = [
         int(torch.randint(rows, (), generator=generator)),
         0,
         rows - 1,
         *norm_extremes(norms),
-        *rare_values(batch, rows),
         *field_extremes(batch, rows),
     ]
+    rare, keep = rare_split(batch, rows, generator, set(special))
+    return special + rare, keep
 
 
-def _choose(count: int, special: list[int], generator: torch.Generator) -> tuple[int, ...]:
+def _choose(
+    count: int, special: list[int], generator: torch.Generator, keep: list[int] | tuple[int, ...] = ()
+) -> tuple[int, ...]:
     """Which of ``count`` items (rows, or units) pass B changes: the ``special`` ones, then a random half of
-    the others. A special item is changed on every check, any other with probability at least 1/2. About
-    half the items are kept (at least one): where the special ones and half the others do not fit (a
-    small batch with many columns), the first, the last and all but a random quarter of the others are
-    changed. The number kept is coprime with ``count`` (a few more items are changed, or kept in a small
-    batch, until it is): then no share of the batch (of labelled rows, of a class) is the same in both
-    passes, since n'/K = n/B has no solution with 0 < n < B."""
+    the others; the ``keep`` ones (a rare class's second row) are kept. A special item is changed on every
+    check, any other with probability at least 1/2. About half the items are kept (at least one): where the
+    special ones and half the others do not fit (a small batch with many columns), the first, the last and
+    all but a random quarter of the others are changed (the ``keep`` ones kept first). The number kept is
+    coprime with ``count`` (a few more items are changed, or kept in a small batch, until it is): then no
+    share of the batch (of labelled rows, of a class) is the same in both passes, since n'/K = n/B has no
+    solution with 0 < n < B."""
     keep_at_least = max(1, count // 4)
     limit = count - keep_at_least
     chosen = list(dict.fromkeys(special))
     taken = set(chosen)
-    rest = [i for i in range(count) if i not in taken]
-    half = (len(rest) + 1) // 2
+    keep = [i for i in dict.fromkeys(keep) if i not in taken]
+    held = set(keep)
+    rest = [i for i in range(count) if i not in taken and i not in held]
+    half = (len(rest) + len(keep) + 1) // 2
     if len(chosen) + half > limit:  # a small batch, mostly extremes: all but a random quarter of it
         size = next(k for k in range(keep_at_least, count) if math.gcd(k, count) == 1)
         inner = count > 3  # keep neither the first nor the last (mixing along the rows) unless too few
-        drawn = torch.randperm(count - 2 if inner else count, generator=generator)[:size]
-        kept = (drawn + 1 if inner else drawn).tolist()
+        drawn = torch.randperm(count - 2 if inner else count, generator=generator)
+        candidates = [i for i in keep if not inner or 0 < i < count - 1]
+        candidates += [i for i in (drawn + 1 if inner else drawn).tolist() if i not in set(candidates)]
+        kept = candidates[:size]
     else:
         order = [rest[i] for i in torch.randperm(len(rest), generator=generator).tolist()]
-        size = next(k for k in range(len(rest) - half, 0, -1) if math.gcd(k, count) == 1)
-        kept = order[:size]
+        most = len(keep) + max(len(rest) - half, 0)
+        size = next(k for k in range(max(most, 1), 0, -1) if math.gcd(k, count) == 1)
+        kept = (keep + order)[:size]
     taken = set(kept)
     return tuple(i for i in range(count) if i not in taken)
 
@@ -381,6 +627,8 @@ class MixingCheck:
     """Time spent in every check so far (added by ``RunChecks``), against ``overhead`` × the time since start
     spent outside the checks."""
     started: float | None = None
+    precision_fallback: str = ""
+    """The run's precision, once a check had to run its passes in it (the step raised in fp32)."""
     _last_cost: float = 0.0
     _generator: torch.Generator | None = None
 
@@ -424,6 +672,44 @@ class MixingCheck:
         self,
         engine: PrivateStepEngine,
         module: LightningModule,
+        chunks: Sequence[tuple[Any, UnitInfo | None]],
+        batch_idx: int,
+        precision: Any,
+        device: torch.device,
+        unit: str = "example",
+    ) -> list[MixingResult] | None:
+        """Check the batch the next release is computed from, in every physical chunk the step will run
+        (``chunks``: each with its privacy units, ``unit``: "user" or "example"; whole units are then changed
+        and compared, and a unit's rows may depend on each other). None when it cannot be checked
+        (``training_step`` returned no loss: the check moves to the next batch). Raises on a failure."""
+        begin = time.perf_counter()
+        results: list[MixingResult] = []
+        try:
+            for batch, units in chunks:
+                result = self._measure_precisely(
+                    engine, module, batch, batch_idx, precision, device, units, unit
+                )
+                if result is None:
+                    break
+                if not result.passed:
+                    note = hook_note(module, batch_idx) + (USER_LOSS_NOTE if result.unit == "user" else "")
+                    raise DPConfigurationError(self.refusal(result, engine.steps) + note)
+                results.append(result)
+        finally:
+            self._last_cost = time.perf_counter() - begin  # the budget's lookahead (RunChecks adds the time)
+        if len(results) < len(chunks):
+            self.moved += 1
+            self.due_next = True
+            return None
+        # one example (unit) cannot mix: if no chunk had two, the next batch is checked instead
+        self.due_next = all(result.examples < 2 for result in results)
+        self.checked_steps.append(engine.steps)
+        return results
+
+    def _measure_precisely(
+        self,
+        engine: PrivateStepEngine,
+        module: LightningModule,
         batch: Any,
         batch_idx: int,
         precision: Any,
@@ -431,24 +717,25 @@ class MixingCheck:
         units: UnitInfo | None = None,
         unit: str = "example",
     ) -> MixingResult | None:
-        """Check ``batch`` (the batch the next release is computed from); None when it cannot be checked
-        (``training_step`` returned no loss: the check moves to the next batch). Raises on a failure.
-        ``units``: the batch's privacy units (``unit``: "user" or "example"); whole units are then changed
-        and compared, and a unit's rows may depend on each other."""
-        begin = time.perf_counter()
+        """:meth:`_measure` with the passes in IEEE fp32 (``checks/pass_precision.py``), so that reduced
+        precision does not widen what the check lets pass; in the run's own precision where the step cannot
+        run in fp32 (it raised there), with a warning."""
+        if not runs_in_full_precision(precision):
+            return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
         try:
-            result = self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
-        finally:
-            self._last_cost = time.perf_counter() - begin  # the budget's lookahead (RunChecks adds the time)
-        if result is None:
-            self.moved += 1
-            self.due_next = True
-            return None
-        self.due_next = result.examples < 2  # one example cannot mix: the next batch is checked instead
-        if not result.passed:
-            raise DPConfigurationError(self.refusal(result, engine.steps) + hook_note(module, batch_idx))
-        self.checked_steps.append(engine.steps)
-        return result
+            with full_precision(module, precision) as plugin:
+                return self._measure(
+                    engine, module, upcast_batch(batch), batch_idx, plugin, device, units, unit
+                )
+        except DPConfigurationError:
+            raise
+        except Exception as error:  # the user's step in fp32: checked in its own precision instead
+            if not self.precision_fallback:
+                warnings.warn(
+                    _precision_fallback_message(str(precision.precision), error), UserWarning, stacklevel=2
+                )
+            self.precision_fallback = str(precision.precision)
+        return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
 
     def _measure(
         self,
@@ -471,102 +758,225 @@ class MixingCheck:
         items = _Items(rows, units)
         if items.count < 2:  # one unit may mix its own rows: nothing to compare it with
             return _vacuous(items.count)
-        noun = "user" if units is not None and unit == "user" else "example"
-        grouped = "" if units is None else ("rows" if noun == "user" else "augmented views")
-        c = engine.max_grad_norm
         state = ModuleState.save(module, device)
         values = ParameterValues.take(module)
-        hint = grads._batch_hint
+        hint, public_scale = grads._batch_hint, grads.public_scale
+        grads.public_scale = None  # both passes at the batch's scale: each normalisation is read from them
+        noun = "user" if units is not None and unit == "user" else "example"
+        grouped = "" if units is None else ("rows" if noun == "user" else "augmented views")
         try:
-            full = self._pass(engine, module, batch, batch_idx, precision, rows, state, values, units, True)
-            if full is None:
-                return None
-            if units is None:
-                changed = choose_rows(batch, rows, full.norms, self.generator)
-            else:
-                assert full.row_norms is not None
-                changed = choose_units(batch, units, full.row_norms, full.norms, self.generator)
-            changed_set = set(changed)
-            kept_full = [i for i in range(items.count) if i not in changed_set]
-            factors = clip_factors(full.norms.float(), c).double()  # pass A's, used in both sums
-            full_sum = _kept_sum(full, factors, kept_full, items.count)
-            grads.clear()
-            # Random draws (dropout): replace only, so every shape and every draw stays the same. Else remove
-            # one changed example (unit) and replace the others by copies of kept ones: the batch's content
-            # moves, and its size moves by exactly one unit, as between neighbours (a function of the size
-            # alone, such as its parity, can stay put when many go at once).
-            unit_of_row = None if units is None else units.unit_of_row.cpu().tolist()
-            keep_fields: frozenset[int] = frozenset()
-            if units is not None and unit_of_row is not None:
-                keep_fields = unit_id_fields(batch, rows, unit_of_row, units.ids)
-            relabel = (
-                self._other_users(engine, batch, rows, units, changed, keep_fields)
-                if units is not None and keep_fields
-                else None
+            compared = self._compare(
+                engine, module, batch, batch_idx, precision, device, items, state, values
             )
-            out = self._removed_item(batch, rows, changed, unit_of_row, keep_fields)
-            removed: tuple[int, ...] = (out,)
-            replaced: tuple[int, ...] = tuple(i for i in changed if i != out)
-            if state.drew_random_numbers():
-                removed, replaced = (), changed
-            after_removal, index = items.without(list(removed))
-
-            def units_after(n: int) -> UnitInfo | None:  # pass B's unit map: one unit fewer, or as in pass A
-                return units if n == rows else after_removal.units
-
-            edit = run_on_changed_batch(  # removal falls back to replacement where the step cannot run on it
+            if compared is None:
+                return None
+            buffers = _written_differently(compared.full, compared.other)
+            after = [
+                n
+                for n in differing_writes(compared.full.after_step, compared.other.after_step)
+                if n not in buffers
+            ]
+            if after:  # the after-step hooks wrote from the batch (what the forward wrote is `buffers`)
+                hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
+                raise DPConfigurationError(after_step_write_message(after, hooks))
+            results = {
+                kind: self._result(
+                    compared, reading, engine.max_grad_norm, precision, device, buffers, noun, grouped
+                )
+                for kind, reading in compared.readings.items()
+            }
+            if _would_switch(engine, results) and not self._confirm_public(
+                engine,
+                module,
                 batch,
-                rows,
-                tuple(items.rows_of(removed)),
-                tuple(items.rows_of(replaced)),
-                items.rows_of(kept_full),
-                self.pick,
-                lambda b, n, kept: self._pass(
-                    engine, module, b, batch_idx, precision, n, state, values, units_after(n)
-                ),
-                state.restore,
-                keep_fields,
-                relabel,
-            )
-            other = edit.result
-            if other is None:
-                return None
-            if not edit.removed:  # nothing removed (random draws, or the fallback): every item in place
-                after_removal, index = items, list(range(items.count))
-                removed, replaced = (), changed
-            kept_changed = [index[i] for i in kept_full]
-            weights = torch.zeros(after_removal.count, dtype=torch.float64)
-            weights[kept_changed] = factors[kept_full]
-            other_sum = _kept_sum(other, weights, kept_changed, after_removal.count)
+                batch_idx,
+                precision,
+                device,
+                compared,
+                state,
+                values,
+                results["public"],
+            ):
+                del results["public"]  # one removal left the others' counts in place: not shown
         finally:
             state.restore()
             values.restore()
             grads.clear()
             grads.expect_batch(hint)
-        written = sorted(set(full.written_parameters) | set(other.written_parameters))
-        if written:
-            raise DPConfigurationError(parameter_write_message(written, "training_step"))
-        buffers = tuple(
-            name
-            for name in sorted(full.buffers.keys() | other.buffers.keys())
-            if name not in full.buffers
-            or name not in other.buffers
-            or not torch.equal(full.buffers[name], other.buffers[name])
+            grads.public_scale = public_scale
+        return self._judge(engine, results)
+
+    def _confirm_public(
+        self,
+        engine: PrivateStepEngine,
+        module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        precision: Any,
+        device: torch.device,
+        compared: _Compared,
+        state: ModuleState,
+        values: ParameterValues,
+        shown: MixingResult,
+    ) -> bool:
+        """Before a run takes the public reading (its loss divided by public constants, not by the batch's
+        rows): the kept units must also stay in place with every changed unit removed at once. One removal
+        may leave a count the loss reads unchanged (the labelled rows of a mean over the batch's labels, when
+        the removed unit had none), which the batch reading shows through the rows' count and the public
+        reading would not."""
+        items, kept_full = compared.items, compared.kept_full
+        after, index = items.without(list(compared.changed))
+        gone = set(items.rows_of(compared.changed))
+        row_map = [r for r in range(items.rows) if r not in gone]
+        draws = RowDraws(items.rows, compared.log, row_map, device)
+        try:
+            run = self._pass(
+                engine, module, remove_rows(batch, tuple(sorted(gone)), items.rows), batch_idx, precision,
+                after.rows, state, values, after.units, False, draws,
+            )  # fmt: skip
+        except Exception:  # the step cannot run on so small a batch: the public reading is not shown
+            return False
+        if run is None or not draws.aligned:
+            return False
+        reading = compared.readings["public"]
+        kept = [index[i] for i in kept_full]
+        lam = _factor(reading.scale, after)
+        weights = torch.zeros(after.count, dtype=torch.float64)
+        weights[kept] = reading.factors[kept_full] * lam[kept]
+        norms = lam * run.norms
+        (sums,) = _kept_sums(run, [weights], kept, after.count)
+        c = engine.max_grad_norm
+        move = _distance(compared.full_sums["public"], sums) / (c if math.isfinite(c) and c > 0 else 1.0)
+        worst, _ = _worst_norm_change(
+            reading.norms_a[kept_full], norms[kept], c, reading.magnitudes[kept_full]
         )
-        a, b = full.norms[kept_full], other.norms[kept_changed]
-        magnitudes = full.norms
-        if units is not None:
+        return move <= shown.move_tolerance and worst <= shown.tolerance
+
+    def _compare(
+        self,
+        engine: PrivateStepEngine,
+        module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        precision: Any,
+        device: torch.device,
+        items: _Items,
+        state: ModuleState,
+        values: ParameterValues,
+    ) -> _Compared | None:
+        """Pass A on the batch, pass B on the batch with changed units, and the kept units' clipped sums of
+        both under each reading of the loss's normalisation (:func:`_readings`). None: no loss to check."""
+        rows, units = items.rows, items.units
+        draws = RowDraws(rows, device=device)  # pass A draws what the real step will, and keeps it
+        full = self._pass(
+            engine, module, batch, batch_idx, precision, rows, state, values, units, True, draws
+        )
+        if full is None:
+            return None
+        # Random draws (dropout) that RowDraws replays row by row still allow a removal; any other draw
+        # (Python's random, NumPy, a layer's own dropout) keeps every shape: the changed units are replaced.
+        other_draws = _other_streams_moved(state)
+        aligned = draws.aligned and not other_draws
+        drew = draws.drew or other_draws
+        if units is None:
+            changed = choose_rows(batch, rows, full.norms, self.generator)
+        else:
             assert full.row_norms is not None
-            magnitudes = items.magnitudes(full.row_norms, full.norms)
-        worst, worst_position = _worst_norm_change(a, b, c, magnitudes[kept_full])
-        clipped = (factors[kept_full] * magnitudes[kept_full]).where(torch.isfinite(a), 0.0)
+            changed = choose_units(batch, units, full.row_norms, full.norms, self.generator)
+        changed_set = set(changed)
+        kept_full = [i for i in range(items.count) if i not in changed_set]
+        readings = _readings(engine, items, full)
+        full_sums = _kept_sums(full, [r.weights_a for r in readings.values()], kept_full, items.count)
+        assert engine.grads is not None
+        engine.grads.clear()
+        plan = self._plan(engine, batch, rows, items, changed, replace_all=drew and not aligned)
+        removed_rows = items.rows_of(plan.removed)
+        row_map = [i for i in range(rows) if i not in set(removed_rows)]
+
+        def run(b: Any, n: int, kept: list[int]) -> _Pass | None:
+            rerun = RowDraws(rows, draws.log, row_map if n != rows else None, device)
+            out = self._pass(
+                engine, module, b, batch_idx, precision, n, state, values, plan.units_after(n), False, rerun
+            )
+            if n != rows and not rerun.aligned:
+                raise _UnalignedDrawsError  # the removal's draws differ from pass A's: replace instead
+            return out
+
+        edit = run_on_changed_batch(  # removal falls back to replacement where the step cannot run on it
+            batch, rows, tuple(removed_rows), tuple(items.rows_of(plan.replaced)), items.rows_of(kept_full),
+            self.pick, run, state.restore, plan.keep_fields, plan.relabel,
+        )  # fmt: skip
+        other = edit.result
+        if other is None:
+            return None
+        after, index, removed = plan.after, plan.index, plan.removed
+        if not edit.removed:  # nothing removed (unaligned draws, or the fallback): every item in place
+            after, index, removed = items, list(range(items.count)), ()
+        kept_changed = [index[i] for i in kept_full]
+        for reading in readings.values():
+            reading.finish(other, after, kept_full, kept_changed)
+        other_sums = _kept_sums(other, [r.weights_b for r in readings.values()], kept_changed, after.count)
+        for reading, a, b in zip(readings.values(), full_sums, other_sums, strict=True):
+            reading.move = _distance(a, b)
+        replaced = tuple(i for i in changed if i not in removed)
+        sums = dict(zip(readings, full_sums, strict=True))
+        return _Compared(
+            full, other, items, changed, kept_full, kept_changed, removed, replaced, readings, sums, draws.log
+        )
+
+    def _plan(
+        self,
+        engine: PrivateStepEngine,
+        batch: Any,
+        rows: int,
+        items: _Items,
+        changed: tuple[int, ...],
+        replace_all: bool,
+    ) -> _Plan:
+        """Which changed unit pass B removes (none when ``replace_all``) and which it replaces, the id fields a
+        copied row keeps and the ids replaced users take, and pass B's unit map."""
+        units = items.units
+        unit_of_row = None if units is None else units.unit_of_row.cpu().tolist()
+        keep_fields: frozenset[int] = frozenset()
+        if units is not None and unit_of_row is not None:
+            keep_fields = unit_id_fields(batch, rows, unit_of_row, units.ids)
+        relabel = (
+            self._other_users(engine, batch, rows, units, changed, keep_fields)
+            if units is not None and keep_fields
+            else None
+        )
+        out = self._removed_item(batch, rows, changed, unit_of_row, keep_fields, items)
+        removed: tuple[int, ...] = () if replace_all else (out,)
+        after, index = items.without(list(removed))
+        return _Plan(
+            removed, tuple(i for i in changed if i not in removed), keep_fields, relabel, items, after, index
+        )
+
+    def _result(
+        self,
+        compared: _Compared,
+        reading: _Reading,
+        c: float,
+        precision: Any,
+        device: torch.device,
+        buffers: tuple[str, ...],
+        noun: str,
+        grouped: str,
+    ) -> MixingResult:
+        """What one reading of the normalisation measured: the kept units' move and their norms' change."""
+        kept_full, kept_changed = compared.kept_full, compared.kept_changed
+        a, b = reading.norms_a[kept_full], reading.norms_b[kept_changed]
+        magnitudes = reading.magnitudes[kept_full]
+        worst, worst_position = _worst_norm_change(a, b, c, magnitudes)
+        clipped = (reading.factors[kept_full] * magnitudes).where(torch.isfinite(a), 0.0)
         rho = example_rounding(str(precision.precision), device)
-        terms = None if units is None else len(items.rows_of(kept_full))
+        items = compared.items
+        terms = _summation_terms(items, kept_full)
         return MixingResult(
-            _describe(removed, replaced, noun, grouped),
-            changed,
+            _describe(compared.removed, compared.replaced, noun, grouped),
+            compared.changed,
             items.count,
-            _distance(full_sum, other_sum) / (c if math.isfinite(c) and c > 0 else 1.0),
+            reading.move / (c if math.isfinite(c) and c > 0 else 1.0),
             move_tolerance(clipped, c, rho, terms),
             worst,
             kept_full[worst_position],
@@ -575,6 +985,22 @@ class MixingCheck:
             noun,
             grouped,
         )
+
+    def _judge(self, engine: PrivateStepEngine, results: dict[str, MixingResult]) -> MixingResult:
+        """The result under the engine's reading of the loss's normalisation; where that reading fails and the
+        other passes, before any check settled it, the engine takes the other (a per-user loss divided by the
+        public users_per_step, not by the batch's rows). A reading is settled once a check tells them apart."""
+        current = engine.normalisation
+        passing = [kind for kind, result in results.items() if result.passed]
+        if current in passing:
+            if len(passing) == 1 and len(results) > 1:
+                engine.normalisation_settled = True
+            return results[current]
+        if passing and not engine.normalisation_settled:
+            engine.use_normalisation("public" if passing[0] == "public" else "batch")
+            engine.normalisation_settled = len(passing) == 1
+            return results[passing[0]]
+        return results[current]
 
     def _other_users(
         self,
@@ -647,11 +1073,19 @@ class MixingCheck:
         changed: tuple[int, ...],
         unit_of_row: list[int] | None,
         keep_fields: frozenset[int],
+        items: _Items | None = None,
     ) -> int:
-        """The one changed example (unit) pass B removes, drawn at random; half the time, with users, one
-        holding an id field's extreme: a replaced user that keeps its own id (a field in another form than
-        ``user_key``'s, or no user left out of the batch to take the id of) shows a dependence on its id only
-        when removed (the batch's newest user)."""
+        """The one changed example (unit) pass B removes, drawn at random. Where the changed units differ in
+        size, half the time the largest (3/4) or the smallest (a weight relative to the batch's largest user
+        moves the others only when that user goes); else, half the time with users, one holding an id field's
+        extreme: a replaced user that keeps its own id (a field in another form than ``user_key``'s, or no
+        user left out of the batch to take the id of) shows a dependence on its id only when removed."""
+        units = None if items is None else items.units
+        if units is not None:
+            sizes = units.rows_per_unit().tolist()
+            if len({sizes[u] for u in changed}) > 1 and self._draw() < 0.5:
+                by_size = sorted(changed, key=lambda u: sizes[u])
+                return by_size[-1] if self._draw() < 0.75 else by_size[0]
         if unit_of_row is not None and keep_fields and self._draw() < 0.5:
             extremes = [unit_of_row[r] for r in id_extremes(batch, rows, keep_fields)]
             changing = set(changed)
@@ -672,9 +1106,11 @@ class MixingCheck:
         values: ParameterValues,
         units: UnitInfo | None = None,
         with_row_norms: bool = False,
+        draws: RowDraws | None = None,
     ) -> _Pass | None:
         """One dry pass from the saved state: its per-example gradients and norms (per unit, grouped as the
-        clipping groups them, when ``units`` is given), and what it wrote."""
+        clipping groups them, when ``units`` is given), and what it wrote; ``draws``: the random numbers its
+        torch random calls draw (:class:`~lightning_dp.checks.row_draws.RowDraws`)."""
         state.restore()
         values.restore()
         grads = engine.grads
@@ -683,7 +1119,7 @@ class MixingCheck:
         grads.expect_batch(rows)
         for p in engine.params:
             p.grad = None
-        with torch.enable_grad():
+        with torch.enable_grad(), draws if draws is not None else contextlib.nullcontext():
             dry = dry_training_step(module, batch, batch_idx, precision)
         if not dry.backpropagated:
             grads.clear()
@@ -697,7 +1133,9 @@ class MixingCheck:
         norms = samples.sq_norms().double().sqrt().cpu()
         trained, frozen = values.written_by_kind()
         written = {**state.written_buffers(), **frozen}  # frozen parameters: like buffers
-        return _Pass(samples, norms, written, trained, row_norms)
+        after = after_step_writes(module, batch, batch_idx, dry, state, values)  # on_train_batch_end
+        grads.clear()  # what a hook's own forward recorded
+        return _Pass(samples, norms, written, trained, row_norms, after)
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""
@@ -709,11 +1147,7 @@ class MixingCheck:
                 "across the batch and across steps, and are saved with the model without noise"
             )
         else:
-            what = (
-                f"when the batch had {result.change}, the clipped gradients of the other {noun}s moved by "
-                f"{result.move:.3g}·C in total (rounding explains {result.move_tolerance:.2g}·C), and "
-                f"{noun} {result.worst_example}'s gradient norm by {result.worst_change:.1%}"
-            )
+            what = f"when the batch had {result.change}, " + _what_moved(result)
         rows = result.grouped
         if not rows:
             need = (
@@ -731,8 +1165,8 @@ class MixingCheck:
             isolate = f"each {noun} then runs through training_step alone with all its {rows}, so no two "
             isolate += f"{noun}s can mix (it costs one forward per {noun})"
         return (
-            f"Sensitivity check failed on step {releases_before} (a real sampled batch of {result.examples} "
-            f"{noun}s): {what}. {need[0].upper()}{need[1:]} and the reported ε does not hold. This step releases "
+            f"Sensitivity check failed on step {releases_before} (a real sampled batch): {what}. "
+            f"{need[0].upper()}{need[1:]} and the reported ε does not hold. This step releases "
             f"nothing. {self.coverage(releases_before)} Likely causes and fixes: a token-level mean over the whole batch "
             "(cross_entropy over flattened tokens with ignore_index, or a Hugging Face model's labels= loss): "
             "return lightning_dp.per_example_token_loss(logits, labels).mean(); an operation that mixes "
@@ -774,6 +1208,19 @@ class MixingCheck:
         }
 
 
+def _precision_fallback_message(precision: str, error: BaseException) -> str:
+    """The warning when a check's passes could not run in fp32 (names the exception's type only: its text
+    may hold shapes of the private batch)."""
+    return (
+        f"lightning-dp's sensitivity check could not run your training_step in fp32 (it raised "
+        f"{type(error).__name__}), so it compared its two passes in the run's own precision ({precision}), "
+        "whose rounding lets a larger move of the released sum pass: a dependence between examples smaller "
+        "than that rounding is not refused. Let the step run in fp32 as well (no casts to torch.bfloat16 or "
+        "torch.float16 by hand; keep the tensors the forward uses as registered buffers, which follow the "
+        "model's dtype), so the check is as strict as in fp32."
+    )
+
+
 def _vacuous(rows: int) -> MixingResult:
     return MixingResult("nothing changed", (), rows, 0.0, 1.0)
 
@@ -781,23 +1228,66 @@ def _vacuous(rows: int) -> MixingResult:
 def _describe(
     removed: tuple[int, ...], replaced: tuple[int, ...], noun: str = "example", grouped: str = ""
 ) -> str:
-    items = removed or replaced
-    shown = ", ".join(str(r) for r in items[:8]) + (", …" if len(items) > 8 else "")
-    how = "removed" if removed else "replaced by copies of others"
+    """What pass B did, in words that hold no statistic of the batch (neither how many items it changed
+    nor their positions, which bound the batch's size)."""
     whole = f" (with all their {grouped})" if grouped else ""
-    return f"{noun}s [{shown}]{whole} {how} ({len(items)} of them)"
+    if removed and replaced:
+        return f"one {noun}{whole} removed and some replaced by copies of others"
+    if removed:
+        return f"one {noun}{whole} removed"
+    return f"some {noun}s{whole} replaced by copies of others"
 
 
-def _kept_sum(run: _Pass, weights: Tensor, kept: list[int], rows: int) -> list[Tensor]:
-    """Σ over the ``kept`` rows (units) of the pass's per-example (per-unit) gradients times ``weights``
-    (pass A's clip factors), in fp64 on the CPU; the pass's gradients are let go."""
+def _what_moved(result: MixingResult) -> str:
+    """Which test failed, by cause, without the measured values (a move in C and a change of a gradient
+    norm are statistics of the private gradients, which the report leaves out); the position of the kept
+    item whose gradient changed most, for debugging."""
+    noun = result.unit
+    moved = result.move > result.move_tolerance
+    item = f"{noun} {result.worst_example}'s gradient norm changed by more than {result.tolerance:.0%}"
+    if moved and result.worst_change > result.tolerance:
+        return f"the clipped gradients of the other {noun}s moved by more than rounding explains, and {item}"
+    if moved:
+        return (
+            f"the clipped gradients of the other {noun}s moved by more than rounding explains (the kept "
+            f"{noun} whose gradient norm changed most: {noun} {result.worst_example})"
+        )
+    return f"the other {noun}s' gradients moved: {item}"
+
+
+def _kept_sums(run: _Pass, weights: list[Tensor], kept: list[int], count: int) -> list[list[Tensor]]:
+    """For each weight vector (per item, as the readings give them), Σ over the ``kept`` rows (units) of the
+    pass's per-example (per-unit) gradients times it, in fp64 on the CPU: fp32 partial sums of at most
+    :func:`summation_chunk` items, added in fp64; the pass's gradients are let go."""
     samples, run.samples = run.samples, None
     assert samples is not None
-    mask = torch.zeros(rows, dtype=torch.float64)
-    mask[kept] = 1
-    w = (weights[:rows] * mask).float()
     device = samples.params[0].device if samples.params else torch.device("cpu")
-    return [s.double().cpu() for s in samples.weighted_sum(w.to(device))]
+    chunk = summation_chunk(len(kept))
+    masks = []
+    for start in range(0, max(len(kept), 1), chunk):
+        mask = torch.zeros(count, dtype=torch.float64)
+        mask[kept[start : start + chunk]] = 1
+        masks.append(mask)
+    totals: list[list[Tensor]] = []
+    for w in weights:
+        parts = [
+            [s.double().cpu() for s in samples.weighted_sum((w[:count] * mask).float().to(device))]
+            for mask in masks
+        ]
+        totals.append([sum(terms[1:], terms[0]) for terms in zip(*parts, strict=True)])
+    return totals
+
+
+def _summation_terms(items: _Items, kept: list[int]) -> int:
+    """The most terms one fp32 partial sum of :func:`_kept_sums` adds (γ's n in :func:`move_tolerance`): the
+    kept rows, at most :func:`summation_chunk` of them; with units, a chunk of units, each a sum of its rows."""
+    chunk = summation_chunk(len(kept))
+    if items.units is None:
+        return max(1, min(len(kept), chunk))
+    rows = len(items.rows_of(kept))
+    counts = torch.bincount(items.units.unit_of_row.cpu(), minlength=items.count)[kept] if kept else None
+    largest = int(counts.max()) if counts is not None and counts.numel() else 1
+    return max(1, min(rows, chunk + largest))
 
 
 def _distance(a: list[Tensor], b: list[Tensor]) -> float:

@@ -108,6 +108,10 @@ class StateWatch:
     """Buffers the forward writes that a mixing check found independent of the batch."""
     unverified_buffers: set[str] = field(default_factory=set)
     """Buffers the forward wrote on a step no check covered, not yet seen on a checked step."""
+    written_between: list[str] = field(default_factory=list)
+    """The parameters and buffers written between the last two steps, not by the optimizer (an EMA, a
+    clamp, a reset in ``on_train_batch_end``): a callback that starts writing makes the next batch a checked
+    one (``checks/changes.py``)."""
     _after_step: _Snapshot | None = None
     _at_entry: _Snapshot | None = None
     _modules: list[tuple[str, nn.Module]] = field(default_factory=list)
@@ -164,6 +168,8 @@ class StateWatch:
         now = self._now()
         before = self._after_step
         changed = _changed(before.buffer_names, before.buffers, now.buffer_names, now.buffers)
+        self.written_between = _changed(before.param_names, before.params, now.param_names, now.params)
+        self.written_between += changed
         written = [n for n in changed if not self._public(n)]
         if written:
             raise DPConfigurationError(

@@ -35,7 +35,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_dp.checks.integrity import TRANSFER_HOOKS
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.errors import DPConfigurationError, quote_error
+from lightning_dp.per_example.capture import tracing
 
 _dry_passes = 0
 
@@ -65,18 +66,29 @@ def training_step_loss(
 
     ``keep_python_state``: put the module tree's Python state back after the call (:class:`PythonState`:
     DPIS's norm pass); off where the caller's :class:`ModuleState` does it (and reads the draws first)."""
+    return _loss_of(training_step_output(module, batch, batch_idx, keep_python_state))
+
+
+def training_step_output(
+    module: LightningModule, batch: Any, batch_idx: int = 0, keep_python_state: bool = True
+) -> Any:
+    """What ``module.training_step(batch, batch_idx)`` returns, with logging detached (see
+    :func:`training_step_loss`)."""
     saved = (
         PythonState.save(module, _optimizer_settings(module), _companions(module))
         if keep_python_state
         else None
     )
     try:
-        with _detached_logging(module), warnings.catch_warnings(), _dry():
+        with _detached_logging(module), warnings.catch_warnings(), _dry(), tracing(module):
             warnings.simplefilter("ignore")
-            out = module.training_step(batch, batch_idx)
+            return module.training_step(batch, batch_idx)
     finally:
         if saved is not None:
             saved.restore()
+
+
+def _loss_of(out: Any) -> Tensor | None:
     loss = out.get("loss") if isinstance(out, Mapping) else out
     return loss if isinstance(loss, Tensor) else None
 
@@ -191,10 +203,21 @@ class DryPass:
 
     loss: Tensor | None = None
     backward_calls: int = 0
+    output: Any = None
+    """What ``training_step`` returned (the after-step hooks get it as ``outputs``)."""
 
     @property
     def backpropagated(self) -> bool:
         return self.backward_calls > 0
+
+
+def dry_shadows(module: LightningModule) -> dict[str, Any]:
+    """What ``self.optimizers`` and ``self.lr_schedulers`` are in a dry pass (for :func:`_shadowed`)."""
+    kind = type(module)
+    return {
+        "optimizers": _dry_handles(functools.partial(kind.optimizers, module), _DryOptimizer),
+        "lr_schedulers": _dry_handles(functools.partial(kind.lr_schedulers, module), _DryScheduler),
+    }
 
 
 def dry_training_step(
@@ -211,11 +234,7 @@ def dry_training_step(
         if not forward_only:
             loss.backward(*args, **kwargs)
 
-    kind = type(module)
-    shadows: dict[str, Any] = {
-        "optimizers": _dry_handles(functools.partial(kind.optimizers, module), _DryOptimizer),
-        "lr_schedulers": _dry_handles(functools.partial(kind.lr_schedulers, module), _DryScheduler),
-    }
+    shadows = dry_shadows(module)
     if not module.automatic_optimization:
         shadows["manual_backward"] = manual_backward
     with _dry(), _shadowed(module, **shadows), _detached_loggers(module):
@@ -223,7 +242,8 @@ def dry_training_step(
             warnings.simplefilter("ignore")
             run_batch_hooks(module, batch, batch_idx)
         with precision.train_step_context():
-            result.loss = training_step_loss(module, batch, batch_idx, keep_python_state=False)
+            result.output = training_step_output(module, batch, batch_idx, keep_python_state=False)
+            result.loss = _loss_of(result.output)
         if not module.automatic_optimization or forward_only:
             return result
         if result.loss is not None and result.loss.requires_grad:
@@ -348,23 +368,16 @@ def hook_note(module: LightningModule, batch_idx: int = 0) -> str:
 def hook_failure_message(name: str, error: BaseException) -> str:
     """The refusal for a per-batch hook that raised when a dry pass re-ran it (one line: it is quoted)."""
     return (
-        f"Your {name} raised {_quote(error)} when lightning-dp's run-time check re-ran it on a training "
-        "batch (the sampled batch, or that batch with some examples removed or replaced). Before it runs "
-        "your training_step, the check re-runs the per-batch hooks you override on its own batch, so that a "
-        "statistic a hook computes from the batch is seen for what it is, examples mixed across the batch. "
+        f"Your {name} raised {quote_error(error)} when lightning-dp's run-time check re-ran it on a training "
+        "batch (the sampled batch, or that batch with some examples removed or replaced). The check re-runs "
+        "the per-batch hooks you override on its own batch (before your training_step, and on_train_batch_end "
+        "after its backward), so that what a hook computes from the batch is seen for what it is, examples "
+        "mixed across the batch or written into the model. "
         "Nothing was released. Let the hook run more than once per step, on any batch of distinct or repeated "
         "examples: compute per-example transforms in the Dataset or in training_step, no statistic of the "
         "whole batch, and keep work that must happen once per real batch (writing a file, asserting on a "
         "counter) behind `if not lightning_dp.checking()`."
     )
-
-
-def _quote(error: BaseException) -> str:
-    """``Type: first line of the message`` (at most 300 characters)."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 class GlobalRNG:

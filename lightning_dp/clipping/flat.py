@@ -17,13 +17,19 @@ def per_sample_norms(grad_samples: PerExampleGradients) -> Tensor:
     return grad_samples.sq_norms().sqrt()
 
 
+def margin_norms(norms: Tensor) -> Tensor:
+    """The norms inflated by a relative 1e-5 (and 1e-6), so that fp32 rounding of the weighted sum can
+    never push a contribution scaled by C/margin_norm above C (the sensitivity the ledger relies on)."""
+    return norms * (1 + 1e-5) + 1e-6
+
+
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
     """min(1, C/‖g_i‖), safe for zero norms; non-finite norms get factor 0 (the example is dropped).
 
-    The norm is inflated by a relative 1e-5 so that fp32 rounding can never push a clipped
-    contribution above C (the sensitivity the ledger relies on).
+    The norm is inflated (:func:`margin_norms`) so that fp32 rounding can never push a clipped
+    contribution above C.
     """
-    factors = (max_grad_norm / (norms * (1 + 1e-5) + 1e-6)).clamp(max=1.0)
+    factors = (max_grad_norm / margin_norms(norms)).clamp(max=1.0)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 

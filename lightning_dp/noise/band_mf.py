@@ -118,7 +118,7 @@ class BandMF(CorrelatedNoise):
         if self.num_params > 0:
             cap = 1 + self.max_buffer_bytes // (4 * self.num_params)
         self.choices = mf.suggest_bands(
-            sampler.num_samples, int(sampler.expected_batch_size), steps, target, delta, accountant,
+            sampler.size_for_releases, int(sampler.expected_batch_size), steps, target, delta, accountant,
             max_bands=cap, optimize_steps=self.optimize_steps,
         )  # fmt: skip
         best = min(self.choices, key=lambda c: c.rmse)

@@ -119,7 +119,9 @@ class BLT(CorrelatedNoise):
     ) -> None:
         """b = ⌊N/B⌋ if "auto"; then the σ whose Gaussian of μ = √s(T)/(σκ) spends at most the target."""
         if sampler.bands == "auto":
-            sampler.choose_bands(max(1, min(sampler.num_samples // int(sampler.expected_batch_size), steps)))
+            sampler.choose_bands(
+                max(1, min(sampler.size_for_releases // int(sampler.expected_batch_size), steps))
+            )
         self._fit(steps)
         # One Gaussian with the whole run's sensitivity: the same ε the ledger reads from the T increments.
         unit = calibrate_noise(

@@ -90,7 +90,7 @@ class CorrelatedNoise(Noise):
     def _dpsgd_reference(self, epsilon: float, steps: int, delta: float, accountant: str) -> float | None:
         """σ of DP-SGD (Poisson at B/N, ``steps`` steps) at ``epsilon``: the baseline of the predicted error."""
         sampler = self._sampler()
-        rate = sampler.expected_batch_size / sampler.num_samples
+        rate = sampler.expected_batch_size / sampler.size_for_releases
         try:
             return calibrate_noise(
                 target_epsilon=epsilon,

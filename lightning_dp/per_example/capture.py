@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
@@ -31,6 +33,8 @@ from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.materialized import add_samples, direct_params, grad_sampler, layer_method
 from lightning_dp.per_example.precision import ieee_fp32
 from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
+from lightning_dp.per_example.uses import UseTracer, _to_examples, time_major_message
+from lightning_dp.prepare import batch_statistics_message, uses_batch_statistics
 
 
 def trainable_layers(root: nn.Module, trainable: bool = True) -> Iterator[tuple[str, nn.Module]]:
@@ -43,7 +47,7 @@ def trainable_layers(root: nn.Module, trainable: bool = True) -> Iterator[tuple[
         if parts is not None:
             for name, part in parts:
                 yield f"{prefix}.{name}" if prefix else name, part
-        elif direct_params(module, trainable):
+        elif direct_params(module, trainable) and not (module is root and steps_itself(root)):
             yield prefix, module
         for name, child in module.named_children():
             if name == "parametrizations" and is_parametrized(module):
@@ -51,6 +55,12 @@ def trainable_layers(root: nn.Module, trainable: bool = True) -> Iterator[tuple[
             yield from visit(f"{prefix}.{name}" if prefix else name, child)
 
     yield from visit("", root)
+
+
+def steps_itself(root: nn.Module) -> bool:
+    """A LightningModule (it has ``training_step``): its own parameters are read in the step, not in one
+    forward, so they are covered by their uses (``uses``), never by recomputing the module per example."""
+    return callable(getattr(type(root), "training_step", None))
 
 
 def _unique(layers: Iterator[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -116,6 +126,21 @@ class _Tap(torch.autograd.Function):
         return (None, *grads)
 
 
+_CAPTURES: weakref.WeakKeyDictionary[nn.Module, GradientCapture] = weakref.WeakKeyDictionary()
+"""The capture attached to each root module (``tracing``)."""
+
+
+@contextlib.contextmanager
+def tracing(module: nn.Module) -> Iterator[None]:
+    """Run the block (a ``training_step``) with the uses of ``module``'s capture traced; nothing without one."""
+    capture = _CAPTURES.get(module)
+    if capture is None:
+        yield
+        return
+    with capture.tracing():
+        yield
+
+
 class GradientCapture:
     """Hooks on every trainable layer of ``root`` that capture what per-example clipping needs.
 
@@ -133,6 +158,8 @@ class GradientCapture:
         if mode not in ("auto", "fast", "materialize"):
             raise ValueError(f"mode must be 'auto', 'fast' or 'materialize', got {mode!r}.")
         self.loss_reduction = loss_reduction
+        self.public_scale: float | None = None
+        """Set by the engine where the mixing check found the loss divided by public constants (``_scale``)."""
         self.enabled = True
         self.grad_samples: dict[nn.Parameter, Tensor] = {}
         self.records: list[LayerCall] = []
@@ -204,6 +231,27 @@ class GradientCapture:
         """Layers whose parameters :meth:`_freeze` freezes for the length of their forward."""
         self._thawed: set[nn.Parameter] = set()
         """Parameters that some holder uses unfrozen (a recomputed layer): their gradient always accumulates."""
+        self._running: Counter[nn.Module] = Counter()
+        """Layers whose forward is running (a parameter read outside all its holders' forwards is traced)."""
+        self._holders: dict[nn.Parameter, list[nn.Module]] = {}
+        self.ignoring = False
+        """True during a gradient the step takes itself (``torch.autograd.grad`` of first order): not the backward
+        of the step's loss, so the hooks take nothing from it."""
+        self.tracer = UseTracer(self)
+        self._tracing = 0
+        self._tasks: set[int] = set()
+        """The backward passes (autograd graph tasks) the hooks took calls from since the last ``collect``."""
+        self._partial = False
+        """Whether a call since the last ``collect`` ran on traced rows that leave out some of the batch."""
+        self._time_major: list[nn.Module] = []
+        """Layers called since the last ``collect`` on a tensor whose batch is on dimension 1."""
+        self._batchnorms: dict[nn.Module, str] = {
+            m: name for name, m in root.named_modules() if isinstance(m, _BatchNorm)
+        }
+        self._normalised: dict[nn.Module, tuple[int, ...]] = {}
+        """BatchNorm layers called since the last ``collect``, with their running statistics' versions then."""
+        self._batch_statistics: list[str] = []
+        """BatchNorm layers called with the batch's own statistics since the last ``collect``."""
         self.refresh()
         parts = {id(part) for module, _ in self._swapped for _, part in recurrent.parts_of(module) or []}
         for module, _ in self._swapped:
@@ -224,6 +272,91 @@ class GradientCapture:
             else:
                 self._handles.append(module.register_forward_hook(self._capture_kwargs, with_kwargs=True))
         self._thawed = {p for m, ps in self._all.items() if m not in self._freezing for p in ps}
+        for bn in self._batchnorms:
+            self._handles.append(bn.register_forward_pre_hook(self._note_batchnorm))
+        for name, module in root.named_modules():
+            if _is_opacus_rnn(module):
+                self._handles.append(
+                    module.register_forward_pre_hook(functools.partial(_refuse_packed, name))
+                )
+        for module in {m for _, m in self.layers} | {m for m, _ in self._swapped}:
+            self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        _CAPTURES[root] = self
+
+    # -- what the tracer of uses outside the layers asks (``uses``) ----------------------------------------------
+    def _enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        del args
+        self._running[module] += 1
+
+    def _leave(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        del args, output
+        self._running[module] -= 1
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """For the length of the block (the step's forward and loss): trace parameter uses outside the layers
+        and the rows of selected tensors (:class:`~lightning_dp.per_example.uses.UseTracer`)."""
+        if self._tracing:
+            yield
+            return
+        self._tracing += 1
+        try:
+            with self.tracer:
+                yield
+        finally:
+            self._tracing -= 1
+
+    def tracing_now(self) -> bool:
+        return self.enabled and not self.ignoring and self.root.training and torch.is_grad_enabled()
+
+    def used_outside(self, param: nn.Parameter) -> bool:
+        """A trainable parameter read while no layer holding it runs its forward."""
+        holders = self._holders.get(param)
+        return holders is not None and param.requires_grad and not any(self._running[m] for m in holders)
+
+    @property
+    def batch_hint(self) -> int | None:
+        return self._batch_hint
+
+    def scale(self, batch: int) -> float:
+        return self._scale(batch)
+
+    def name_of(self, param: nn.Parameter) -> str:
+        return self._names.get(param, "?")
+
+    def add_outside(self, samples: dict[nn.Parameter, Tensor]) -> None:
+        """Per-example gradients [B, *shape] of uses outside the layers (summed with every other use)."""
+        add_samples(self.grad_samples, samples)
+        if samples:
+            self.batch_size = next(iter(samples.values())).shape[0]
+
+    @contextlib.contextmanager
+    def ignoring_backward(self) -> Iterator[None]:
+        previous, self.ignoring = self.ignoring, True
+        try:
+            yield
+        finally:
+            self.ignoring = previous
+
+    def _note_batchnorm(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """A BatchNorm call in a private step: with the batch's statistics it mixes the examples (refused at
+        ``collect``); frozen in eval mode its running statistics must stay as they are."""
+        del args
+        if not (self.enabled and self.root.training and torch.is_grad_enabled()):
+            return
+        if uses_batch_statistics(module):
+            self._batch_statistics.append(self._batchnorms[module])
+        self._normalised.setdefault(module, _stat_versions(module))
+
+    def _check_batchnorms(self) -> None:
+        """Refuse this step when a BatchNorm used the batch's statistics or its running statistics moved."""
+        names = list(dict.fromkeys(self._batch_statistics))
+        names += [self._batchnorms[m] for m, v in self._normalised.items() if _stat_versions(m) != v]
+        self._batch_statistics, self._normalised = [], {}
+        if names:
+            self.clear()
+            raise DPConfigurationError(batch_statistics_message(list(dict.fromkeys(names))))
 
     def refresh(self) -> bool:
         """Read which parameters are trainable now (before each step); True when that changed.
@@ -232,11 +365,18 @@ class GradientCapture:
         is covered from now on, one frozen is left out; a trainable parameter no hooked layer holds is
         refused (it would be stepped with noise only, or with its raw gradient)."""
         flags = tuple(p.requires_grad for ps in self._all.values() for p in ps)
+        if steps_itself(self.root):
+            flags += tuple(p.requires_grad for _, p in direct_params(self.root, trainable=False))
         if flags == self._trainable:
             return False
         self._trainable = flags
         self._own = {m: [p for p in ps if p.requires_grad] for m, ps in self._all.items()}
-        params = list(dict.fromkeys(p for _, m in self.layers for p in self._own[m]))
+        loose = [p for _, p in direct_params(self.root)] if steps_itself(self.root) else []
+        params = list(dict.fromkeys([*loose, *(p for _, m in self.layers for p in self._own[m])]))
+        self._holders = {p: [] for p in loose}
+        for m, ps in self._all.items():
+            for p in ps:
+                self._holders.setdefault(p, []).append(m)
         _check_covered(self.root, set(params))
         if not params:
             raise DPConfigurationError(
@@ -262,7 +402,9 @@ class GradientCapture:
         return layer_method(module)
 
     def _active(self, module: nn.Module) -> bool:
-        return self.enabled and module.training and torch.is_grad_enabled() and bool(self._own.get(module))
+        """Whether a call is captured: in a training forward (the model's mode, not the layer's: a layer the
+        user froze in eval mode, a BatchNorm on its running statistics, still trains its parameters)."""
+        return self.enabled and self.root.training and torch.is_grad_enabled() and bool(self._own.get(module))
 
     keep_param_grads = False
     """Set by the strategy when user code reads ``p.grad`` after backward (an ``on_after_backward``
@@ -293,6 +435,7 @@ class GradientCapture:
     def expect_batch(self, size: int | None) -> None:
         """The next forward's batch size as the sampler drew it (None: take it from the first layer's input)."""
         self._batch_hint = size
+        self._batch_statistics, self._normalised = [], {}
 
     def _note_batch(self, first: Any) -> None:
         """The forward's batch size, from the first captured layer's input (unless already known)."""
@@ -360,17 +503,31 @@ class GradientCapture:
         if batch is None or first is None or first.dim() == 0 or output.dim() == 0:
             return None
         size = first.shape[0]
-        if size >= batch or output.shape[0] != size:
+        if size == batch or output.shape[0] != size:
             return None
         base = first._base
         if base is not None and any(base is b for b in self.root.buffers()):
             return None  # rows of a model constant, not of the batch
-        rows = _rows_of(first, batch, self._batched_nodes)
+        rows = _rows_of(first, batch, self._batched_nodes) if size < batch else None
         if rows is None or rows.numel() != size or rows.unique().numel() != size:
-            return None  # untraced, or a row taken twice in one call (its terms are not a product of sums)
+            # rows the tracer followed (a selection of the data, a regrouping)
+            traced = self._traced_rows(first)
+            if traced is None:
+                return None
+            rows = traced.rows
         for x in inputs[1:]:  # every other batch-sized input must be indexed the same way: not known here
             if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == size and size > 1:
                 return None
+        return RowMap(rows, batch)
+
+    def _traced_rows(self, first: Any) -> RowMap | None:
+        """The examples of a call's rows as the tracer followed them (None: the batch in order, or unknown)."""
+        batch = self._batch_hint
+        if batch is None or not isinstance(first, Tensor) or first.dim() == 0 or first.shape[0] == batch:
+            return None
+        rows = self.tracer.rows.get(first)
+        if rows is None or rows.numel() != first.shape[0] or bool((rows < 0).any()):
+            return None  # rows of no example, or reached by several, cannot be given to one example
         return RowMap(rows, batch)
 
     def _check_order(self, module: nn.Module, first: Any) -> None:
@@ -383,8 +540,17 @@ class GradientCapture:
         if whole and _reordered_rows(first.grad_fn, batch, self._batched_nodes) is not None:
             self._reordered.append(module)
 
-    def _note_output(self, output: Tensor) -> None:
-        """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it)."""
+    def _check_time_major(self, module: nn.Module, first: Any) -> None:
+        """A call on a tensor whose batch was moved to dimension 1 is noted, and refused at ``collect``."""
+        if isinstance(first, Tensor) and first in self.tracer.moved:
+            self._time_major.append(module)
+
+    def _note_output(self, output: Tensor, rows: RowMap | None = None) -> None:
+        """Remember the graph node of a layer output over the whole batch (``_from_batch`` looks for it), or
+        the examples of the rows of an output over rows of the batch (the tracer follows them on)."""
+        if rows is not None:
+            self.tracer.set_rows(output, rows.rows)
+            return
         batch = self._batch_hint
         if output.grad_fn is not None and output.dim() > 0 and batch is not None and output.shape[0] == batch:
             self._batched_nodes.add(output.grad_fn)
@@ -443,23 +609,33 @@ class GradientCapture:
             output = _Graft.apply(self._anchor, output)
         inputs, output = self._broadcast(module, inputs, output)
         self._check_order(module, inputs[0] if inputs else None)
+        self._check_time_major(module, inputs[0] if inputs else None)
         rows = self._call_rows(inputs, output)
         self._uses.update(self._own[module])
         # The hook lives on the autograd graph, which the loss keeps alive after backward; the record
         # shares this list and empties it when it releases or spends its inputs, so they are freed.
         activations = [t.detach() if isinstance(t, Tensor) else t for t in inputs]
         count = len(activations)
+        self._partial |= rows is not None and rows.rows.unique().numel() < rows.batch
         if rows is None:
             output.register_hook(lambda grad: self._accumulate(module, activations, grad, count))
-        else:  # a call on rows of the batch: each row is placed at its example's row of the whole batch
-            activations = [_to_batch(a, rows) for a in activations]
-            output.register_hook(
-                lambda grad: self._accumulate(module, activations, _to_batch(grad, rows), count)
-            )
-        self._note_output(output)
+        elif rows.one_each:  # rows of the batch, each placed at its example's row of the batch
+            placed = [_to_batch(a, rows) for a in activations]
+            output.register_hook(lambda grad: self._accumulate(module, placed, _to_batch(grad, rows), count))
+        else:
+            output.register_hook(lambda grad: self._accumulate(module, activations, grad, count, rows))
+        self._note_output(output, rows)
         return output
 
-    def _accumulate(self, module: nn.Module, activations: list[Any], grad: Tensor, count: int) -> None:
+    def _accumulate(
+        self, module: nn.Module, activations: list[Any], grad: Tensor, count: int, rows: RowMap | None = None
+    ) -> None:
+        if self.ignoring:
+            return
+        self._tasks.add(torch._C._current_graph_task_id())
+        if rows is not None:  # a call on rows of the batch, some of one example: per row, summed per example
+            self._accumulate_rows(module, activations, grad, rows)
+            return
         if len(activations) < count:  # freed by an earlier backward through the same forward
             raise RuntimeError(
                 f"A second backward through the same forward reached {type(module).__name__}, whose inputs "
@@ -479,6 +655,16 @@ class GradientCapture:
             with ieee_fp32():
                 samples = grad_sampler(module)(module, activations, grad.detach() * self._scale(batch))
             add_samples(self.grad_samples, samples)
+        self.batch_size = batch
+
+    def _accumulate_rows(self, module: nn.Module, activations: list[Any], grad: Tensor, rows: RowMap) -> None:
+        """Per-row gradients of a call whose rows are the batch's rows regrouped (several rows of one example:
+        the tokens a mixture-of-experts layer routes to one expert), summed into each row's example."""
+        batch = rows.batch
+        self.calls.append((module, batch))
+        with ieee_fp32():
+            samples = grad_sampler(module)(module, activations, grad.detach() * self._scale(batch))
+        add_samples(self.grad_samples, {p: _to_examples(g, rows.rows, batch) for p, g in samples.items()})
         self.batch_size = batch
 
     def _note_random_state(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -503,22 +689,25 @@ class GradientCapture:
         first = next((x for x in tree_flatten((args, kwargs))[0] if isinstance(x, Tensor)), None)
         self._note_batch(first)
         self._check_order(module, first)
+        self._check_time_major(module, first)
         self._uses.update(self._own[module])
+        rows = self._traced_rows(first)
         detach = lambda x: x.detach() if isinstance(x, Tensor) else x  # noqa: E731
         saved = ([detach(a) for a in args], {k: detach(v) for k, v in kwargs.items()})
         positions = [i for i, _ in taps]
 
         def on_grads(grads: tuple[Tensor, ...]) -> None:
-            self._recomputed(module, saved, positions, grads, random_state)
+            if not self.ignoring:
+                self._recomputed(module, saved, positions, grads, random_state, rows)
 
         if isinstance(output, Tensor):  # one output: a hook on it, no copy
             output.register_hook(lambda grad: on_grads((grad,)))
-            self._note_output(output)
+            self._note_output(output, rows)
             return output
         flat, spec = tree_flatten(output)
         for i, tapped in zip(positions, _Tap.apply(on_grads, *(t for _, t in taps)), strict=True):
             flat[i] = tapped
-            self._note_output(tapped)
+            self._note_output(tapped, rows)
         return tree_unflatten(flat, spec)
 
     def _recomputed(
@@ -528,8 +717,9 @@ class GradientCapture:
         positions: list[int],
         grads: tuple[Tensor, ...],
         random_state: vmap.RandomState | None = None,
+        rows: RowMap | None = None,
     ) -> None:
-        batch = grads[0].shape[0]
+        batch = grads[0].shape[0] if rows is None else rows.batch
         scale = self._scale(batch)
         self.enabled = False  # the recomputation must not reach the hooks of the layer or its children
         # A weight computed from other parameters is recomputed in eval mode: its function (a spectral
@@ -567,6 +757,8 @@ class GradientCapture:
             for m, mode in modes:
                 m.training = mode
             _put_back(buffers)
+        if rows is not None:
+            samples = {p: _to_examples(g, rows.rows, batch) for p, g in samples.items()}
         add_samples(self.grad_samples, samples)
         self.batch_size = batch
 
@@ -640,7 +832,7 @@ class GradientCapture:
             module._parameters[name] = p
 
     def _expanded_grad(self, param: nn.Parameter, call: broadcast.ExpandedCall, grad: Tensor) -> None:
-        if call.misaligned:  # the call is recomputed per example instead
+        if call.misaligned or self.ignoring:  # the call is recomputed per example instead
             return
         batch = grad.shape[0]
         add_samples(self.grad_samples, {param: (grad.detach() * self._scale(batch)).unsqueeze(1)})
@@ -653,22 +845,38 @@ class GradientCapture:
         have it on dimension 0 (else :class:`BatchDimensionError`, before anything is released).
         """
         batch = self.batch_size or 0
-        outside, self._outside, self._froze = self._outside, set(), set()
+        self._check_batchnorms()
+        tracer = self.tracer
+        refusals, second_order, covered = tracer.refusals, tracer.second_order, tracer.covered
+        tracer.reset()
+        outside, self._outside, self._froze = self._outside - covered, set(), set()
         self._batched_nodes = set()
+        if refusals:
+            self.clear()
+            raise DPConfigurationError(refusals[0])
+        time_major, self._time_major = self._time_major, []
+        parts, self._tasks, self._partial = len(self._tasks) > 1 and self._partial, set(), False
+        if parts:
+            self.clear()
+            raise BatchDimensionError(partial_backwards_message())
+        if second_order:
+            self.keep_param_grads = True  # per-example gradients come from autograd's own (one example alone)
+            return self._autograd_alone(batch if expected is None else expected)
         if outside:
             self.clear()
             raise DPConfigurationError(missed_use_message([self._names.get(p, "?") for p in outside]))
         reordered, self._reordered = self._reordered, []
         if reordered:
             self.clear()
-            names = list(
-                dict.fromkeys(next((n for n, m in self.layers if m is r), "<root>") for r in reordered)
-            )
-            raise DPConfigurationError(reordered_message(names))
+            raise DPConfigurationError(reordered_message(self._layer_names(reordered)))
         check_batch_dimension(self.calls, batch if expected is None else expected, self.layers)
+        if time_major:  # also when the time length equals the batch size, which no size shows
+            self.clear()
+            raise BatchDimensionError(time_major_message(self._layer_names(time_major)))
         for sample in self.grad_samples.values():
             if sample.shape[0] != batch:
-                raise RuntimeError(
+                self.clear()
+                raise BatchDimensionError(
                     "Per-example gradients disagree on the batch size "
                     f"({sample.shape[0]} vs {batch}): every layer must see the batch on dimension 0."
                 )
@@ -679,6 +887,19 @@ class GradientCapture:
         self._uses = Counter()  # the next forward starts a new count
         self._batch_hint = None
         return PerExampleGradients(self.params, batch, materialized, records, self._scale(batch)), batch
+
+    def _layer_names(self, modules: list[nn.Module]) -> list[str]:
+        return list(dict.fromkeys(next((n for n, m in self.layers if m is r), "<root>") for r in modules))
+
+    def _autograd_alone(self, batch: int) -> tuple[PerExampleGradients, int]:
+        """A step that differentiates a gradient of the model again: exact only for one example alone, where
+        its per-example gradient is autograd's gradient; refused otherwise, naming what makes it exact."""
+        self.clear()
+        self._uses, self._batch_hint = Counter(), None
+        if batch > 1:
+            raise DPConfigurationError(second_order_message())
+        grads = {p: p.grad.detach().unsqueeze(0) for p in self.params if p.grad is not None}
+        return PerExampleGradients(self.params, batch, grads if batch else {}, []), batch
 
     def _check_reached(self) -> None:
         """Once: a parameter that got an ordinary gradient but no per-example one is used outside the
@@ -698,8 +919,12 @@ class GradientCapture:
         self._unchecked.clear()
 
     def _scale(self, batch: int) -> float:
-        """Output gradient → per-example gradient factor: B under a mean loss, else 1."""
-        return float(batch) if self.loss_reduction == "mean" else 1.0
+        """Output gradient → per-example gradient factor: 1 under a sum loss; under a mean loss the rows it
+        was divided by (``batch``), or ``public_scale`` where the loss is divided by public constants only
+        (a per-user loss over ``users_per_step``): the rows' count is then no factor of any gradient."""
+        if self.loss_reduction != "mean":
+            return 1.0
+        return float(batch) if self.public_scale is None else self.public_scale
 
     def _split_shared(self, materialized: dict[nn.Parameter, Tensor], scale: float) -> list[Any]:
         """A parameter reached by several calls (a reused layer, tied weights) has cross terms in its
@@ -736,6 +961,8 @@ class GradientCapture:
         self._handles, self._reach_handles, self._outside_handles = [], [], []
         recurrent.unswap(self._swapped)
         self._swapped = []
+        if _CAPTURES.get(self.root) is self:
+            del _CAPTURES[self.root]
         self.clear()
 
 
@@ -745,6 +972,11 @@ class RowMap:
 
     rows: Tensor
     batch: int
+
+    @property
+    def one_each(self) -> bool:
+        """Each example at most once (placed at its row of the batch); else rows are summed per example."""
+        return self.rows.numel() <= self.batch and self.rows.unique().numel() == self.rows.numel()
 
 
 ROW_WISE = frozenset(
@@ -832,6 +1064,33 @@ def _to_batch(value: Any, rows: RowMap) -> Any:
     out = value.new_zeros((rows.batch, *value.shape[1:]))
     out[rows.rows.to(value.device)] = value
     return out
+
+
+def _is_opacus_rnn(module: nn.Module) -> bool:
+    """Opacus's own DPRNN/DPGRU/DPLSTM (made of per-step linear layers, not swapped by ``recurrent``)."""
+    try:
+        from opacus.layers.dp_rnn import DPRNNBase
+    except ImportError:  # pragma: no cover - opacus is a dependency
+        return False
+    return isinstance(module, DPRNNBase)
+
+
+def _refuse_packed(name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+    """Opacus's DPRNN layers run a packed sequence one time step at a time on fewer rows each step, sorted
+    by length: rows that cannot be matched to the batch's examples."""
+    if args and isinstance(args[0], nn.utils.rnn.PackedSequence) and torch.is_grad_enabled():
+        raise DPConfigurationError(
+            f"Layer {name or '<root>'!r} ({type(module).__name__}, Opacus's own recurrent layer) is called on a "
+            "PackedSequence: it runs each time step on the sequences still running, sorted by length, so its "
+            "calls' rows are not the batch's examples. Use torch.nn's own layer (nn.LSTM, nn.GRU, nn.RNN), "
+            "which lightning-dp swaps for an exact equivalent that takes packed sequences "
+            "(pack_padded_sequence(..., enforce_sorted=False)), or pass DPLSTM padded [batch, time, ...] tensors."
+        )
+
+
+def _stat_versions(layer: nn.Module) -> tuple[int, ...]:
+    """In-place versions of a BatchNorm's running statistics (an update bumps them)."""
+    return tuple(b._version for b in layer.buffers(recurse=False))
 
 
 def _written_buffers(buffers: list[tuple[nn.Module, str, Tensor, Tensor]]) -> list[str]:
@@ -1024,6 +1283,30 @@ def missed_use_message(names: list[str], gap: float | None = None) -> str:
         "and call it; put a temperature in a module the forward calls), move weight penalties into the "
         "optimizer's weight_decay, or freeze the parameter. A loss summed over the batch needs "
         "DPStrategy(loss_reduction='sum')."
+    )
+
+
+def partial_backwards_message() -> str:
+    """The refusal for several backward passes over parts of one batch before its release."""
+    return (
+        "Several backward passes over parts of one sampled batch (manual gradient accumulation: "
+        "manual_backward once per part, then one optimizer step) before its release: each part's loss is a "
+        "mean over the part, so each example's gradient depends on how the batch was split, and the private "
+        "step is one release per sampled batch. Call manual_backward once on the whole batch's loss; if the "
+        "batch does not fit in memory, use DPStrategy(max_physical_batch_size=...) with automatic "
+        "optimization, which splits it and adds the noise once."
+    )
+
+
+def second_order_message() -> str:
+    """The refusal for a loss that differentiates a gradient of the model again, on more than one example."""
+    return (
+        "The loss differentiates a gradient of the model again (torch.autograd.grad(..., create_graph=True): "
+        "a WGAN-GP gradient penalty, an input-gradient regulariser): its per-example gradients cannot be "
+        "taken from one backward over the batch, whose second-order terms the layer hooks do not see. This "
+        "step releases nothing. Pass DPStrategy(isolate_examples=True): each example then runs through "
+        "training_step alone and its per-example gradient is autograd's own, exact for any loss (one forward "
+        "and backward per example)."
     )
 
 

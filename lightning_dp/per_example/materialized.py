@@ -12,6 +12,7 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
+from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import vmap
 from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
 
@@ -223,7 +224,7 @@ def add_samples(into: dict[nn.Parameter, Tensor], samples: dict[nn.Parameter, Te
         if param.requires_grad:
             previous = into.get(param)
             if previous is not None and previous.shape != sample.shape:
-                raise RuntimeError(
+                raise DPConfigurationError(
                     f"A parameter of shape {tuple(param.shape)} is used by layer calls that see different "
                     f"batches ({previous.shape[0]} vs {sample.shape[0]} examples): every call must see the whole "
                     "batch on dimension 0 (a PackedSequence through Opacus's DPLSTM does not; use nn.LSTM)."

@@ -98,6 +98,7 @@ class CyclicPoisson(SeededSampler):
     """
 
     carries_batch_info = True
+    takes_public_size = True  # q_b = B·b/N and the groups hold whatever the real N is
 
     def __init__(self, bands: int | Literal["auto"] = "auto", seed: int | None = None) -> None:
         super().__init__(seed)
@@ -153,13 +154,13 @@ class CyclicPoisson(SeededSampler):
         self._set_rate()
 
     def _set_rate(self) -> None:
-        bands = self.resolved_bands
-        rate = self.batch_size * bands / self.num_samples
+        bands, size = self.resolved_bands, self.size_for_releases
+        rate = self.batch_size * bands / size
         if rate > 1.0:
             raise ValueError(
-                f"CyclicPoisson(bands={bands}) with batch_size={self.batch_size} on N={self.num_samples} examples "
+                f"CyclicPoisson(bands={bands}) with batch_size={self.batch_size} on N={size} examples "
                 f"needs q_b = B·b/N = {rate:.4g} > 1: each group has about N/b examples and must fill a batch of "
-                f"B. Use bands ≤ N/B = {self.num_samples // self.batch_size}, or a smaller batch_size."
+                f"B. Use bands ≤ N/B = {size // self.batch_size}, or a smaller batch_size."
             )
         self.sample_rate = rate
 

@@ -58,6 +58,7 @@ class Poisson(SeededSampler):
     """
 
     bands = 1  # one group that joins every step: cyclic Poisson sampling with b = 1
+    takes_public_size = True  # each example joins w.p. q whatever N is: q may come from a declared N
 
     def __init__(self, seed: int | None = None) -> None:
         super().__init__(seed)
@@ -70,13 +71,15 @@ class Poisson(SeededSampler):
         check_population(num_samples)
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}.")
-        if batch_size > num_samples:
+        size = num_samples if self.public_size is None else self.public_size
+        if batch_size > size:
             raise ValueError(
-                f"The expected batch size ({batch_size}) is larger than the training set ({num_samples}): "
-                "the sample rate q = batch_size / N would exceed 1. Use a smaller batch_size."
+                f"The expected batch size ({batch_size}) is larger than the training set ({size}"
+                f"{'' if self.public_size is None else ', as declared by dataset_size'}): the sample rate "
+                "q = batch_size / N would exceed 1. Use a smaller batch_size."
             )
         self.num_samples = num_samples
-        self.sample_rate = batch_size / num_samples
+        self.sample_rate = batch_size / size
         self.rank, self.world_size = rank, world_size
         self._start_stream(f"poisson/{rank}")
 

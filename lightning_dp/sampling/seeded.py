@@ -35,8 +35,9 @@ class SeededSampler(Sampler):
         return self.generator
 
     def state_dict(self) -> dict[str, Any]:
-        """q and N (public settings) and, in a seeded run only, the generator's state (it regenerates every batch)."""
-        state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.num_samples}
+        """q and N (public settings: the declared N with ``dataset_size``) and, in a seeded run only, the
+        generator's state (it regenerates every batch)."""
+        state: dict[str, Any] = {"sample_rate": self.sample_rate, "num_samples": self.size_for_releases}
         generator = saved_state(self.generator, self.seed)
         if generator is not None:
             state["generator"] = generator

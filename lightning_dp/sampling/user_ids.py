@@ -133,18 +133,24 @@ def _is_attribute(dataset: Any, key: str) -> bool:
 def _missing(value: Any) -> bool:
     if value is None:
         return True
-    if isinstance(value, float) and math.isnan(value):
-        return True
-    return isinstance(value, Tensor) and value.numel() == 1 and bool(value.isnan().any())
+    return isinstance(value, float) and math.isnan(value)
+
+
+_ID_FIX = (
+    "A user id must be one hashable value: an int, a string, a float, a tuple such as (org, user), or a "
+    "0-d or 1-element tensor or NumPy value."
+)
 
 
 def _relabel(raw: Sequence[Any] | Tensor | np.ndarray, owner: str) -> UserIds:
-    """Sorted distinct ids → 0..U−1 (vectorised for integer tensors and arrays)."""
-    array = raw.detach().cpu().numpy() if isinstance(raw, Tensor) else raw
+    """Sorted distinct ids → 0..U−1 (vectorised for integer tensors and arrays). Every id a user can hold is
+    read as one value (:func:`_plain`); an id that lists several users or cannot be hashed is refused by name."""
+    array = _as_array(raw)
     if isinstance(array, np.ndarray) and array.dtype.kind in "iub":
         distinct, inverse = np.unique(array, return_inverse=True)
-        return UserIds(torch.from_numpy(inverse.astype(np.int64)), [x.item() for x in distinct])
-    values = [_plain(v) for v in (array.tolist() if isinstance(array, np.ndarray) else raw)]
+        return UserIds(torch.from_numpy(inverse.reshape(-1).astype(np.int64)), [x.item() for x in distinct])
+    items = array.tolist() if isinstance(array, np.ndarray) and array.dtype != object else list(array)
+    values = [_plain(v, index, owner) for index, v in enumerate(items)]
     missing = sum(_missing(v) for v in values)
     if missing:
         raise DPConfigurationError(
@@ -152,24 +158,85 @@ def _relabel(raw: Sequence[Any] | Tensor | np.ndarray, owner: str) -> UserIds:
             "belong to a user: give them an id (each its own user, if they are one person's), or drop them "
             "from the training set."
         )
-    shared = sum(isinstance(v, (list, tuple, set, frozenset)) for v in values)
-    if shared:
-        raise DPConfigurationError(f"{owner}: {shared} examples list several user ids. {_ONE_OWNER}")
-    try:
-        unique = sorted(set(values))
-    except TypeError:  # ids of mixed types: a deterministic order all ranks agree on
-        unique = sorted(set(values), key=lambda v: (type(v).__name__, repr(v)))
+    unique = sorted(set(values), key=_order)
     label = {value: index for index, value in enumerate(unique)}
     return UserIds(torch.tensor([label[v] for v in values], dtype=torch.long), list(unique))
 
 
-def _plain(value: Any) -> Any:
-    """A 0-d tensor or numpy scalar as its Python value (hashable, comparable)."""
-    if isinstance(value, Tensor) and value.numel() == 1:
-        return value.item()
+def _order(value: Any) -> tuple[Any, ...]:
+    """A total order on ids that every process agrees on (Python's own is partial on sets and undefined
+    across types; a set's iteration order depends on the process's hash seed): numbers, then strings, then
+    bytes, tuples and frozensets element by element, anything else by its type and ``repr``."""
+    if isinstance(value, bool | int | float):
+        return (0, value)
+    if isinstance(value, str):
+        return (1, value)
+    if isinstance(value, bytes):
+        return (2, value)
+    if isinstance(value, tuple):
+        return (3, tuple(_order(v) for v in value))
+    if isinstance(value, frozenset):
+        return (4, tuple(sorted(_order(v) for v in value)))
+    return (5, type(value).__qualname__, repr(value))
+
+
+def _as_array(raw: Sequence[Any] | Tensor | np.ndarray) -> Sequence[Any] | np.ndarray:
+    """A tensor of ids as a NumPy array (half-precision floats widened exactly), others as they are."""
+    if not isinstance(raw, Tensor):
+        return raw
+    ids = raw.detach().cpu()
+    if ids.dtype in (torch.float16, torch.bfloat16):
+        ids = ids.double()
+    return ids.numpy()
+
+
+def _plain(value: Any, index: int = 0, owner: str = "DPStrategy") -> Any:
+    """One example's id as a plain hashable Python value: a 0-d or 1-element tensor or array and a NumPy
+    scalar become their value; a list or set (several owners), a multi-element tensor or array, or any
+    other unhashable value is refused by name, with the fix."""
+    if isinstance(value, Tensor | np.ndarray):
+        if _size(value) == 1:
+            return value.item()
+        raise DPConfigurationError(
+            f"{owner}: the user id of example {index} is a {type(value).__name__} of "
+            f"{'several' if _size(value) else 'no'} values, not one id. {_ID_FIX} {_ONE_OWNER}"
+        )
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, list | set):
+        raise DPConfigurationError(
+            f"{owner}: the user id of example {index} is a {type(value).__name__}, which lists several ids. "
+            f"{_ONE_OWNER} If it is one composite id, give it as a tuple. {_ID_FIX}"
+        )
+    try:
+        hash(value)
+    except TypeError:
+        raise DPConfigurationError(
+            f"{owner}: the user id of example {index} is a {type(value).__name__}, which cannot be hashed, so "
+            f"it cannot name one user. {_ID_FIX}"
+        ) from None
     return value
+
+
+def _size(value: Tensor | np.ndarray) -> int:
+    return int(value.size) if isinstance(value, np.ndarray) else value.numel()
+
+
+def same_users(a: UserIds, b: UserIds) -> bool:
+    """Whether two reads of the ids give the same users: the same id for every example."""
+    return torch.equal(a.user_of_example, b.user_of_example) and a.raw_ids == b.raw_ids
+
+
+def changed_users_message(owner: str) -> str:
+    """The refusal for user ids that changed between two reads in one run (no statistic of them)."""
+    return (
+        f"{owner}: the user ids changed during the run: read again when the train loader was set up again "
+        "(reload_dataloaders_every_n_epochs, another fit), the same examples now belong to other users (ids "
+        "edited in place, users merged or split, labels used as ids changed). Which examples form a user, and "
+        "how many users there are, would then be read from the training data without noise, and the ledger "
+        "prices neither. Keep every example's user id fixed for the whole run, or train the new users in a new "
+        "run (a new DPStrategy, whose ε adds to this one's)."
+    )
 
 
 def with_new_users(users: UserIds, sizes: Sequence[int]) -> Tensor | list[Hashable]:

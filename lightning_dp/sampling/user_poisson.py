@@ -31,7 +31,13 @@ from lightning_dp.sampling.contribution_bound import (
     user_index,
 )
 from lightning_dp.sampling.seeded import DrawnBatches, SeededSampler
-from lightning_dp.sampling.user_ids import UserIds, UserKey, resolve_user_ids
+from lightning_dp.sampling.user_ids import (
+    UserIds,
+    UserKey,
+    changed_users_message,
+    resolve_user_ids,
+    same_users,
+)
 from lightning_dp.validation import number
 
 __all__ = ["UserPoisson"]
@@ -58,6 +64,7 @@ class UserPoisson(SeededSampler):
 
     unit = "user"
     carries_batch_info = True
+    takes_public_size = True  # each user joins w.p. q whatever U is: q may come from a declared U
 
     def __init__(
         self,
@@ -96,10 +103,15 @@ class UserPoisson(SeededSampler):
 
     # -- set-up ---------------------------------------------------------------------------------------
     def bind_dataset(self, dataset: Any) -> None:
-        """Read every example's user id (once per data set) and build the CSR user index."""
-        if dataset is self._dataset and self.users is not None:
-            return
-        self._index(resolve_user_ids(dataset, self.user_key, owner="UserPoisson"))
+        """Read every example's user id and build the CSR user index. A train loader set up again in the run
+        (``reload_dataloaders_every_n_epochs``, a second fit) has its ids read again, also from the same data
+        set object: ids edited in place (two users merged, labels used as ids relabelled) are refused."""
+        users = resolve_user_ids(dataset, self.user_key, owner="UserPoisson")
+        if self.users is not None and self._dataset is not None:
+            if not same_users(self.users, users):
+                raise ValueError(changed_users_message("UserPoisson"))
+        else:
+            self._index(users)
         self._dataset = dataset
 
     def _index(self, users: UserIds) -> None:
@@ -132,10 +144,11 @@ class UserPoisson(SeededSampler):
         num_users = self.users.num_users
         if num_users == 0:
             raise ValueError("The training set is empty: DP training needs at least one user.")
-        if self.users_per_step > num_users:
+        size = num_users if self.public_size is None else self.public_size  # U as released: declared, or real
+        if self.users_per_step > size:
             raise ValueError(
-                f"users_per_step={self.users_per_step} is larger than the number of users U={num_users}: the "
-                f"sample rate q = users_per_step / U would exceed 1. Use users_per_step ≤ {num_users}."
+                f"users_per_step={self.users_per_step} is larger than the number of users U={size}: the "
+                f"sample rate q = users_per_step / U would exceed 1. Use users_per_step ≤ {size}."
             )
         rows = self.users_per_step * self.examples_per_user
         if not self._warned_batch and not rows / 2 <= batch_size <= 2 * rows:
@@ -147,7 +160,7 @@ class UserPoisson(SeededSampler):
                 stacklevel=4,
             )
         self.num_samples = num_users  # the privacy unit is the user: U is the N of the ledger and checkpoint
-        self.sample_rate = self.users_per_step / num_users
+        self.sample_rate = self.users_per_step / size
         self.rank, self.world_size = rank, world_size
         generator = self._start_stream(f"user_poisson/{rank}")
         if self.selection == "cycle" and (self._cursor is None or len(self._cursor) != num_users):
@@ -163,7 +176,7 @@ class UserPoisson(SeededSampler):
     def batches_per_epoch(self, num_samples: int, batch_size: int) -> int:
         """An epoch samples each user once in expectation: ⌈U / users_per_step⌉ steps."""
         del num_samples, batch_size
-        return max(1, math.ceil(self.num_samples / self.users_per_step))
+        return max(1, math.ceil(self.size_for_releases / self.users_per_step))
 
     # -- sampling -------------------------------------------------------------------------------------
     def draw(self) -> IndicesWithInfo:

@@ -34,6 +34,8 @@ from lightning_dp.checks import RunChecks
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError
+from lightning_dp.per_example.capture import tracing
+from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.prepare import OnBatchNorm, prepare_module
 from lightning_dp.privacy_unit import PrivacyUnit
 from lightning_dp.strategies import checkpoints, loaders, refusals, routing, units
@@ -73,6 +75,8 @@ class DPStrategyBase(Strategy):
         self.on_batchnorm: OnBatchNorm = config.on_batchnorm
         self.setup_notes: list[str] = []
         self.clipping_paths = ""
+        self.conv_tuner: ConvAutotuner | None = None
+        """The capture's convolution methods (set at fit start, kept for the report after teardown)."""
         self._resumed = False
         self._train_loader_pass: object = refusals.NO_PASS
         self._realised_sizes: loaders.RealisedSizes | None = None
@@ -136,6 +140,9 @@ class DPStrategyBase(Strategy):
         described = "; ".join(f"{path} {', '.join(names)}" for path, names in sorted(paths.items()))
         self.clipping_paths = f"per-example clipping ({grads.mode} mode): {described}"
         rank_zero_info(f"lightning-dp: {self.clipping_paths}")
+        # each convolution's methods, chosen on its first batch by the cost model: one line per shape
+        self.conv_tuner = grads.conv_tuner
+        self.conv_tuner.announce = _announce  # a module function: the engine holding it still pickles
 
     # -- 2. optimizers --------------------------------------------------------------------------------------
     @override
@@ -237,6 +244,7 @@ class DPStrategyBase(Strategy):
             loaders.calibrate(engine, loaders.planned_steps(trainer, num_batches))
         if not self._resumed:
             refusals.refuse_unaffordable_first_step(engine)
+        refusals.refuse_unsplit_joint_release(engine)
         self._check_ranks_agree(
             {"q (sample rate)": sampler.sample_rate, "noise multiplier": loaders.first_sigma(engine)}
         )
@@ -278,6 +286,13 @@ class DPStrategyBase(Strategy):
         self._before_user_code(batch, args, kwargs)
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step(module)
+        with tracing(
+            module
+        ):  # parameter uses outside the layers, rows taken from the batch (per_example.uses)
+            return self._user_step(module, batch, args, kwargs)
+
+    def _user_step(self, module: Any, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The user's ``training_step`` on the whole batch, or physical chunk by chunk (virtual batching)."""
         if self.chunking.whole:
             return super().training_step(*args, **kwargs)
         user_step, chunking = super().training_step, self.chunking
@@ -302,11 +317,11 @@ class DPStrategyBase(Strategy):
         module = self.lightning_module
         assert module is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        check_batch, check_units = routing.first_chunk(batch, self.chunking, self.engine.units)
+        chunks = routing.physical_chunks(batch, self.chunking, self.engine.units)
         self._refuse_together(
             lambda: self.checks.before_user_code(
-                self.engine, module, self._trainer(), batch, batch_idx, check_batch,
-                self.precision_plugin, self.root_device, check_units,
+                self.engine, module, self._trainer(), batch, batch_idx, chunks,
+                self.precision_plugin, self.root_device,
             )
         )  # fmt: skip
 
@@ -362,6 +377,11 @@ class DPStrategyBase(Strategy):
     def _fitting(self) -> bool:
         trainer = self._trainer()
         return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def _announce(line: str) -> None:
+    """One line of what the run chose, logged on rank 0."""
+    rank_zero_info(f"lightning-dp: {line}")
 
 
 def _ensure_privacy_callback(trainer: Trainer) -> None:

@@ -76,7 +76,7 @@ class ModelHistory:
 def record_model_history(engine: PrivateStepEngine, module: Any) -> None:
     """Leave the engine's ledger (every release the model has had) on ``module`` for a later strategy."""
     if module is not None and engine.ledger.steps > engine.prior_events:  # it released something itself
-        n = engine.sampler.num_samples or None
+        n = engine.sampler.size_for_releases or None
         setattr(module, MODEL_HISTORY_ATTR, ModelHistory(engine.ledger.state_dict(), n, owner=id(engine)))
 
 
@@ -129,7 +129,7 @@ def _continue_model_history(engine: PrivateStepEngine, history: ModelHistory) ->
 
 def _check_prior_data(engine: PrivateStepEngine, public_changes: bool) -> None:
     """The earlier releases of the model must have been made on the same N (unless changes are public)."""
-    before, n = engine.prior_num_samples, engine.sampler.num_samples
+    before, n = engine.prior_num_samples, engine.sampler.size_for_releases
     if before is None or public_changes or before == n:
         return
     raise DPConfigurationError(
@@ -383,11 +383,15 @@ def _after(history: list[tuple[PrivacyEvent, int]], skip: int) -> list[tuple[Pri
 
 def _check_same_shape(sampler: Sampler) -> None:
     saved_n, saved_q = sampler.restored_shape
-    if not saved_n or saved_q is None or (saved_n, saved_q) == (sampler.num_samples, sampler.sample_rate):
+    if (
+        not saved_n
+        or saved_q is None
+        or (saved_n, saved_q) == (sampler.size_for_releases, sampler.sample_rate)
+    ):
         return  # (N = 0: written before the sampler was bound, e.g. interrupted in a fresh fit's set-up)
     raise DPConfigurationError(
         f"The checkpoint was trained on {_units(sampler, saved_n)} with sample rate {saved_q:.6g}; this run "
-        f"has {_units(sampler, sampler.num_samples)}, rate {sampler.sample_rate:.6g}. The ledger cannot "
+        f"has {_units(sampler, sampler.size_for_releases)}, rate {sampler.sample_rate:.6g}. The ledger cannot "
         "continue across a "
         f"different data set or batch size: {_shape_change(saved_n, saved_q, sampler)} Resume with the "
         "same training set and batch_size, or start a new run without ckpt_path (its ε then adds to "
@@ -397,7 +401,7 @@ def _check_same_shape(sampler: Sampler) -> None:
 
 def _shape_change(saved_n: int, saved_q: float, sampler: Sampler) -> str:
     """One sentence on what changed between the checkpoint's data and this run's, and what it does to q."""
-    n, q = sampler.num_samples, sampler.sample_rate
+    n, q = sampler.size_for_releases, sampler.sample_rate
     users = sampler.unit == "user"
     if n == saved_n:
         setting = "users_per_step" if users else "batch_size"

@@ -12,13 +12,15 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lightning_dp import validation
-from lightning_dp.clipping import FlatClipping
+from lightning_dp.clipping import AutoClipping, FlatClipping
+from lightning_dp.clipping.integer_grid import GridClipping
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
+from lightning_dp.noise.discrete_gaussian import DiscreteGaussian
 from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
 from lightning_dp.sampling import Poisson, UserPoisson
@@ -76,8 +78,14 @@ class PrivacyConfig:
     unit_selection: Literal["random", "cycle"] = "random"
     unit_reduction: Literal["mean", "sum"] = "mean"
     max_examples_per_user: int | None = None
+    secure: bool = False
+    """Secure noise: integer sums and discrete Gaussian noise from ``os.urandom`` (``DiscreteGaussian``)."""
+    dataset_size: int | None = None
+    """N (U with users) declared public: q, the divisor and the epoch length read it, never the real size."""
     owner: str = dataclasses.field(default="DPStrategy", compare=False)
     """The class named in error messages."""
+    sigma_calibrated: ClassVar[bool] = False
+    """Set per config: True when no σ was given, so it is calibrated from ``target_epsilon`` (from N and q)."""
 
     @classmethod
     def parameters(cls) -> tuple[str, ...]:
@@ -94,17 +102,27 @@ class PrivacyConfig:
         _validate(self)
         _validate_unit(self)
         no_noise_given = self.noise_multiplier is None and (self.noise is None or not self.noise.is_set)
+        object.__setattr__(self, "sigma_calibrated", no_noise_given)
         if self.target_epsilon is None and no_noise_given:
             object.__setattr__(self, "target_epsilon", DEFAULT_TARGET_EPSILON)
         if self.noise_multiplier == 0:
             warnings.warn("noise_multiplier=0 adds no noise: this run has no privacy (ε = ∞).", stacklevel=5)
 
+    @property
+    def is_secure(self) -> bool:
+        """Whether the run uses secure noise (``secure=True``, or a ``DiscreteGaussian`` noise slot)."""
+        return self.secure or isinstance(self.noise, DiscreteGaussian)
+
     def build_engine(self) -> PrivateStepEngine:
         """The engine with this config's slots (defaults filled in), budget and clipping bound."""
+        sampler = self.sampler if self.sampler is not None else self._default_sampler()
+        if self.dataset_size is not None:
+            sampler.public_size = self.dataset_size
+        noise, clipping = self._noise_and_clipping()
         return PrivateStepEngine(
-            sampler=self.sampler if self.sampler is not None else self._default_sampler(),
-            clipping=self.clipping if self.clipping is not None else FlatClipping(),
-            noise=self.noise if self.noise is not None else ConstantNoise(self.noise_multiplier),
+            sampler=sampler,
+            clipping=clipping,
+            noise=noise,
             step=self.step if self.step is not None else Step(),
             max_grad_norm=self.max_grad_norm,
             delta=self.delta,
@@ -115,6 +133,18 @@ class PrivacyConfig:
             grad_sample_mode=self.grad_sample_mode,
             max_physical_batch_size=self.max_physical_batch_size,
         )
+
+    def _noise_and_clipping(self) -> tuple[Noise, Clipping]:
+        """The noise and clipping slots: the user's (defaults filled in), or secure noise's pair on one grid."""
+        if not self.is_secure:
+            noise = self.noise if self.noise is not None else ConstantNoise(self.noise_multiplier)
+            return noise, self.clipping if self.clipping is not None else FlatClipping()
+        secure = (
+            self.noise
+            if isinstance(self.noise, DiscreteGaussian)
+            else DiscreteGaussian(self.noise_multiplier)
+        )
+        return secure, GridClipping(secure.grid)
 
     def _default_sampler(self) -> Sampler:
         """Poisson over examples, or over users for ``privacy_unit="user"`` (the keyword form of UserPoisson)."""
@@ -259,7 +289,63 @@ def _validate(config: PrivacyConfig) -> None:
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {config.loss_reduction!r}.")
     if config.noise is not None and config.noise_multiplier is not None:
         raise DPConfigurationError("Give either noise=... or noise_multiplier=..., not both.")
+    _validate_clipping(config)
     _validate_augmentation(config)
+    _validate_secure(config)
+    number(config.dataset_size, "dataset_size", owner=owner, low=1, integer=True, optional=True)
+    if (
+        config.dataset_size is not None
+        and config.sampler is not None
+        and not config.sampler.takes_public_size
+    ):
+        raise DPConfigurationError(
+            f"{owner}: dataset_size={config.dataset_size} with sampler={config.sampler.name}: its guarantee depends "
+            "on the real number of examples (it samples a fixed share of them, or weighs them), so q cannot come "
+            "from a declared size. Use the default Poisson sampler (or UserPoisson, CyclicPoisson) with "
+            "dataset_size, or leave dataset_size unset."
+        )
+
+
+def _validate_secure(config: PrivacyConfig) -> None:
+    """``secure=True`` swaps in the noise and clipping slots of secure noise: refuse slots it would replace."""
+    owner = config.owner
+    validation.flag(config.secure, "secure", owner=owner)
+    if not config.is_secure:
+        return
+    if config.noise is not None and not isinstance(config.noise, DiscreteGaussian):
+        raise DPConfigurationError(
+            f"{owner}: secure=True with noise={config.noise.name}: secure noise is the discrete Gaussian. Leave "
+            "noise unset (noise_multiplier=... or target_epsilon sets σ), or pass noise=DiscreteGaussian(...)."
+        )
+    if math.isinf(config.max_grad_norm):
+        raise DPConfigurationError(
+            f"{owner}: secure=True with max_grad_norm=inf: the integer grid's step is proportional to C (γ = "
+            "2·rounding_slack·C/√d), so an unbounded C has no grid. Give a finite clipping bound."
+        )
+    if config.clipping is not None and type(config.clipping) is not FlatClipping:
+        raise DPConfigurationError(
+            f"{owner}: secure=True with clipping={config.clipping.name}: secure noise rounds DP-SGD's flat L2 "
+            "clipping onto its integer grid and cannot round another clipping. Leave clipping unset."
+        )
+
+
+def _validate_clipping(config: PrivacyConfig) -> None:
+    """A clipping that sets C itself ignores ``max_grad_norm``; one that scales by it needs it finite."""
+    clipping, owner = config.clipping, config.owner
+    if clipping is None or config.max_grad_norm == 1.0:
+        return
+    if type(clipping).clip_bound is not Clipping.clip_bound:
+        raise DPConfigurationError(
+            f"{owner}: max_grad_norm={config.max_grad_norm:g} with clipping={clipping.name}, which sets the "
+            "clipping bound itself from released values (starting at its initial_norm) and would ignore it. "
+            f"Leave max_grad_norm unset and give {clipping.name}(initial_norm=...) to choose where C starts."
+        )
+    if isinstance(clipping, AutoClipping) and math.isinf(config.max_grad_norm):
+        raise DPConfigurationError(
+            f"{owner}: max_grad_norm=inf with AutoClipping: each example's gradient is scaled to norm just "
+            "below max_grad_norm, so an infinite one makes every gradient infinite. Leave max_grad_norm at its "
+            "default 1 (the learning rate sets the step) or give a finite one."
+        )
 
 
 def _validate_augmentation(config: PrivacyConfig) -> None:

@@ -110,6 +110,23 @@ def refuse_together(check: Callable[[], None], device: torch.device) -> None:
     raise DPConfigurationError(f"Rank {rank} refused this step before its release: {message}")
 
 
+def rank_agreement(strategy: DPStrategyBase) -> dict[str, Any]:
+    """What every rank of a distributed strategy must share to price one run: δ, the target, C, the
+    batch-size meaning, the data settings and every slot's public settings."""
+    engine = strategy.engine
+    common: dict[str, Any] = {
+        key: getattr(engine, key)
+        for key in ("target_epsilon", "delta", "max_grad_norm", "accountant", "loss_reduction")
+    }
+    common.update(per_device_batch_size=strategy.per_device_batch_size)
+    common.update(
+        {key: getattr(strategy.config, key) for key in ("data_changes", "augmentation_multiplicity")}
+    )
+    for name, slot in iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot):
+        common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})
+    return common
+
+
 class DPDDPStrategy(DPStrategyBase, DDPStrategy):
     """Differentially private DDP: ``Trainer(strategy="dp_ddp", devices=N, num_nodes=M)``.
 
@@ -166,6 +183,8 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         unit_selection: Literal["random", "cycle"] = "random",
         unit_reduction: Literal["mean", "sum"] = "mean",
         max_examples_per_user: int | None = None,
+        secure: bool = False,
+        dataset_size: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -212,19 +231,7 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         """Every rank must price the same run: the given fields, δ, the target, C and the slots."""
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
             return
-        engine = self.engine
-        common: dict[str, Any] = {
-            key: getattr(engine, key)
-            for key in ("target_epsilon", "delta", "max_grad_norm", "accountant", "loss_reduction")
-        }
-        common.update(per_device_batch_size=self.per_device_batch_size)
-        common.update(
-            {key: getattr(self.config, key) for key in ("data_changes", "augmentation_multiplicity")}
-        )
-        slots = iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot)
-        for name, slot in slots:
-            common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})
-        check_ranks_agree({**fields, **common}, self.world_size)
+        check_ranks_agree({**fields, **rank_agreement(self)}, self.world_size)
 
     @override
     def configure_ddp(self) -> None:

@@ -7,6 +7,7 @@ noise-only step), and the number of steps the Trainer will run sets σ when a ta
 
 from __future__ import annotations
 
+import random
 import types
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -19,7 +20,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
-from lightning_dp.batches import BatchWithInfo, EmptyBatch, InfoDataset
+from lightning_dp.batches import BatchWithInfo, EmptyBatch, InfoDataset, units_of
+from lightning_dp.checks.collate_order import collate_in_order
 from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
@@ -29,20 +31,27 @@ from lightning_dp.sampling.units import AugmentedDataset, flatten_views
 class CollateWithEmpty:
     """The user's collate function, except that an empty index list becomes an ``EmptyBatch``; with
     ``views`` > 1 (augmentation multiplicity) it collates every example's views as consecutive rows and
-    the batch carries its unit map (:func:`~lightning_dp.sampling.units.flatten_views`)."""
+    the batch carries its unit map (:func:`~lightning_dp.sampling.units.flatten_views`). A batch whose rows
+    carry privacy units is collated in order or refused (:func:`~lightning_dp.checks.collate_order.collate_in_order`):
+    each row keeps the unit of the item fetched at its position."""
 
     def __init__(self, collate_fn: Any, views: int = 1) -> None:
         self.collate_fn, self.views = collate_fn, views
+        self.probe = random.Random(0x0DE5)
+        """Draws the other order the collate check collates a batch in (its own stream: no global draw)."""
 
     def __call__(self, samples: list[Any]) -> Any:
         info = getattr(samples, "info", None)
         if len(samples) == 0:
-            batch: Any = EmptyBatch()
-        elif self.views > 1:
+            return EmptyBatch() if info is None else BatchWithInfo(EmptyBatch(), info)
+        rows = list(samples)
+        if self.views > 1:
             rows, info = flatten_views(samples, self.views)
+        units = units_of(info)
+        if units is None:
             batch = self.collate_fn(rows)
         else:
-            batch = self.collate_fn(list(samples))
+            batch = collate_in_order(self.collate_fn, rows, units, self.probe)
         return batch if info is None else BatchWithInfo(batch, info)
 
 

@@ -33,6 +33,12 @@ class DPOptimizer(Optimizer):
         self.engine = engine
 
     @property
+    def optimizer(self) -> Optimizer:
+        """The user's optimizer, where Lightning's callbacks look for a wrapped one (``LearningRateMonitor``
+        logs ``lr-SGD``, not ``lr-DPOptimizer``), as they do for ``LightningOptimizer.optimizer``."""
+        return self.original_optimizer
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.original_optimizer.param_groups
 

@@ -129,7 +129,7 @@ def refuse_laplace_shares(accountant: str, world_size: int) -> None:
 
 def refuse_uncovered_parameters(optimizers: Sequence[Optimizer], engine: PrivateStepEngine) -> None:
     """Every trainable parameter an optimizer holds must get per-example gradients from a hooked layer."""
-    hooked = {id(p) for p in engine.params}
+    hooked = {id(p) for p in engine.stepped_params}
     for optimizer in optimizers:
         missing = [
             p for g in optimizer.param_groups for p in g["params"] if id(p) not in hooked and p.requires_grad
@@ -213,10 +213,21 @@ def refuse_unaffordable_first_step(engine: PrivateStepEngine) -> None:
         raise DPConfigurationError(
             f"Not even one step fits in target_epsilon={engine.target_epsilon} at noise multiplier "
             f"{engine.noise_multiplier():.4g} and sample rate q={sampler.sample_rate:.6g} (expected "
-            f"batch {sampler.expected_batch_size:g} of N={sampler.num_samples} examples). Raise the noise "
+            f"batch {sampler.expected_batch_size:g} of N={sampler.size_for_releases} examples). Raise the noise "
             "multiplier or the budget, or lower q (a smaller batch_size; q grows when the data set shrinks)."
             + earlier
         )
+
+
+def refuse_unsplit_joint_release(engine: PrivateStepEngine) -> None:
+    """Once σ is known, before any data is touched: a clipping that shares the step's σ with a statistic
+    (quantile clipping's count) must be able to split it (its ``gradient_noise_multiplier`` refuses)."""
+    sampler = engine.sampler
+    if not engine.clipping.joint_statistic or sampler.schedules_noise or not engine.noise.is_set:
+        return
+    sigma = engine.noise_multiplier()
+    if sigma is not None:
+        engine.clipping.gradient_noise_multiplier(float(sigma), sampler.expected_batch_size)
 
 
 def budget_message(engine: PrivateStepEngine, trainer: Trainer | None) -> str:

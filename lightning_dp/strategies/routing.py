@@ -93,10 +93,12 @@ class Chunking:
         return list(zip(parts, maps, strict=True))
 
 
-def first_chunk(batch: Any, chunking: Chunking, units: UnitInfo | None = None) -> tuple[Any, UnitInfo | None]:
-    """What the first forward of a sampled batch sees (the batch, or its first physical chunk of whole
-    units), with that chunk's own unit map."""
-    return chunking.split(batch, units)[0]
+def physical_chunks(
+    batch: Any, chunking: Chunking, units: UnitInfo | None = None
+) -> list[tuple[Any, UnitInfo | None]]:
+    """What each forward of a sampled batch sees (the batch, or every physical chunk of whole units), each
+    with that chunk's own unit map: the checks run on all of them, as the release sums all of them."""
+    return chunking.split(batch, units)
 
 
 def noise_only_step(

@@ -78,6 +78,14 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         unit_reduction: ``"mean"`` (default) or ``"sum"`` of a user's row gradients before the clip to C.
         max_examples_per_user: keep at most this many examples per user (a seeded per-user choice, enforced).
             On an example-level run it gives the report a user-level ε line (group privacy over k examples).
+        secure: secure noise (``docs/guarantees.md``): each clipped per-example gradient is rounded onto an
+            integer grid, the sum is exact in int64, and the noise is a discrete Gaussian drawn from ``os.urandom``
+            (:class:`~lightning_dp.noise.discrete_gaussian.DiscreteGaussian`), so no floating-point sample can be
+            attacked. Priced with a bound valid for the discrete Gaussian; the noise is 0.1 % larger and the
+            per-example gradients are materialised.
+        dataset_size: N declared public (U, the number of users, with ``privacy_unit="user"``): q = batch_size / N,
+            the divisor q·N and the steps per epoch come from it, so nothing released reads the real size of the
+            training set; the report lists it as declared. Default: the real size, assumed public.
         device: force a device; by default it comes from the Trainer's accelerator and devices.
 
     The privacy arguments are those of :class:`~lightning_dp.strategies.PrivacyConfig` (validated there);
@@ -115,6 +123,8 @@ class DPStrategy(DPStrategyBase, SingleDeviceStrategy):
         unit_selection: Literal["random", "cycle"] = "random",
         unit_reduction: Literal["mean", "sum"] = "mean",
         max_examples_per_user: int | None = None,
+        secure: bool = False,
+        dataset_size: int | None = None,
         device: str | torch.device | None = None,
         accelerator: Any = None,
         checkpoint_io: Any = None,

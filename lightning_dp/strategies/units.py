@@ -8,20 +8,23 @@ from contextlib import contextmanager
 from typing import Any
 
 from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.errors import DPConfigurationError
 from lightning_dp.privacy_unit import PrivacyUnit
 from lightning_dp.sampling.contribution_bound import ContributionBound
-from lightning_dp.sampling.user_ids import UserKey
+from lightning_dp.sampling.user_ids import UserIds, UserKey, changed_users_message, same_users
 from lightning_dp.sampling.user_poisson import UserPoisson
 from lightning_dp.strategies.config import PrivacyConfig
 
 
 class BoundedData:
     """The training set an example-level run with ``max_examples_per_user`` trains on: at most k examples
-    per user, computed once per data set (a loader set up again on the same data reuses it)."""
+    per user; a loader set up again on the same data and ids reuses it."""
 
     def __init__(self) -> None:
         self._source: Any = None
         self._bounded: Any = None
+        self._users: UserIds | None = None
+        """The ids the bounded set was made from (read again at every set-up: an in-place edit is found)."""
         self.dataset: Any = None
         """The training set the run samples from, as last returned by :meth:`of`."""
         self.user_key: UserKey | None = None
@@ -32,13 +35,18 @@ class BoundedData:
         runs cap inside ``UserPoisson``, over the same choice)."""
         if config.max_examples_per_user is None or user_level:
             self.dataset = dataset
-        else:
-            if dataset is not self._source:
-                key = self.user_key if self.user_key is not None else config.user_key
-                assert key is not None  # PrivacyConfig refuses a bound without user_key
-                bound = ContributionBound(key, config.max_examples_per_user, config.seed)
-                self._bounded, self._source = bound.apply(dataset, owner=config.owner), dataset
-            self.dataset = self._bounded
+            return dataset
+        key = self.user_key if self.user_key is not None else config.user_key
+        assert key is not None  # PrivacyConfig refuses a bound without user_key
+        bound = ContributionBound(key, config.max_examples_per_user, config.seed)
+        bounded = bound.apply(dataset, owner=config.owner)  # the ids are read again, by content
+        assert bound.users is not None
+        changed = self._users is not None and not same_users(self._users, bound.users)
+        if changed and config.data_changes != "public":
+            raise DPConfigurationError(changed_users_message(config.owner))
+        if self._users is None or changed or dataset is not self._source:
+            self._bounded, self._source, self._users = bounded, dataset, bound.users
+        self.dataset = self._bounded
         return self.dataset
 
 
@@ -73,7 +81,7 @@ def privacy_unit_of(config: PrivacyConfig, engine: PrivateStepEngine) -> Privacy
     user = sampler.unit == "user"
     return PrivacyUnit(
         kind="user" if user else "example",
-        num_units=int(sampler.num_samples),
+        num_units=int(sampler.size_for_releases),  # the declared N (dataset_size=), else the real one
         examples_per_user=getattr(sampler, "examples_per_user", None) if user else None,
         max_examples_per_user=getattr(sampler, "max_examples_per_user", None)
         if user

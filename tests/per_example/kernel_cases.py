@@ -164,6 +164,15 @@ CASES: dict[str, tuple[LayerFactory, InputFactory]] = {
         lambda: nn.Conv2d(2, 2, (2, 3), padding="same", padding_mode="circular"),
         randn(2, 5, 4),
     ),
+    # maps smaller than the kernel's reach: offsets that only meet padding (conv_methods.LiveTaps)
+    "conv2d-dead-offsets-depthwise": (
+        lambda: nn.Conv2d(4, 4, 5, stride=2, padding=2, groups=4),
+        randn(4, 2, 3),
+    ),
+    "conv1d-dead-offsets-dilated": (
+        lambda: nn.Conv1d(2, 3, 3, stride=3, padding=4, dilation=2, bias=False),
+        randn(2, 2),
+    ),
     "embedding-gram": (lambda: nn.Embedding(10, 8), randint(4, 3)),  # T=3, repeats likely
     "embedding-sparse": (lambda: nn.Embedding(10, 4, padding_idx=0), randint(5, 12)),  # T²=144 > 16
     "embedding-gram-padding": (lambda: nn.Embedding(6, 8, padding_idx=2), randint(4, 2, 2)),

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.clipping.adaclip import _linear_transformed_sq_norms
+from lightning_dp.clipping.automatic import normalise_factors
 from lightning_dp.clipping.flat import clip_factors
 from lightning_dp.per_example.kernels import Cache, is_supported, linear, sq_norms, weighted_grad
 from lightning_dp.per_example.kernels.conv_autotune import force_conv_method
@@ -78,14 +79,24 @@ def exact_grads(layer: nn.Module, x: Tensor, d: Tensor) -> list[Tensor]:
     ]
 
 
-def assert_bounded(layer: nn.Module, x: Tensor, d: Tensor, exact: bool = True) -> None:
+Factors = Callable[[Tensor, float], Tensor]
+BOUNDS: dict[str, Factors] = {
+    "clip": clip_factors,
+    "normalise": lambda norms, c: normalise_factors(norms, c, 0.0),  # AutoClipping at r = 0: every one at C
+}
+"""The per-example weights of the clippings that scale by C/‖g_i‖ (FlatClipping, QuantileClipping; AutoClipping)."""
+
+
+def assert_bounded(
+    layer: nn.Module, x: Tensor, d: Tensor, exact: bool = True, factors: Factors = clip_factors
+) -> None:
     """Each example's exact contribution w_i·‖g_i‖ and the fp32 clipped sum of each example alone ≤ C.
 
     ``exact=False`` checks only the released sum: under TF32 the release is itself computed from inputs
     rounded to 10-bit mantissas, so the fp64 gradient of the unrounded inputs is not what is released."""
     cache: Cache = {}
     norms = sq_norms(layer, [x], d, cache)
-    weights = clip_factors(sum(norms.values()).sqrt(), C)
+    weights = factors(sum(norms.values()).sqrt(), C)
     if exact:
         grads = exact_grads(layer, x, d)
         true_norms = torch.stack([g.flatten(1).square().sum(1) for g in grads]).sum(0).sqrt()
@@ -161,9 +172,12 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+@pytest.mark.parametrize("bound", list(BOUNDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_crafted_examples_contribute_at_most_c(family: str, dtype: torch.dtype, monkeypatch) -> None:
+def test_crafted_examples_contribute_at_most_c(
+    family: str, dtype: torch.dtype, bound: str, monkeypatch
+) -> None:
     layer, x, d = FAMILIES[family]()
     if not is_supported(layer):
         pytest.fail(f"{family}: no fast kernels")
@@ -173,7 +187,7 @@ def test_crafted_examples_contribute_at_most_c(family: str, dtype: torch.dtype, 
         x = x.to(dtype) if x.is_floating_point() else x
         d = d.to(dtype)
     with force_conv_method(conv_method(family)):
-        assert_bounded(layer, x, d)
+        assert_bounded(layer, x, d, factors=BOUNDS[bound])
 
 
 def test_the_cancelling_gram_norm_is_zero_in_fp32() -> None:

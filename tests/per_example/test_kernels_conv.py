@@ -1,9 +1,11 @@
 """Convolution kernels (kernels/conv.py, conv_methods.py, conv_autotune.py): every norm method agrees with
-materialised per-example gradients, and the autotuner times only what fits the memory budget."""
+materialised per-example gradients, and the cost model chooses, once per shape and without any clock,
+among what fits the memory budget."""
 
 from __future__ import annotations
 
 import os
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -28,6 +30,7 @@ from lightning_dp.per_example.kernels.conv_methods import (
     MATERIALISING,
     ConvMethod,
     _conv_patches,
+    live_taps,
 )
 from tests.per_example.kernel_cases import (
     CASES,
@@ -52,18 +55,81 @@ def test_every_conv_method_matches_materialised(case: str, B: int, method: ConvM
         check_layer(layer, x, seed=B, cache={})
 
 
-def test_conv_method_is_timed_once_per_shape() -> None:
-    """The automatic choice is cached per layer shape, not per batch size (Poisson batches vary)."""
+def test_conv_plan_is_chosen_once_per_shape_and_announced_once() -> None:
+    """The automatic choice is cached per layer shape, not per batch size (Poisson batches vary), and
+    announced in one line that names the methods and no batch size."""
     layer = nn.Conv2d(3, 4, 3)
+    lines: list[str] = []
     with ConvAutotuner().active() as tuner:
+        tuner.announce = lines.append
         for B in (2, 5, 3):
             activations, backprops, _ = capture(layer, torch.randn(B, 3, 8, 8))
             sq_norms(layer, activations, backprops)
     assert len(tuner.choices) == 1
-    assert next(iter(tuner.choices.values())) in CONV_METHODS
+    plan = next(iter(tuner.choices.values()))
+    assert plan.norms in CONV_METHODS
+    assert lines == [f"convolution Conv2d(3→4, 3×3) on 3×8×8 (cpu): norms {plan.norms}, sum " + (
+        "the kept per-example gradients" if plan.norms in MATERIALISING else plan.sum
+    )]  # fmt: skip
+    assert tuner.report()[0]["norms"] == plan.norms
     assert ConvAutotuner().choices == {}, "each autotuner keeps its own choices"
     with pytest.raises(ValueError, match="conv method must be one of"), force_conv_method("im2col"):  # type: ignore[arg-type]
         pass
+
+
+SHAPES = [  # (layer, input without the batch): a WRN stage, ResNet's 1×1 and ConvNeXt's 2×2 maps, a stem
+    (nn.Conv2d(64, 64, 3, padding=1, bias=False), (64, 8, 8)),
+    (nn.Conv2d(32, 32, 3, padding=1, bias=False), (32, 1, 1)),
+    (nn.Conv2d(16, 16, 7, padding=3, groups=16), (16, 2, 2)),
+    (nn.Conv2d(3, 8, 7, stride=2, padding=3, bias=False), (3, 32, 32)),
+    (nn.Conv1d(4, 8, 3, padding=1), (4, 9)),
+]
+
+
+def test_the_plan_is_a_function_of_the_shapes_alone(monkeypatch) -> None:
+    """No clock is read while choosing (a busy machine cannot change the choice), and two fresh autotuners
+    given different batch sizes choose the same methods for every shape."""
+
+    def no_clock() -> float:
+        raise AssertionError("a clock was read while choosing a convolution method")
+
+    reports = []
+    for B in (2, 7):
+        tuner = ConvAutotuner()
+        with monkeypatch.context() as patched, tuner.active():
+            for name in ("perf_counter", "thread_time", "process_time", "monotonic", "time"):
+                patched.setattr(time, name, no_clock)
+            for layer, shape in SHAPES:
+                activations, backprops, _ = capture(layer, torch.randn(B, *shape))
+                sq_norms(layer, activations, backprops, {})
+        reports.append(tuner.report())
+    assert reports[0] == reports[1]
+    assert [entry["live_offsets"] for entry in reports[0]] == [
+        None,
+        [[1, 2], [1, 2]],
+        [[2, 5], [2, 5]],
+        None,
+        None,
+    ]
+
+
+def test_a_cropped_kernel_keeps_nothing_and_its_dead_offsets_sum_to_exact_zeros() -> None:
+    """A 3×3 kernel on 1×1 maps: only the centre offset ever touches the input; the norms come from that
+    offset alone (nothing kept: the cache would need the dead offsets), the sum is exactly 0 elsewhere."""
+    layer, shape = SHAPES[1]
+    activations, backprops, _ = capture(layer, torch.randn(3, *shape))
+    cache: Cache = {}
+    with ConvAutotuner().active():
+        norms = sq_norms(layer, activations, backprops, cache)[layer.weight]
+        total = weighted_grad(layer, activations, backprops, torch.ones(3), cache)[layer.weight]
+    assert layer.weight not in cache
+    exact = (backprops.flatten(1).square().sum(1) * activations[0].flatten(1).square().sum(1)).double()
+    assert_close_scaled(norms.double(), exact, terms=32)
+    assert torch.count_nonzero(total[:, :, [0, 2]]) == torch.count_nonzero(total[:, :, 1, [0, 2]]) == 0
+    assert (
+        live_taps(nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect"), torch.zeros(1, 2, 1, 1), backprops)
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -157,22 +223,13 @@ def test_reused_samples_drop_zero_weight_examples_even_if_not_finite(case: str, 
         (nn.Conv2d(3, 16, 3, padding=1), (3, 32, 32), {"grouped", "unfold"}),
     ],
 )
-def test_conv_methods_that_keep_more_than_the_record_are_never_tried(
-    layer, shape, allowed, monkeypatch
-) -> None:
+def test_conv_methods_that_keep_more_than_the_record_are_never_chosen(layer, shape, allowed) -> None:
     """The memory cap: a method whose per-example gradients (or, for correlate, its copies of the output
-    gradients) exceed what the layer's record holds is not even timed, however fast it might be."""
-    tried: list[set[str]] = []
-
-    def fastest(runs, device, rounds=3):
-        tried.append(set(runs))
-        return next(iter(runs))
-
-    monkeypatch.setattr(conv_autotune, "_fastest", fastest)
-    monkeypatch.setattr(conv_autotune, "_conv_costs", lambda layer, x, d: dict.fromkeys(CONV_METHODS, 1))
+    gradients) exceed what the layer's record holds is not a candidate, however cheap it might be; the
+    Gram methods always are."""
     activations, backprops, _ = capture(layer, torch.randn(2, *shape))
-    with ConvAutotuner().active():
-        sq_norms(layer, activations, backprops)
-    assert tried, "several methods are allowed, so the timer runs"
-    assert tried[0] & set(MATERIALISING) == allowed
-    assert {"gram", "position-gram"} <= tried[0]
+    candidates = set(conv_autotune._candidates(layer, layer, activations[0], backprops, cropped=False))
+    assert candidates & set(MATERIALISING) == allowed
+    assert {"gram", "position-gram"} <= candidates
+    cropped = set(conv_autotune._candidates(layer, layer, activations[0], backprops, cropped=True))
+    assert not cropped & set(MATERIALISING), "a cropped kernel never keeps its per-example gradients"

@@ -59,10 +59,10 @@ def test_crafted_examples_contribute_at_most_c_whichever_method_sums(family: str
         assert_bounded(layer, x, d)
 
 
-def test_the_sum_method_is_timed_once_per_shape_and_the_norms_only_methods_keep_nothing() -> None:
+def test_the_sum_method_is_chosen_once_per_shape_and_the_norms_only_methods_keep_nothing() -> None:
     """Per-example gradients more than KEEP_FACTOR times the layer's record (a 3×3 kernel with 32 channels
-    over 6×6 maps: 9,216 floats against 2,304) are not kept: the autotuner picks among the Gram and
-    norms-only methods, the weighted sum is then timed once per shape, whatever the batch size."""
+    over 6×6 maps: 9,216 floats against 2,304) are not kept: the cost model picks among the Gram and
+    norms-only methods and a sum method, once per shape, whatever the batch size."""
     layer = torch.nn.Conv2d(32, 32, 3, padding=1)
     tuner = ConvAutotuner()
     with tuner.active():
@@ -72,8 +72,9 @@ def test_the_sum_method_is_timed_once_per_shape_and_the_norms_only_methods_keep_
             sq_norms(layer, activations, backprops, cache)
             weighted_grad(layer, activations, backprops, torch.rand(B), cache)
             assert layer.weight not in cache
-    assert len(tuner.choices) == len(tuner.sum_choices) == 1
-    assert next(iter(tuner.choices.values())) in ("gram", "position-gram", *NORMS_ONLY)
-    assert next(iter(tuner.sum_choices.values())) in SUM_METHODS
+    assert len(tuner.choices) == 1
+    plan = next(iter(tuner.choices.values()))
+    assert plan.norms in ("gram", "position-gram", *NORMS_ONLY)
+    assert plan.sum in SUM_METHODS
     with pytest.raises(ValueError, match="conv sum method must be one of"), force_conv_sum_method("im2col"):  # type: ignore[arg-type]
         pass

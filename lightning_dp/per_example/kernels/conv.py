@@ -1,7 +1,8 @@
-"""Conv1d/Conv2d kernels: norms by the method the autotuner picks, the clipped sum from the per-example
-gradients the norms kept, else by the fastest reduction over batch and positions (the layer's own
-weight-gradient convolution with the weights folded into the output gradients, a matmul of unfolded
-patches, or per-example gradients formed a chunk at a time), timed once per shape."""
+"""Conv1d/Conv2d kernels: norms by the method the cost model picks (:mod:`.conv_autotune`), the clipped sum
+from the per-example gradients the norms kept, else by the cheapest reduction over batch and positions
+(the layer's own weight-gradient convolution with the weights folded into the output gradients, a matmul
+of unfolded patches, or per-example gradients formed a chunk at a time). A kernel whose offsets partly
+never touch the input (small maps) works on the live offsets only (:class:`.conv_methods.LiveTaps`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lightning_dp.per_example.kernels.certified import (
     reuse_cached,
     weight_bias,
 )
-from lightning_dp.per_example.kernels.conv_autotune import conv_method, conv_sum_method
+from lightning_dp.per_example.kernels.conv_autotune import conv_plan
 from lightning_dp.per_example.kernels.conv_methods import (
     CONV_NORMS,
     CONV_SUMS,
@@ -30,8 +31,8 @@ from lightning_dp.per_example.kernels.registry import Cache, KernelPair, registe
 class _ConvKernels(KernelPair):
     """Convolution as a Linear layer over unfolded patches (T = output positions), per group.
 
-    Norms by the Gram trick, or from per-example gradients materialised (by unfolding, or by one
-    batch-grouped weight-gradient convolution) and then reused for the clipped sum.
+    Norms by the Gram trick, or from per-example gradients materialised (by unfolding, by one
+    batch-grouped weight-gradient convolution or by a correlation) and then reused for the clipped sum.
     """
 
     @staticmethod
@@ -43,17 +44,20 @@ class _ConvKernels(KernelPair):
         out: dict[nn.Parameter, Tensor] = {}
         x = activations[0]
         if weight is not None:
-            method = conv_method(layer, x, backprops)
-            result = CONV_NORMS[method](layer, x, backprops)  # per-example gradients or certified norms
-            if method in MATERIALISING:
-                result = certified_cached(
-                    cache,
-                    weight,
-                    result,
-                    conv_sum_err(layer, x, backprops),
-                    lambda i: conv_samples_grouped(layer, x[i], backprops[i], torch.float64),
-                )
-            out[weight] = result
+            plan = conv_plan(layer, x, backprops)
+            if plan.live is not None:  # the dead offsets' gradients are exactly 0: the core's norms
+                out[weight] = CONV_NORMS[plan.norms](plan.live.core, plan.live.input(x), backprops)
+            else:
+                result = CONV_NORMS[plan.norms](layer, x, backprops)  # per-example gradients or norms
+                if plan.norms in MATERIALISING:
+                    result = certified_cached(
+                        cache,
+                        weight,
+                        result,
+                        conv_sum_err(layer, x, backprops),
+                        lambda i: conv_samples_grouped(layer, x[i], backprops[i], torch.float64),
+                    )
+                out[weight] = result
         if bias is not None:  # per-example bias gradients [B, O]: position sums, kept for the sum
             flat = backprops.float().flatten(2)
             out[bias] = certified_cached(
@@ -80,8 +84,13 @@ class _ConvKernels(KernelPair):
             out[bias] = bias_sum(cache, bias, weights, lambda: backprops.float().flatten(2).sum(2))
         if weight is not None:
             reused = reuse_cached(cache, weight, weights)
-            if reused is None:  # one reduction over batch and positions, by the fastest method for the shape
+            if reused is None:  # one reduction over batch and positions, by the cheapest method for the shape
                 x = activations[0]
-                reused = CONV_SUMS[conv_sum_method(layer, x, backprops)](layer, x, backprops, weights)
+                plan = conv_plan(layer, x, backprops)
+                if plan.live is not None:
+                    core = CONV_SUMS[plan.sum](plan.live.core, plan.live.input(x), backprops, weights)
+                    reused = plan.live.embed(core, layer)
+                else:
+                    reused = CONV_SUMS[plan.sum](layer, x, backprops, weights)
             out[weight] = reused
         return out

@@ -3,9 +3,11 @@ memory budget. All give the same norms up to fp32 rounding; :mod:`.conv_autotune
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -71,6 +73,89 @@ def _conv_inputs(layer: ConvLayer, x: Tensor, backprops: Tensor) -> tuple[Tensor
     B, G, L = backprops.shape[0], layer.groups, math.prod(backprops.shape[2:])
     d = backprops.float().reshape(B, G, layer.out_channels // G, L)
     return _conv_patches(layer, x), d.transpose(2, 3)
+
+
+@dataclass(frozen=True)
+class LiveTaps:
+    """The kernel offsets of a zero-padded convolution that ever touch the input, when some never do.
+
+    On a map no larger than the kernel's reach (a 3×3 kernel on ResNet's 1×1 maps, ConvNeXt's depthwise
+    7×7 on 2×2 maps) an offset that only ever meets zero padding has a per-example gradient of exactly 0.
+    The live offsets form the ``core`` convolution, unpadded, over the input cropped (padded with zeros
+    where it runs past the edge) to what they read: its per-example gradients are the layer's at those
+    offsets, so the norms are the same and the clipped sum is the core's sum with zeros around it.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+    """Per spatial dimension, the first and one past the last live offset."""
+    pads: tuple[int, ...]
+    """``F.pad`` widths (last dimension first; negative ones crop) that turn the input into the core's."""
+    core: ConvLayer
+    """The convolution of the live offsets: stride and dilation of the layer, no padding (meta device)."""
+
+    def input(self, x: Tensor) -> Tensor:
+        """The layer's input [B, C, *spatial] as the core convolution reads it."""
+        return F.pad(x, list(self.pads))
+
+    def embed(self, core_grad: Tensor, layer: ConvLayer) -> Tensor:
+        """The layer's weight gradient from the core's: zero at every dead offset."""
+        full = core_grad.new_zeros(layer.weight.shape)
+        full[(slice(None), slice(None), *(slice(a, b) for a, b in self.ranges))] = core_grad
+        return full
+
+
+def live_taps(layer: ConvLayer, x: Tensor, backprops: Tensor) -> LiveTaps | None:
+    """The layer's :class:`LiveTaps` on this input, or None when every offset can touch it (or the padding
+    is not zeros: reflected or circular padding repeats the input)."""
+    if layer.padding_mode != "zeros":
+        return None
+    reversed_pads = layer._reversed_padding_repeated_twice
+    n = len(layer.kernel_size)
+    ranges, pads = [], []
+    for i in range(n):
+        size, out, pad = x.shape[2 + i], backprops.shape[2 + i], reversed_pads[2 * (n - 1 - i)]
+        k, s, d = layer.kernel_size[i], layer.stride[i], layer.dilation[i]
+        # offset j reads s·t + d·j − pad at output t ∈ [0, out): live iff one of those is in [0, size)
+        live = [
+            j
+            for j in range(k)
+            if max(0, -((d * j - pad) // s)) <= min(out - 1, (size - 1 + pad - d * j) // s)
+        ]
+        if not live:  # no offset reaches the input: keep the layer as it is
+            return None
+        first, last = live[0], live[-1]
+        ranges.append((first, last + 1))
+        start, stop = d * first - pad, s * (out - 1) + d * last - pad  # the input positions the core reads
+        pads.append((-start, stop - (size - 1)))
+    if all(r == (0, k) for r, k in zip(ranges, layer.kernel_size, strict=True)):
+        return None
+    flat_pads = tuple(w for left_right in reversed(pads) for w in left_right)
+    kernel = tuple(b - a for a, b in ranges)
+    core = _core_conv(
+        isinstance(layer, nn.Conv2d),
+        layer.in_channels,
+        layer.out_channels,
+        kernel,
+        layer.stride,
+        layer.dilation,
+        layer.groups,
+    )
+    return LiveTaps(tuple(ranges), flat_pads, core)
+
+
+@functools.lru_cache(maxsize=256)
+def _core_conv(
+    two_d: bool,
+    c_in: int,
+    c_out: int,
+    kernel: tuple[int, ...],
+    stride: tuple[int, ...],
+    dilation: tuple[int, ...],
+    groups: int,
+) -> ConvLayer:
+    """A weightless (meta) convolution of the given geometry: what the methods read of a layer."""
+    conv: Any = nn.Conv2d if two_d else nn.Conv1d
+    return conv(c_in, c_out, kernel, stride, 0, dilation, groups, bias=False, device="meta")
 
 
 ConvMethod = Literal[

@@ -1,0 +1,204 @@
+"""The user's hooks after the optimizer step, run in each of the mixing check's dry passes.
+
+``on_train_batch_end`` (of the user's callbacks, then of the LightningModule) receives the batch and
+``outputs`` (the step's loss, and whatever else ``training_step`` returned: activations, codes). A parameter or
+buffer it writes from them holds private data with no noise: a dormant-unit reset (ReDo) that re-initialises
+the units the batch left inactive, a VQ-VAE codebook restart that copies the batch's encodings into the
+codebook. A write that reads no private data (an EMA of the weights, clamping, a schedule on the step count)
+is post-processing of released weights and stays allowed. So each dry pass runs these hooks after its
+backward, on its own batch and its own ``outputs``, from the state an after-step hook sees, the same in both
+passes: the trainer's step count advanced by one, the weights and learning rates of a step that moved nothing,
+every ``.grad`` as the previous release left it (zeros before the first), the loggers, optimizers, schedulers
+and ``trainer.save_checkpoint`` dry. What the hooks wrote is compared between the passes, value by value: a
+write that differs read the batch, and is refused before the release, naming the hooks and the tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule
+from torch import Tensor
+
+from lightning_dp.checks.state import ParameterValues
+from lightning_dp.checks.user_step import (
+    DryPass,
+    ModuleState,
+    _detached_loggers,
+    _detached_logging,
+    _dry,
+    _no_op,
+    _shadowed,
+    _users_hook,
+    dry_shadows,
+    hook_failure_message,
+    same_values,
+)
+from lightning_dp.errors import DPConfigurationError
+
+
+@dataclass(frozen=True)
+class AfterStepHook:
+    """One hook of the user's that Lightning runs after the optimizer step, with the batch."""
+
+    name: str
+    """How a message names it: ``"ReDo.on_train_batch_end"``."""
+    call: Callable[[Any, Any], Any]
+    """Run it on (``outputs``, batch)."""
+
+
+def after_step_hooks(module: LightningModule, batch_idx: int = 0) -> list[AfterStepHook]:
+    """The ``on_train_batch_end`` hooks you wrote, in Lightning's order: every callback's, then the module's
+    (Lightning's and lightning-dp's own callbacks, which log and save checkpoints, are not run)."""
+    hooks: list[AfterStepHook] = []
+    trainer = module._trainer
+    for callback in list(getattr(trainer, "callbacks", None) or []) if trainer is not None else []:
+        if _users_hook(callback, "on_train_batch_end", Callback):
+            hooks.append(
+                AfterStepHook(
+                    f"{type(callback).__name__}.on_train_batch_end",
+                    functools.partial(_callback_batch_end, callback, trainer, module, batch_idx),
+                )
+            )
+    if _users_hook(module, "on_train_batch_end", LightningModule):
+        hooks.append(
+            AfterStepHook(
+                f"{type(module).__name__}.on_train_batch_end",
+                functools.partial(_module_batch_end, module, batch_idx),
+            )
+        )
+    return hooks
+
+
+def _callback_batch_end(
+    callback: Any, trainer: Any, module: LightningModule, index: int, outputs: Any, batch: Any
+) -> Any:
+    return callback.on_train_batch_end(trainer, module, outputs, batch, index)
+
+
+def _module_batch_end(module: LightningModule, index: int, outputs: Any, batch: Any) -> Any:
+    return module.on_train_batch_end(outputs, batch, index)
+
+
+def lightning_outputs(module: LightningModule, output: Any) -> Any:
+    """The ``outputs`` Lightning hands ``on_train_batch_end`` for what ``training_step`` returned: under
+    automatic optimization ``{"loss": loss.detach(), **the other keys}``, under manual a dict with the loss
+    detached (Lightning's ``ClosureResult`` and ``ManualResult``)."""
+    if isinstance(output, Tensor):
+        return {"loss": output.detach().clone()}
+    if isinstance(output, Mapping):
+        out = dict(output)
+        if isinstance(out.get("loss"), Tensor):
+            out["loss"] = out["loss"].detach().clone()
+        return out
+    return {} if not module.automatic_optimization else None
+
+
+def after_step_writes(
+    module: LightningModule,
+    batch: Any,
+    batch_idx: int,
+    dry: DryPass,
+    state: ModuleState,
+    values: ParameterValues,
+) -> dict[str, Tensor]:
+    """Run :func:`after_step_hooks` in a dry pass, after its backward (:func:`run_after_step`); every
+    parameter and buffer whose value then differs from the pass's start, by name, with its value (empty when
+    you wrote no such hook)."""
+    hooks = after_step_hooks(module, batch_idx)
+    if not hooks:
+        return {}
+    run_after_step(module, hooks, lightning_outputs(module, dry.output), batch, state)
+    params = dict(module.named_parameters())
+    written = {n: params[n].detach().clone() for n in values.written() if n in params}
+    return {**state.written_buffers(), **written}
+
+
+def run_after_step(
+    module: LightningModule, hooks: list[AfterStepHook], outputs: Any, batch: Any, state: ModuleState
+) -> None:
+    """Run ``hooks`` as Lightning does after the step, with nothing logged, stepped or saved; a hook that
+    raises is refused by name (:func:`hook_failure_message`)."""
+    with torch.no_grad():
+        for p, saved in state.grads:
+            if saved is not None:
+                p.grad = saved.detach().clone()
+            elif p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    trainer = module._trainer
+    with (
+        _dry(),
+        _shadowed(module, **dry_shadows(module)),
+        _detached_loggers(module),
+        _detached_logging(module),
+        _trainer_as_after_step(trainer),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("ignore")
+        for hook in hooks:
+            try:
+                hook.call(outputs, batch)
+            except DPConfigurationError:
+                raise
+            except Exception as error:  # the user's hook on a batch the check made: refused, never raised
+                raise DPConfigurationError(hook_failure_message(hook.name, error)) from error
+
+
+@contextlib.contextmanager
+def _trainer_as_after_step(trainer: Any) -> Iterator[None]:
+    """The trainer as an after-step hook sees it: ``global_step`` one higher (the step just taken), and
+    ``save_checkpoint`` and ``should_stop`` that the hooks cannot act on."""
+    if trainer is None:
+        yield
+        return
+    tracker = _step_tracker(trainer)
+    should_stop = trainer.should_stop
+    trainer.__dict__["save_checkpoint"] = _no_op
+    if tracker is not None:
+        tracker.completed += 1
+    try:
+        yield
+    finally:
+        if tracker is not None:
+            tracker.completed -= 1
+        trainer.__dict__.pop("save_checkpoint", None)
+        trainer.should_stop = should_stop
+
+
+def _step_tracker(trainer: Any) -> Any:
+    """The progress tracker ``trainer.global_step`` reads (automatic or manual optimization), or None."""
+    try:
+        loop = trainer.fit_loop.epoch_loop
+        module = trainer.lightning_module
+        if module is None or module.automatic_optimization:
+            return loop.automatic_optimization.optim_progress.optimizer.step.total
+        return loop.manual_optimization.optim_step_progress.total
+    except AttributeError:  # not a fitting trainer
+        return None
+
+
+def differing_writes(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
+    """The names written in one pass and not the other, or with other values (NaN equal to NaN)."""
+    return sorted(n for n in a.keys() | b.keys() if n not in a or n not in b or not same_values(a[n], b[n]))
+
+
+def after_step_write_message(names: list[str], hooks: list[str]) -> str:
+    """The refusal for tensors an after-step hook wrote from the batch (one line: it is quoted)."""
+    return (
+        f"The tensors {names} were written after the optimizer step by {', '.join(hooks)} from the private "
+        "batch: the sensitivity check ran these hooks in both of its passes (the batch, and the batch with some "
+        "examples removed or replaced), from the same state, and they wrote different values. A parameter or "
+        "buffer written from the batch or from `outputs` (a dormant-unit reset that re-initialises the units "
+        "the batch left inactive, a codebook restart that copies the batch's encodings, a statistic of the "
+        "batch) puts private data into the model with no noise, so ε does not cover the model. Decide such "
+        "writes from the weights alone or from public data (re-initialise units by their weights' norm, "
+        "restart codes from public samples or with random vectors), or compute them in training_step from "
+        "each example alone; writes that read no private data (an EMA of the weights, clamping, a schedule "
+        "on trainer.global_step) are allowed."
+    )

@@ -1,0 +1,546 @@
+"""What the layer hooks cannot see, traced as ``training_step`` runs: uses of a trainable parameter outside the
+forward of every layer that holds it, and which example each row of a selected or regrouped tensor is.
+
+:class:`UseTracer` is a ``TorchFunctionMode`` active while the step's forward and loss run. Three things it
+follows:
+
+* **Tracked tensors**: a trainable parameter read outside its layer's forward (a parameter on the
+  LightningModule itself, ``F.normalize(head.weight)``, a tied ``h @ emb.weight.T``, a temperature in the
+  loss), and every tensor computed from such parameters alone (``normalize(W)``, ``exp(-log_var)``).
+* **Rows**: the example each row (dimension 0) of a tensor belongs to. A tensor whose dimension 0 is the
+  batch is the batch's rows; rows taken from it (``x[mask]``, ``index_select``), regrouped (``reshape(B*T,
+  d)`` and back) or put back (``index_add``) keep the examples they came from (``-1``: a row of no example,
+  a constant; ``-2``: a row several examples reach, which nothing may use).
+* **Meetings**: an op where a tracked tensor meets rows. Its per-example gradient is the op recomputed per
+  row (``vmap``), the rows summed into their examples, pulled back to the parameters through the tracked
+  tensor's own graph (``is_grads_batched``). A tracked tensor added to a loss already reduced over the batch
+  (a weight penalty, Kendall's ``+ log_var``) gives every example the same gradient (``loss_reduction=
+  "mean"``: the loss is the mean of per-example losses that each hold the term). Any other meeting is
+  refused at ``collect``, naming the use, if a gradient reaches it.
+
+Each contribution is added to the capture's per-example gradients, so a parameter used by several layers,
+outside them, or both, has the sum of all its uses; the engine's first-step check that they add up to
+autograd's gradient tests that sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from lightning_dp.per_example.broadcast import METADATA
+
+if TYPE_CHECKING:
+    from lightning_dp.per_example.capture import GradientCapture
+
+NONE, MIXED = -1, -2
+"""Row labels: a row of no example (a constant) and a row several examples reach."""
+
+IGNORED = (METADATA - {"__get__"}) | {
+    *("requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad"),
+    *("detach", "detach_", "backward", "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"),
+}
+"""Calls that neither compute a differentiable value nor move rows."""
+
+ADDITIVE = frozenset(
+    {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__"}
+)
+"""Ops whose gradient to one operand does not depend on the other's value."""
+
+ROW_WISE = frozenset(
+    {
+        *("add", "sub", "mul", "div", "true_divide", "pow", "neg", "abs", "exp", "log", "sqrt", "rsqrt"),
+        *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"),
+        *("__pow__", "__neg__", "__iadd__", "__imul__", "add_", "mul_", "where", "masked_fill", "clamp"),
+        *("tanh", "sigmoid", "relu", "gelu", "silu", "elu", "leaky_relu", "softplus", "dropout", "hardtanh"),
+        *("linear", "matmul", "__matmul__", "embedding", "to", "float", "double", "half", "type_as"),
+        *("contiguous", "clone", "relu_", "tanh_", "sigmoid_"),
+    }
+)
+"""Ops whose output row i is computed from row i of their row-carrying operands alone."""
+
+ALONG = frozenset({"softmax", "log_softmax", "normalize", "mean", "sum", "amax", "amin", "layer_norm"})
+"""Ops that reduce or normalise along a dimension: row-wise when that dimension is not 0."""
+
+SWAPS = frozenset({"t", "transpose", "swapaxes", "swapdims", "permute", "movedim"})
+"""Ops that may swap dimensions 0 and 1 (a batch-first tensor made time-major, or back)."""
+
+RESHAPES = frozenset({"reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"})
+PUTS = frozenset({"index_add", "index_add_", "index_copy", "index_copy_"})
+FOLLOWED = SWAPS | RESHAPES | PUTS | {"__getitem__", "index_select", "cat"}
+"""Ops that may give rows of the batch another order or grouping (followed whatever their operands)."""
+
+
+def _dim_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``dim`` argument of an op that takes one (keyword or second positional), else None."""
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    if name == "layer_norm":
+        return -1
+    return args[1] if len(args) > 1 and isinstance(args[1], (int, tuple, list)) else None
+
+
+class UseTracer(TorchFunctionMode):
+    """The tracer of one :class:`~lightning_dp.per_example.capture.GradientCapture` (see the module doc)."""
+
+    def __init__(self, capture: GradientCapture) -> None:
+        super().__init__()
+        self.capture = capture
+        self.derived = WeakTensorKeyDictionary()
+        """Tracked tensors that are not parameters → the parameters they were computed from."""
+        self.rows = WeakTensorKeyDictionary()
+        """Tensors whose rows are not the batch's in order → the example of each row."""
+        self.covered: set[nn.Parameter] = set()
+        """Parameters whose uses outside a layer gave per-example gradients since the last ``reset``."""
+        self.moved = WeakTensorKeyDictionary()
+        """Tensors whose dimension 1, not 0, holds the batch's rows (``x.transpose(0, 1)``: time-major)."""
+        self.refusals: list[str] = []
+        self.second_order = False
+        """A gradient of the model was differentiated again (``create_graph=True``) since the last reset."""
+        self._paused = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (with the engine) without this step's weak maps of tensors: a copy starts a step afresh."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "rows", "moved")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.reset()
+
+    def reset(self) -> None:
+        self.derived, self.rows = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
+        self.moved = WeakTensorKeyDictionary()
+        self.covered, self.refusals, self.second_order = set(), [], False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # -- dispatch ---------------------------------------------------------------------------------------
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property: ``shape`` is metadata, ``T`` or ``mT`` a value
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if self._paused or name in IGNORED or not self.capture.tracing_now():
+            return func(*args, **kwargs)
+        if func is torch.autograd.grad:
+            return self._autograd_grad(func, args, kwargs)
+        tensors = _shallow_tensors(args, kwargs)
+        if not tensors:
+            return func(*args, **kwargs)
+        sources = {t: found for t in tensors if (found := self._sources(t))}
+        out = func(*args, **kwargs)
+        if sources:
+            self._use(name, func, args, kwargs, sources, out)
+        elif name in FOLLOWED or self._carries_rows(tensors):
+            self._follow_rows(name, args, kwargs, tensors, out)
+        return out
+
+    def _carries_rows(self, tensors: list[Tensor]) -> bool:
+        """Whether an operand has rows other than the batch's in order, or its batch on dimension 1."""
+        rows, moved = self.rows, self.moved
+        return bool(
+            (len(rows) and any(t in rows for t in tensors))
+            or (len(moved) and any(t in moved for t in tensors))
+        )
+
+    def _sources(self, t: Tensor) -> frozenset[nn.Parameter]:
+        if isinstance(t, nn.Parameter):
+            return frozenset({t}) if self.capture.used_outside(t) else frozenset()
+        return self.derived.get(t, frozenset()) if len(self.derived) else frozenset()
+
+    def _autograd_grad(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A gradient taken inside the step: first order, it is not the step's backward (the hooks ignore it);
+        with ``create_graph=True`` the loss differentiates it again, which one backward cannot split."""
+        bound = inspect.signature(torch.autograd.grad).bind(*args, **kwargs)
+        if bound.arguments.get("create_graph", False):
+            self.second_order = True
+            return func(*args, **kwargs)
+        with self.capture.ignoring_backward():
+            return func(*args, **kwargs)
+
+    # -- rows -----------------------------------------------------------------------------------------------
+    def rows_of(self, t: Tensor) -> Tensor | None:
+        """The example of each row of ``t`` (None: not known); the batch's own rows for dim 0 = the batch."""
+        found = self.rows.get(t)
+        if found is not None:
+            return found
+        batch = self.capture.batch_hint
+        if batch is not None and t.dim() > 0 and t.shape[0] == batch:
+            return torch.arange(batch, device=t.device)
+        return None
+
+    def set_rows(self, t: Tensor, rows: Tensor | None) -> None:
+        """Record that ``t``'s rows are ``rows``' examples (None, or the batch in order: nothing to record)."""
+        batch = self.capture.batch_hint
+        if rows is None or t.dim() == 0 or rows.numel() != t.shape[0]:
+            return
+        if rows.numel() == batch and torch.equal(rows, torch.arange(batch, device=rows.device)):
+            return
+        self.rows[t] = rows
+
+    def _follow_rows(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Tensor], out: Any
+    ) -> None:
+        """Give ``out`` the examples of its rows when an op selects, regroups or puts back rows."""
+        if not isinstance(out, Tensor) or out.dim() == 0:
+            return
+        base = args[0] if args and isinstance(args[0], Tensor) else None
+        if name in SWAPS and base is not None and base.dim() > 1 and _swaps_first_two(name, args, kwargs):
+            if base not in self.moved and self.capture.batch_hint == base.shape[0] and base not in self.rows:
+                self.moved[out] = True  # the batch's rows moved to dimension 1 (swapped back: not marked)
+        elif any(t in self.moved for t in tensors) and name in ROW_WISE:
+            self.moved[out] = True
+        elif name == "__getitem__" and base is not None and base.dim() > 0:
+            whole = _keeps_first(args[1])
+            if base in self.rows and whole:
+                self.rows[out] = self.rows[base]
+            elif not whole and (rows := self.rows_of(base)) is not None:
+                self.set_rows(out, _select(rows, args[1]))
+        elif name == "index_select" and base is not None and _dim_of(name, args, kwargs) == 0:
+            rows = self.rows_of(base)
+            index = args[2] if len(args) > 2 else kwargs.get("index")
+            if rows is not None and isinstance(index, Tensor):
+                self.set_rows(out, rows[index.to(rows.device)])
+        elif name in RESHAPES and base is not None and base.dim() > 0:
+            if base not in self.rows and out.shape[0] == base.shape[0]:
+                return  # the batch's rows in order stay so
+            rows = self.rows_of(base)
+            if rows is not None:
+                self.set_rows(out, _regrouped(rows, base, out))
+        elif name in PUTS and base is not None and _dim_of(name, args, kwargs) in (0, None):
+            self._put(base, args, kwargs, out)
+        elif (
+            name == "cat"
+            and _dim_of(name, args, kwargs) in (0, None)
+            and args
+            and isinstance(args[0], (list, tuple))
+        ):
+            parts = [self.rows_of(t) for t in args[0]]
+            if any(p is not None for p in parts) and all(isinstance(t, Tensor) for t in args[0]):
+                filled = [
+                    p if p is not None else torch.full((t.shape[0],), MIXED if t.requires_grad else NONE)
+                    for p, t in zip(parts, args[0], strict=True)
+                ]
+                self.set_rows(out, torch.cat([f.to(filled[0].device) for f in filled]))
+        else:
+            mapped = [self.rows[t] for t in tensors if t in self.rows]
+            if mapped and self._row_wise(name, args, kwargs, out, mapped):
+                self.rows[out] = mapped[0]
+
+    def _row_wise(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor, mapped: list[Tensor]
+    ) -> bool:
+        n = mapped[0].numel()
+        if out.shape[0] != n or any(m is not mapped[0] and not torch.equal(m, mapped[0]) for m in mapped):
+            return False
+        if name in ROW_WISE:
+            return True
+        if name in ALONG:
+            dim = _dim_of(name, args, kwargs)
+            dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+            return dim is not None and all(d not in (0, -args[0].dim()) for d in dims)
+        if name == "unsqueeze":
+            return _dim_of(name, args, kwargs) not in (0, None)
+        return False
+
+    def _put(self, base: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
+        """``base.index_add(0, index, source)``: row ``index[j]`` gets source row j's example too."""
+        index = args[2] if len(args) > 2 else kwargs.get("index")
+        source = args[3] if len(args) > 3 else kwargs.get("source")
+        if not isinstance(index, Tensor) or not isinstance(source, Tensor):
+            return
+        rows = self.rows_of(base)
+        if rows is None:
+            rows = torch.full((base.shape[0],), MIXED if base.requires_grad else NONE, device=index.device)
+        given = self.rows_of(source)
+        if given is None:
+            given = torch.full((source.shape[0],), MIXED if source.requires_grad else NONE)
+        merged = rows.clone()
+        index, given = index.to(merged.device), given.to(merged.device)
+        for value in given.unique().tolist():
+            targets = index[given == value]
+            current = merged[targets]
+            merged[targets] = torch.where((current == NONE) | (current == value), value, MIXED)
+        self.set_rows(out, merged)
+
+    # -- uses of tracked tensors ------------------------------------------------------------------------------
+    def _use(
+        self,
+        name: str,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[Tensor, frozenset[nn.Parameter]],
+        out: Any,
+    ) -> None:
+        params = frozenset().union(*sources.values())
+        others = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t not in sources]
+        rowed = [(t, r) for t in others if t.dim() > 0 and (r := self.rows_of(t)) is not None]
+        level = [t for t in others if t.requires_grad and t.dim() == 0]
+        unknown = [t for t in others if t.requires_grad and t.dim() > 0 and all(t is not u for u, _ in rowed)]
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            return
+        if not rowed and not level and not unknown:
+            if not isinstance(out, nn.Parameter):
+                self.derived[out] = params
+            return
+        label = self._label(name, params)
+        if rowed and not level and not unknown:
+            rows = rowed[0][1]
+            same = all(r.numel() == rows.numel() and torch.equal(r.to(rows.device), rows) for _, r in rowed)
+            if same and bool((rows >= NONE).all().item()) and out.dim() > 0 and out.shape[0] == rows.numel():
+                self._meet_rows(func, args, kwargs, sources, rows, out, label)
+                self.set_rows(out, rows)
+                return
+        elif level and not rowed and not unknown and name in ADDITIVE:
+            self._meet_batch_level(func, args, kwargs, sources, out, label)
+            return
+        self._refuse_if_reached(out, unmatched_message(label))
+
+    def _label(self, name: str, params: frozenset[nn.Parameter]) -> str:
+        names = sorted(self.capture.name_of(p) for p in params)
+        return f"{name} on {names}"
+
+    def _refuse_if_reached(self, out: Tensor, message: str) -> None:
+        out.register_hook(lambda grad: self.refusals.append(message) if not self.capture.ignoring else None)
+
+    def _meet_rows(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[Tensor, frozenset[nn.Parameter]],
+        rows: Tensor,
+        out: Tensor,
+        label: str,
+    ) -> None:
+        """Per-row gradients of the tracked operands, recomputed per row, summed into the rows' examples."""
+        flat, spec = tree_flatten((args, kwargs))
+        tracked = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t in sources]
+        per_row = [
+            i
+            for i, t in enumerate(flat)
+            if isinstance(t, Tensor) and i not in tracked and t.dim() > 0 and t.shape[0] == rows.numel()
+        ]
+        values = [t.detach() if isinstance(t, Tensor) else t for t in flat]
+        batch = self.capture.batch_hint
+
+        def one_row(qs: tuple[Tensor, ...], xs: tuple[Tensor, ...], g: Tensor) -> Tensor:
+            leaves = list(values)
+            for i, q in zip(tracked, qs, strict=True):
+                leaves[i] = q
+            for i, x in zip(per_row, xs, strict=True):
+                leaves[i] = x.unsqueeze(0)
+            a, k = tree_unflatten(leaves, spec)
+            return (func(*a, **k) * g.unsqueeze(0)).sum()
+
+        def on_grad(grad: Tensor) -> None:
+            if self.capture.ignoring or batch is None:
+                return
+            with self.paused(), torch.no_grad():
+                try:
+                    qs = tuple(values[i] for i in tracked)
+                    compute = torch.func.vmap(torch.func.grad(one_row), in_dims=(None, 0, 0))
+                    grads = compute(qs, tuple(values[i] for i in per_row), grad.detach().to(qs[0].dtype))
+                except RuntimeError as error:
+                    self.refusals.append(unmatched_message(label, str(error)[:200]))
+                    return
+            for i, g in zip(tracked, grads, strict=True):
+                self._add(flat[i], sources[flat[i]], _to_examples(g, rows, batch), label)
+
+        out.register_hook(on_grad)
+
+    def _meet_batch_level(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[Tensor, frozenset[nn.Parameter]],
+        out: Tensor,
+        label: str,
+    ) -> None:
+        """A tracked term added to a loss reduced over the batch: each example's loss holds it whole."""
+        flat, spec = tree_flatten((args, kwargs))
+        tracked = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t in sources]
+        values = [t.detach() if isinstance(t, Tensor) else t for t in flat]
+        batch = self.capture.batch_hint
+
+        def on_grad(grad: Tensor) -> None:
+            if self.capture.ignoring or batch is None:
+                return
+            if self.capture.loss_reduction != "mean":
+                self.refusals.append(summed_term_message(label))
+                return
+            with self.paused(), torch.enable_grad():
+                leaves = list(values)
+                inputs = []
+                for i in tracked:
+                    leaves[i] = values[i].clone().requires_grad_(True)
+                    inputs.append(leaves[i])
+                a, k = tree_unflatten(leaves, spec)
+                grads = torch.autograd.grad(func(*a, **k), inputs, grad.detach())
+            for i, g in zip(tracked, grads, strict=True):
+                whole = g.unsqueeze(0).expand(batch, *g.shape) / self.capture.scale(batch)
+                self._add(flat[i], sources[flat[i]], whole, label)
+
+        out.register_hook(on_grad)
+
+    def _add(self, tracked: Tensor, params: frozenset[nn.Parameter], per_example: Tensor, label: str) -> None:
+        """Pull per-example gradients of a tracked tensor back to its parameters and add them (scaled)."""
+        scale = self.capture.scale(per_example.shape[0])
+        if isinstance(tracked, nn.Parameter):
+            pulled: dict[nn.Parameter, Tensor] = {tracked: per_example}
+        else:
+            ordered = list(params)
+            with self.paused():
+                try:
+                    grads = torch.autograd.grad(
+                        tracked, ordered, per_example.to(tracked.dtype), retain_graph=True,
+                        is_grads_batched=True, allow_unused=True,
+                    )  # fmt: skip
+                except RuntimeError as error:
+                    self.refusals.append(unmatched_message(label, str(error)[:200]))
+                    return
+            pulled = {p: g for p, g in zip(ordered, grads, strict=True) if g is not None}
+        self.capture.add_outside({p: g.detach() * scale for p, g in pulled.items()})
+        self.covered.update(pulled)
+
+
+def _swaps_first_two(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``SWAPS`` op puts dimension 0 at position 1 and dimension 1 at position 0."""
+    base: Tensor = args[0]
+    rank = base.dim()
+    rest = [*args[1:], *kwargs.values()]
+    if name == "t":
+        return rank == 2
+    if name == "permute":
+        order = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else list(rest)
+        return len(order) == rank and order[0] % rank == 1 and order[1] % rank == 0
+    if name == "movedim":
+        return len(rest) == 2 and rest[0] in (0, 1) and rest[1] == 1 - rest[0]
+    return len(rest) == 2 and {int(d) % rank for d in rest} == {0, 1}
+
+
+def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensor operands of a call: its arguments, and the items of list or tuple arguments."""
+    found: list[Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(v for v in value if isinstance(v, Tensor))
+    return found
+
+
+def _keeps_first(index: Any) -> bool:
+    """An index that keeps dimension 0 whole (``h[:, 0]``, ``h[..., :2]`` with more than one dimension)."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    if first is Ellipsis:
+        return isinstance(index, tuple) and len(index) > 1
+    return (
+        isinstance(first, slice)
+        and first == slice(None)
+        and not any(
+            isinstance(i, Tensor) or i is None or isinstance(i, list)
+            for i in (index[1:] if isinstance(index, tuple) else ())
+        )
+    )
+
+
+def _select(rows: Tensor, index: Any) -> Tensor | None:
+    """The examples of the rows ``t[index]`` keeps, or None where dimension 0 is not simply selected."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    rest = index[1:] if isinstance(index, tuple) else ()
+    if any(isinstance(i, Tensor) or i is None or isinstance(i, list) for i in rest):
+        return None  # advanced or new-axis indexing beyond dimension 0 moves rows or adds one in front
+    if first is Ellipsis:
+        return rows if len(rest) > 0 and rest[-1] is not Ellipsis else None
+    if isinstance(first, int) and not isinstance(first, bool):
+        return None  # dimension 0 removed
+    if isinstance(first, Tensor) and first.dim() != 1:
+        return None
+    try:
+        picked = rows[first.to(rows.device) if isinstance(first, Tensor) else first]
+    except (IndexError, TypeError, RuntimeError):
+        return None
+    return picked if picked.dim() == 1 else None
+
+
+def _regrouped(rows: Tensor, before: Tensor, after: Tensor) -> Tensor | None:
+    """The examples of ``after``'s rows when it is ``before`` with its leading rows merged or split."""
+    if after.dim() == 0 or before.numel() != after.numel() or before.numel() == 0:
+        return None
+    inner_before, inner_after = before.numel() // before.shape[0], after.numel() // after.shape[0]
+    if inner_before == inner_after:
+        return rows
+    if inner_before % inner_after == 0:  # each row split into several
+        return rows.repeat_interleave(inner_before // inner_after)
+    if inner_after % inner_before == 0:  # several rows merged into one
+        groups = rows.view(after.shape[0], inner_after // inner_before)
+        lowest = torch.where(groups >= 0, groups, groups.max() + 1).amin(1)
+        one = ((groups == lowest[:, None]) | (groups == NONE)).all(1) & (groups != MIXED).all(1)
+        return torch.where(one, torch.where(lowest > groups.max(), NONE, lowest), MIXED)
+    return None
+
+
+def _to_examples(per_row: Tensor, rows: Tensor, batch: int) -> Tensor:
+    """Per-row gradients [n, ...] summed into their examples [batch, ...] (rows of no example dropped)."""
+    if rows.numel() == batch and torch.equal(rows, torch.arange(batch, device=rows.device)):
+        return per_row
+    keep = (rows >= 0).to(per_row.device)
+    out = per_row.new_zeros((batch, *per_row.shape[1:]))
+    return out.index_add_(0, rows.to(per_row.device)[keep], per_row[keep])
+
+
+def time_major_message(names: list[str]) -> str:
+    """The refusal for layers called on a tensor whose batch was moved to dimension 1."""
+    return (
+        f"The layers {names} are called on a time-major tensor: its batch is on dimension 1 (a "
+        "transpose(0, 1), .t() or permute of the batch, the [time, batch, ...] layout batch_first=False "
+        "layers use), so their dimension 0 holds time steps, which per-example clipping would take for "
+        "examples. This step releases nothing. Keep the batch on dimension 0 up to every trainable layer: "
+        "feed [batch, time, ...] tensors, build nn.LSTM/GRU/RNN/MultiheadAttention/Transformer* with "
+        "batch_first=True (a batch_first=False one is also handled exactly, fed the time-major tensor "
+        "directly), and transpose back before a Linear or Embedding."
+    )
+
+
+def unmatched_message(label: str, error: str = "") -> str:
+    """The refusal for a parameter use whose per-example gradient cannot be traced to the examples."""
+    failed = f" (recomputing it per row failed: {error})" if error else ""
+    return (
+        f"A trainable parameter is used outside the forward of its layer ({label}) where its rows cannot be "
+        f"traced to the batch's examples{failed}: it meets a tensor whose rows are not the batch's (reshaped, "
+        "or combined across examples), or a value already reduced over the batch other than by adding to it "
+        "(a temperature or weight multiplying the batch's mean loss), so its per-example gradient is unknown. "
+        "This step releases nothing. Apply the parameter to per-example values: keep the batch on dimension 0 "
+        "and multiply per-example losses before the mean ((w * F.cross_entropy(out, y, reduction='none'))"
+        ".mean()); or pass DPStrategy(isolate_examples=True), which runs each example alone (exact for any "
+        "use, one forward per example)."
+    )
+
+
+def summed_term_message(label: str) -> str:
+    """The refusal for a parameter term added to a loss summed over the batch (its share per example is unknown)."""
+    return (
+        f"A trainable parameter's term ({label}) is added to a loss summed over the batch "
+        "(loss_reduction='sum'): which share of it each example's loss holds depends on the batch size, which "
+        "is private. This step releases nothing. Add it to a loss averaged over the batch (the default "
+        "loss_reduction='mean'), or add it to each example's loss before the sum."
+    )
