@@ -41,6 +41,7 @@ from lightning_dp import (
     DPIS,
     AdaCliP,
     AdaptiveGD,
+    AutoClipping,
     BandMF,
     ConstantNoise,
     CyclicPoisson,
@@ -52,6 +53,7 @@ from lightning_dp import (
     Nesterov,
     NoiseDividing,
     PrivacyCallback,
+    QuantileClipping,
     checking,
 )
 from lightning_dp.accounting import PrivacyLedger
@@ -77,6 +79,8 @@ MECHANISMS: dict[str, Callable[[], dict[str, Any]]] = {
         "users_per_step": 10,
     },
     "augmentation multiplicity": lambda: {"augmentation_multiplicity": 2, "max_physical_batch_size": 64},
+    "QuantileClipping": lambda: {"clipping": QuantileClipping()},
+    "AutoClipping": lambda: {"clipping": AutoClipping()},
 }
 
 
