@@ -11,9 +11,12 @@ One GPT-2-shaped model (built from a transformers config), one logical batch, Ad
 
 Per rank, after ``--warmup`` steps: the median step time (``on_train_batch_start`` to ``on_train_batch_end``,
 CUDA synchronised) and what the rank holds: its parameters, gradients and optimizer state between steps
-(the bytes of the tensors themselves: local shards under FSDP2), the parameters gathered during a step, and
-on CUDA the peak of ``torch.cuda.max_memory_allocated`` over the timed steps (activations included). The
-table gives each number as a ratio to ``dp-ddp`` at the same W. Run from the repository root, under ``nice``
+(the bytes of the tensors themselves: local shards under FSDP2); during the steps (every one, the first with
+its run-time checks included), the most full-size parameter bytes alive at once (FSDP2's unsharded storage,
+read before every layer's forward and at every layer's output gradient in backward; ``dp-ddp``: the whole
+replicated model) and, for ``dp-fsdp``, the most full-size clipped-sum bytes held at once (one FSDP unit's,
+at its reduce-scatter); and on CUDA the peak of ``torch.cuda.max_memory_allocated`` over the timed steps
+(activations included). The table gives each number as a ratio to ``dp-ddp`` at the same W. Run from the repository root, under ``nice``
 on a shared machine::
 
     OMP_NUM_THREADS=1 PYTHONPATH=. nice -n 10 .venv/bin/python bench/fsdp_memory.py [--accelerator cuda]
@@ -107,25 +110,57 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             self.times: list[float] = []
             self.held: int = 0
             self.gathered: int = 0
+            self.sums: int = 0
             self.peak = 0
+            self.active = False
+
+        def on_train_start(self, trainer, module):
+            from torch.distributed.fsdp import FSDPModule
+
+            found = [m for m in module.modules() if isinstance(m, FSDPModule)]
+            params = [
+                fp for m in found for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params
+            ]
+            if not found:  # replicated: the whole model is full-size throughout
+                self.gathered = _bytes(module.parameters())
+                return
+
+            def read(*_: Any) -> None:
+                if self.active:
+                    alive = sum(fp._unsharded_param.untyped_storage().nbytes() for fp in params
+                                if hasattr(fp, "_unsharded_param"))  # fmt: skip
+                    self.gathered = max(self.gathered, alive)
+
+            def output(layer: Any, inputs: Any, out: Any) -> None:
+                read()
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda grad: read())
+
+            for layer in module.modules():
+                layer.register_forward_pre_hook(read)
+                layer.register_forward_hook(output)
+            shards = getattr(trainer.strategy, "shards", None)
+            if shards is not None:  # dp_fsdp's clipped sum, one unit at a time
+                take = shards.take
+
+                def counted(ps: Any, sums: list[Any]) -> Any:
+                    self.sums = max(self.sums, sum(x.numel() * x.element_size() for x in sums))
+                    return take(ps, sums)
+
+                shards.take = counted
 
         def on_train_batch_start(self, trainer, module, batch, idx):
             if cuda:
                 torch.cuda.synchronize()
                 if idx == args.warmup:
                     torch.cuda.reset_peak_memory_stats()
+            self.active = True
             self.start = time.perf_counter()
-
-        def on_before_backward(self, trainer, module, loss):
-            shards = getattr(trainer.strategy, "shards", None)
-            if shards is not None:  # what dp_fsdp gathered for the step
-                self.gathered = sum(
-                    fp._unsharded_param.untyped_storage().nbytes() for fp in shards.fsdp_params
-                )
 
         def on_train_batch_end(self, trainer, module, outputs, batch, idx):
             if cuda:
                 torch.cuda.synchronize()
+            self.active = False
             if idx >= args.warmup:
                 self.times.append(time.perf_counter() - self.start)
             optimizer = trainer.optimizers[0]
@@ -153,7 +188,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     trainer.fit(build_module(args.worker, args.batch, args.warmup + args.steps, size))
     mine = {"step_s": statistics.median(measure.times), "held": measure.held, "gathered": measure.gathered,
-            "peak": measure.peak}  # fmt: skip
+            "sums": measure.sums, "peak": measure.peak}  # fmt: skip
     ranks: list[Any] = [mine]
     if dist.is_initialized():
         ranks = [None] * dist.get_world_size()
@@ -192,8 +227,8 @@ def run(args: argparse.Namespace, config: str, devices: int, deadline: float) ->
 
 def table(results: list[dict[str, Any]]) -> str:
     """Per W: each configuration's worst rank, as ratios to dp-ddp at the same W."""
-    lines = ["| W | config | step time | params+grads+optimizer state per rank | gathered in a step | CUDA peak |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| W | config | step time | params+grads+optimizer state per rank | full-size parameters alive "
+             "in a step | full-size clipped sum held | CUDA peak |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for devices in sorted({r["devices"] for r in results}):
         rows = {r["config"]: r for r in results if r["devices"] == devices}
         base = rows.get("dp-ddp")
@@ -204,11 +239,17 @@ def table(results: list[dict[str, Any]]) -> str:
         for config in CONFIGS:
             r = rows.get(config)
             if r is None:
-                lines.append(f"| {devices} | {config} | failed or out of time | | | |")
+                lines.append(f"| {devices} | {config} | failed or out of time | | | | |")
                 continue
             cells = []
-            for key, unit in (("step_s", "s"), ("held", "MB"), ("gathered", "MB"), ("peak", "MB")):
-                value = worst(r, key)
+            for key, unit in (
+                ("step_s", "s"),
+                ("held", "MB"),
+                ("gathered", "MB"),
+                ("sums", "MB"),
+                ("peak", "MB"),
+            ):
+                value = worst(r, key) if all(key in rank for rank in r["ranks"]) else 0.0
                 shown = f"{value:.3f} s" if unit == "s" else f"{value / 2**20:.1f} MB"
                 ratio = f" (×{value / worst(base, key):.2f})" if base is not None and worst(base, key) else ""
                 cells.append(shown + ratio)

@@ -512,7 +512,10 @@ def run_sharded(child: Child, part: Part, device: Any, deadline: float, info: di
         plain = next(
             (p for p in results if p["config"] == "plain-fsdp" and p["devices"] == r["devices"]), None
         )
-        worst = {key: max(rank[key] for rank in r["ranks"]) for key in ("step_s", "held", "gathered", "peak")}
+        worst = {
+            key: max(rank.get(key, 0) for rank in r["ranks"])
+            for key in ("step_s", "held", "gathered", "sums", "peak")
+        }
         base = {key: max(rank[key] for rank in plain["ranks"]) for key in ("step_s", "peak")} if plain else {}
         memory = worst["peak"] if cuda else worst["held"]
         rows.append({
@@ -521,7 +524,8 @@ def run_sharded(child: Child, part: Part, device: Any, deadline: float, info: di
             "x_plain": worst["step_s"] / base["step_s"] if base else None,
             "mem_x_plain": worst["peak"] / base["peak"] if base and base["peak"] else None,
             "note": f"per rank: {worst['held'] / 2**20:.1f} MB params+grads+optimizer state between steps, "
-                    f"{worst['gathered'] / 2**20:.1f} MB gathered in a step",
+                    f"{worst['gathered'] / 2**20:.1f} MB full-size parameters alive at once in a step, "
+                    f"{worst['sums'] / 2**20:.1f} MB full-size clipped sum held at once",
         })  # fmt: skip
     child.save(part.name, {"model": "fsdp", "title": part.what, "batch": args.batch, "precision": "fp32",
                            "stage": "done", "rows": rows, "device": info})  # fmt: skip

@@ -20,6 +20,7 @@ from lightning_dp.compatibility import check_mechanisms
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import BatchDimensionError, GradientCapture, GradMode, PerExampleGradients
 from lightning_dp.per_example.capture import missed_use_message
+from lightning_dp.per_example.gradients import SumSink
 from lightning_dp.per_example.recurrent import SWAPS
 from lightning_dp.release import AllReduce, ReleaseHook, Releases
 from lightning_dp.rng import make_generator, without_generator_states
@@ -169,6 +170,9 @@ class PrivateStepEngine:
         """True for a sampled batch the budget cannot pay for: its optimizer steps release nothing."""
         self.gradient_sink: GradientSink | None = None
         """None: the released gradient goes to ``p.grad`` of each hooked parameter (set by ``dp_fsdp``)."""
+        self.sum_sink: SumSink | None = None
+        """None: each clipped sum is formed whole; ``dp_fsdp`` sets one that reduce-scatters it per FSDP unit
+        as it is formed (the per-example gradients' ``weighted_sum`` then returns this rank's shards)."""
         step.bind(self)
 
     @property
@@ -471,6 +475,7 @@ class PrivateStepEngine:
                 grad_samples = grad_samples.grouped(units.unit_of_row, "sum")
             else:
                 grad_samples = grad_samples.grouped(units.unit_of_row, units.reduction, units.views)
+        grad_samples.sink = self.sum_sink  # after the consistency check, which compares full-size sums
         ctx = self._context(grad_samples.batch)
         ctx.extras["rows"] = batch
         weighed = self.sampler.weigh(grad_samples, ctx)

@@ -65,27 +65,6 @@ def replace_batchnorm(module: nn.Module) -> list[str]:
     return replaced
 
 
-def uses_batch_statistics(layer: nn.Module) -> bool:
-    """Whether a BatchNorm call normalises with the batch's own statistics (train mode, or no running
-    statistics kept), as ``_BatchNorm.forward`` decides; in eval mode with running statistics it does not."""
-    assert isinstance(layer, _BatchNorm)
-    return layer.training or (layer.running_mean is None and layer.running_var is None)
-
-
-def batch_statistics_message(names: list[str]) -> str:
-    """The refusal for BatchNorm layers called with the batch's statistics during a private step."""
-    return (
-        f"The BatchNorm layers {names} normalised this step's batch with its own statistics (train mode, or "
-        "track_running_stats=False): each example's output depends on the other examples of the batch, and "
-        "the running statistics it updates are saved with the model without noise. This step releases "
-        "nothing. Freeze them in eval mode, so that they normalise with their running statistics (an "
-        "affine map of each example alone): layer.eval() in on_train_epoch_start (Lightning sets every "
-        "module to train mode before each epoch), a BaseFinetuning callback (freeze(..., train_bn=False)) "
-        "or a train() override that keeps them in eval; their affine weights may keep training. Or replace "
-        "them with GroupNorm, or pass DPStrategy(on_batchnorm='replace')."
-    )
-
-
 def check_stateful_layers(module: nn.Module) -> None:
     """Refuse trainable layers known to keep running statistics of the batch (saved with the model
     unprotected). Any other buffer written during training is caught by the run-time checks
@@ -195,7 +174,7 @@ def prepare_module(module: nn.Module, on_batchnorm: OnBatchNorm = "raise") -> li
 
     BatchNorm is kept under ``on_batchnorm="raise"``: frozen in eval mode (set at any time before a step, by
     the user or a ``BaseFinetuning`` callback) it is an affine map of each example alone; every step that
-    calls it with the batch's statistics is refused before its release (:func:`batch_statistics_message`).
+    calls it with the batch's statistics is refused before its release (:func:`~lightning_dp.per_example.batchnorm.batch_statistics_message`).
     Parameters on the LightningModule itself are covered by their uses (``per_example.capture``)."""
     notes = materialize_lazy_layers(module)
     if on_batchnorm == "replace" and batchnorm_layers(module):

@@ -68,6 +68,29 @@ class ShardedTiny(TinyModule):
             fully_shard(layer, **extra)
 
 
+class ShardedDeep(TinyModule):
+    """TinyModule with ``depth`` hidden layers between its first and last: every Linear its own FSDP2 unit,
+    then the container (a model of several units, for the memory a step holds in full)."""
+
+    def __init__(self, *args, depth: int = 6, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        first, act, last = self.net
+        hidden = [
+            m for _ in range(depth) for m in (nn.Linear(first.out_features, first.out_features), nn.Tanh())
+        ]
+        self.net = nn.Sequential(first, act, *hidden, last)
+
+    def configure_model(self) -> None:
+        if not sharding():
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(self.net)
+
+
 class GPTModule(LightningModule):
     """A 2-block GPT-2 built from a transformers config (tied input and output embeddings), fp64, trained
     on a per-example token loss; ``configure_model`` shards each block and then the whole model."""

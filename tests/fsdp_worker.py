@@ -16,8 +16,8 @@ import _worker
 import torch
 import torch.distributed as dist
 from conftest import GradientRecorder, RecordingClipping, ZeroSignal
-from fsdp_models import GPTModule, ShardedTiny, full_weights
-from lightning.pytorch.callbacks import ModelCheckpoint
+from fsdp_models import GPTModule, ShardedDeep, ShardedTiny, full_weights
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_dp import DPConfigurationError, DPFSDPStrategy
@@ -211,6 +211,98 @@ dump(
     same_as_straight=same,
     files=sorted(os.listdir(OUT / "ckpt" / "epoch=0-step=4.ckpt")),
 )
+
+
+# 10b. Peak memory during the step: a model of 8 FSDP units holds only the units its forward or backward is
+# in, and forms its clipped sum one unit at a time (each reduce-scattered at once).
+class UnshardedPeak(Callback):
+    """The most full-size parameter values alive at once during the training steps (read before every layer's
+    forward and at every layer's output gradient in backward: FSDP2's unsharded storage), and the most
+    full-size clipped-sum values held at once (one unit's, handed to its reduce-scatter)."""
+
+    def __init__(self) -> None:
+        self.active, self.params, self.sums = False, 0, 0
+
+    def on_train_start(self, trainer, pl_module):
+        shards = trainer.strategy.shards
+        alive = lambda: sum(  # noqa: E731
+            fp._unsharded_param.untyped_storage().nbytes() // fp._unsharded_param.element_size()
+            for fp in shards.fsdp_params
+            if hasattr(fp, "_unsharded_param")
+        )
+
+        def read(*_):
+            if self.active:
+                self.params = max(self.params, alive())
+
+        def output(module, args, out):
+            read()
+            if out.requires_grad:
+                out.register_hook(lambda grad: read())
+
+        for layer in pl_module.modules():
+            if isinstance(layer, nn.Linear):
+                layer.register_forward_pre_hook(read)
+                layer.register_forward_hook(output)
+        take = shards.take
+
+        def counted(params, sums):
+            self.sums = max(self.sums, sum(s.numel() for s in sums))
+            return take(params, sums)
+
+        shards.take = counted
+
+    def on_train_batch_start(self, *args):
+        self.active = True
+
+    def on_train_batch_end(self, *args):
+        self.active = False
+
+
+peak = UnshardedPeak()
+deep = ShardedDeep(n=32, batch_size=16, hidden=64, depth=6)
+t = fit(deep, strategy(noise_multiplier=1.0, max_grad_norm=1.0), max_steps=3, callbacks=[peak])
+units = [sum(p.numel() for p in m.parameters()) for m in deep.net if isinstance(m, nn.Linear)]
+full = sum(p.numel() for p in deep.parameters())
+dump("peak", t.strategy, params=peak.params, sums=peak.sums, full=full, unit=max(units), units=len(units))
+
+# 10c. A rank with an empty batch every step (N = 1, q = 1: rank 1 owns no example), ranks with different
+# numbers of physical chunks (N = 3, chunks of 1: two on rank 0, one on rank 1), and a mixing check that runs
+# its dry passes on rank 0 only (N = 3, every step checked: rank 1's one example cannot mix): σ = 0, C = ∞,
+# fp64, equal to one process; the short rank makes zero-contributing placeholder passes instead of hanging.
+for name, n, chunk, check in (
+    ("empty", 1, None, True),
+    ("chunks", 3, 1, True),
+    ("checked", 3, None, "every_step"),
+):
+    torch.manual_seed(0)
+    module = ShardedTiny(n=n, batch_size=n, dtype=torch.float64)
+    strat = strategy(
+        noise_multiplier=0.0,
+        max_grad_norm=math.inf,
+        seed=0,
+        max_physical_batch_size=chunk,
+        check_sensitivity=check,
+    )
+    t = fit(module, strat, max_epochs=3)
+    save_weights(name, module, t)
+    dump(name, strat, passes=strat.lockstep.passes, placeholders=strat.lockstep.placeholders)
+
+
+# 10d. training_step returns no loss on rank 1 at its second batch, after the model's forward: that pass
+# ends with a backward of zeros, rank 1 adds nothing to that step, and both ranks go on in step.
+class NoLossOnRankOne(ShardedTiny):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if self.global_rank == 1 and batch_idx == 1 else loss
+
+
+torch.manual_seed(0)
+module = NoLossOnRankOne(n=64, batch_size=64, dtype=torch.float64)
+strat = strategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0)
+t = fit(module, strat, max_epochs=3)
+save_weights("noloss", module, t)
+dump("noloss", strat, passes=strat.lockstep.passes)
 
 
 # 11. A loss that mixes examples on rank 1 only: both ranks refuse before the release.

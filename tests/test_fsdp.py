@@ -190,6 +190,98 @@ def test_sharded_checkpoints_resume_exactly(fsdp_results):
     assert len(saved["ranks"]) == 2
 
 
+def test_a_step_holds_only_the_units_it_is_in_and_sums_one_unit_at_a_time(fsdp_results):
+    """FSDP2 gathers each unit for its forward and backward only: the full-size parameters alive at once
+    stay within two units (the one computing and the one prefetched), and the clipped sum is formed and
+    reduce-scattered one unit at a time, never the whole model's at once."""
+    _, load = fsdp_results
+    for rank in load("peak"):
+        assert (rank["units"], rank["steps"]) == (8, 3)
+        assert 0 < rank["params"] <= 2 * rank["unit"] < rank["full"] / 2
+        assert 0 < rank["sums"] <= rank["unit"]
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "chunk", "check", "placeholders"),
+    [("empty", 1, None, True, 3), ("chunks", 3, 1, True, 3), ("checked", 3, None, "every_step", 6)],
+)
+def test_a_rank_with_an_empty_batch_fewer_chunks_or_no_check_runs_placeholders_and_equals_one_process(
+    fsdp_results, name, n, chunk, check, placeholders
+):
+    """Rank 1 has no example (``empty``), one chunk fewer (``chunks``) or one example the mixing check cannot
+    vary while rank 0 checks its two (``checked``: two dry passes a step): it answers with placeholder passes."""
+    out, load = fsdp_results
+    torch.manual_seed(0)
+    single = ShardedTiny(n=n, batch_size=n, dtype=torch.float64)
+    strategy = DPStrategy(
+        noise_multiplier=0.0,
+        max_grad_norm=math.inf,
+        seed=0,
+        max_physical_batch_size=chunk,
+        check_sensitivity=check,
+    )
+    make_trainer(strategy, max_epochs=3).fit(single)
+    got = torch.load(out / f"{name}.pt", weights_only=True)
+    assert_weights_equal(got, single.state_dict(), torch.float32, terms=n)
+    r0, r1 = load(name)
+    assert r0["steps"] == r1["steps"] == 3
+    assert r0["passes"] == r1["passes"]  # the same passes on both ranks: FSDP2's collectives all met
+    assert (r0["placeholders"], r1["placeholders"]) == (0, placeholders)
+
+
+class _RankZeroOnlyInStep2(ShardedTiny):
+    """One process standing for the sharded run below: a summed loss whose second step counts only the
+    examples rank 0 owns (index ≡ 0 mod 2); the others are in the batch with gradient 0."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, index = batch
+        losses = torch.nn.functional.cross_entropy(self(x), y, reduction="none")
+        return (losses * ((index % 2 == 0) | (batch_idx != 1))).sum()
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        return DataLoader(
+            TensorDataset(self.x, self.y, torch.arange(len(self.x))), batch_size=self.batch_size
+        )
+
+
+def test_a_training_step_without_loss_on_one_rank_adds_nothing_there_and_keeps_both_in_step(fsdp_results):
+    """Rank 1's second step returns None after its forward: that step releases rank 0's examples alone (as one
+    process whose loss leaves rank 1's out), the next one both halves again, and no rank waits for the other."""
+    out, load = fsdp_results
+    torch.manual_seed(0)
+    single = _RankZeroOnlyInStep2(n=64, batch_size=64, dtype=torch.float64)
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=math.inf, seed=0, loss_reduction="sum")
+    make_trainer(strategy, max_epochs=3).fit(single)
+    got = torch.load(out / "noloss.pt", weights_only=True)
+    assert_weights_equal(got, single.state_dict(), torch.float32, terms=64)
+    r0, r1 = load("noloss")
+    assert r0["steps"] == r1["steps"] == 3
+    assert r0["passes"] == r1["passes"]
+
+
+def test_one_process_dp_fsdp_equals_dp_strategy():
+    """W = 1 (in this process): FSDP2 still gathers and reshards each unit per pass (the root one stays
+    gathered after a forward-only pass unless resharded), and the result is DPStrategy's."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    single = ShardedTiny(n=32, batch_size=16, dtype=torch.float64)
+    make_trainer(DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0), max_epochs=2).fit(single)
+    torch.manual_seed(0)
+    sharded = ShardedTiny(n=32, batch_size=16, dtype=torch.float64)
+    try:
+        strategy = DPFSDPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0)
+        make_trainer(strategy, devices=1, max_epochs=2).fit(sharded)
+        got = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert_weights_equal(got, single.state_dict(), torch.float32, terms=16)
+    assert strategy.engine.steps == 4
+
+
 def test_resume_on_another_world_size_is_refused(fsdp_results):
     import torch.distributed as dist
 
@@ -233,6 +325,46 @@ def test_a_rank_that_dies_fails_the_other_cleanly(fsdp_results):
 def test_slots_that_need_the_full_parameters_are_refused_by_name(kwargs, named):
     with pytest.raises(DPConfigurationError, match=named):
         DPFSDPStrategy(**kwargs)
+
+
+class _RecordingSink:
+    """A sum sink that keeps each part's sums (doubled, as a stand-in for a reduce-scatter) and notes, at each
+    hand-over, which layers' per-example terms were already spent."""
+
+    def __init__(self, grads, parts) -> None:
+        self.grads, self.parts, self.spent = grads, parts, []
+
+    def groups(self, params):
+        return [[p for p in part if p in set(params)] for part in self.parts]
+
+    def take(self, params, sums):
+        self.spent.append([record.spent for record in self.grads.rows._records])
+        return [2 * s for s in sums]
+
+
+def test_a_sum_sink_forms_the_clipped_sum_one_fsdp_unit_at_a_time():
+    """The per-example gradients' weighted sum through dp_fsdp's sink: each unit's sums are formed when its
+    turn comes (the later units' per-example terms still unspent) and handed over at once; the values are
+    those of the whole sum (here over privacy units of two rows)."""
+    from lightning_dp.per_example import GradientCapture
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    capture = GradientCapture(net)
+    x = torch.randn(8, 4)
+    net(x).square().mean().backward()
+    rows, _ = capture.collect()
+    units = rows.grouped(torch.arange(8) // 2)
+    weights = torch.rand(4)
+    want = units.weighted_sum(weights)
+    first, last = list(net[0].parameters()), list(net[2].parameters())
+    units.sink = sink = _RecordingSink(units, [last, first])  # the backward's order: the last unit first
+    units.release_on_sum = True
+    got = units.weighted_sum(weights)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, 2 * w)
+    # records in backward order (the last layer's first): the first layer's terms were summed only at its turn
+    assert sink.spent == [[True, False], [True, True]]
 
 
 def test_a_model_without_fully_shard_is_refused():

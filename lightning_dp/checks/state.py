@@ -234,7 +234,7 @@ class ParameterValues:
     @classmethod
     def take(cls, module: nn.Module) -> ParameterValues:
         with torch.no_grad():
-            return cls(module, [(n, p, p.detach().clone()) for n, p in module.named_parameters()])
+            return cls(module, [(n, p, _local(p).clone()) for n, p in module.named_parameters()])
 
     def written(self) -> list[str]:
         """Parameters whose values (or object) differ from the copy."""
@@ -242,7 +242,7 @@ class ParameterValues:
         return sorted(
             name
             for name, p, values in self.saved
-            if now.get(name) is not p or not same_values(values, p.detach())
+            if now.get(name) is not p or not same_values(values, _local(p))
         )
 
     def written_by_kind(self) -> tuple[list[str], dict[str, Tensor]]:
@@ -255,7 +255,7 @@ class ParameterValues:
         for name in self.written():
             p = now.get(name)
             if p is not None and not p.requires_grad:
-                frozen[name] = p.detach().clone()
+                frozen[name] = _local(p).clone()
             else:
                 trained.append(name)
         return trained, frozen
@@ -267,10 +267,18 @@ class ParameterValues:
                 owner, leaf = _owner(self.module, name)
                 if owner._parameters.get(leaf) is not p:
                     owner._parameters[leaf] = p
-                if p.shape != values.shape or p.dtype != values.dtype:
-                    p.data = values.clone()
-                elif not same_values(values, p.detach()):
-                    p.copy_(values)
+                local = _local(p)
+                if local.shape != values.shape or local.dtype != values.dtype:
+                    local.data = values.clone()
+                elif not same_values(values, local):
+                    local.copy_(values)
+
+
+def _local(p: Tensor) -> Tensor:
+    """A parameter's own values on this rank, detached: an FSDP2 shard's local rows (comparing sharded
+    DTensors would be a collective, which only some ranks' checks would make), else the tensor itself."""
+    to_local = getattr(p, "to_local", None)  # a DTensor's
+    return (to_local() if callable(to_local) else p).detach()
 
 
 def parameter_write_message(names: list[str], where: str) -> str:

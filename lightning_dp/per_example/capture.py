@@ -27,14 +27,14 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import broadcast, kernels, recurrent, vmap
-from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients, tie
+from lightning_dp.per_example.batchnorm import batch_statistics_message, uses_batch_statistics
+from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients, Registered, tie
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.materialized import add_samples, direct_params, grad_sampler, layer_method
 from lightning_dp.per_example.precision import ieee_fp32
 from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
 from lightning_dp.per_example.uses import UseTracer, _to_examples, time_major_message
-from lightning_dp.prepare import batch_statistics_message, uses_batch_statistics
 
 
 def trainable_layers(root: nn.Module, trainable: bool = True) -> Iterator[tuple[str, nn.Module]]:
@@ -190,6 +190,9 @@ class GradientCapture:
         self._trainable: tuple[bool, ...] = ()
         self._frozen: dict[nn.Module, list[nn.Parameter]] = {}
         """Book-keeping: the parameters :meth:`_freeze` froze for the length of each layer's forward."""
+        self.registered: Registered | None = None
+        """Set by ``dp_fsdp``: a context in which the layers hold the full-size parameters the hooks recorded
+        (outside a unit's forward and backward, FSDP2 registers its shards instead)."""
         self.skip_param_grads = False
         """Book-keeping: when True, autograd computes no weight gradients (the engine builds the
         private gradient from inputs and output gradients alone), which saves a third of the backward."""
@@ -883,10 +886,13 @@ class GradientCapture:
         if self._reach_handles and batch:
             self._check_reached()
         materialized = dict(self.grad_samples)
-        records = self._split_shared(materialized, self._scale(batch))
+        with self.registered() if self.registered is not None else contextlib.nullcontext():
+            records = self._split_shared(materialized, self._scale(batch))
         self._uses = Counter()  # the next forward starts a new count
         self._batch_hint = None
-        return PerExampleGradients(self.params, batch, materialized, records, self._scale(batch)), batch
+        grads = PerExampleGradients(self.params, batch, materialized, records, self._scale(batch))
+        grads.registered = self.registered
+        return grads, batch
 
     def _layer_names(self, modules: list[nn.Module]) -> list[str]:
         return list(dict.fromkeys(next((n for n, m in self.layers if m is r), "<root>") for r in modules))
@@ -953,6 +959,14 @@ class GradientCapture:
         self.records = []
         self.batch_size = None
         self.calls = []
+
+    def discard(self) -> None:
+        """Forget a pass as if it never ran: what its backward captured and what its forward counted
+        (``dp_fsdp``'s zero-contributing passes, which only keep the ranks' collectives in step)."""
+        self.clear()
+        self._uses = Counter()
+        self._batched_nodes, self._reordered = set(), []
+        self._froze, self._outside = set(), set()
 
     def remove(self) -> None:
         """Remove the hooks and give swapped layers back their original classes."""

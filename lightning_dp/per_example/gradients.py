@@ -4,9 +4,10 @@ batch as a whole (:class:`PerExampleGradients`): squared norms and weighted sums
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -238,6 +239,39 @@ class LayerGradients:
         return self._call.samples(self._scale)
 
 
+class SumSink(Protocol):
+    """Where each part of a weighted sum goes as soon as it is formed (``dp_fsdp``: a reduce-scatter per FSDP
+    unit, so the whole model's full-size sum never exists at once)."""
+
+    def groups(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """``params`` split into the parts summed one after another, in an order every rank shares."""
+        ...
+
+    def take(self, params: list[nn.Parameter], sums: list[Tensor]) -> list[Tensor]:
+        """What the sum keeps of one part's full-size sums (this rank's shards of their sum over all ranks)."""
+        ...
+
+
+Registered = Callable[[], contextlib.AbstractContextManager[None]]
+"""A context in which every layer holds the parameter objects its per-example terms were recorded with."""
+
+_T = TypeVar("_T")
+
+
+def _as_recorded(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run ``method`` inside ``self.registered`` (when set): the kernels key their results by the layer's
+    parameters as registered, and ``dp_fsdp`` registers sharded ones on a layer outside its forward and backward."""
+
+    @functools.wraps(method)
+    def run(self: PerExampleGradients, *args: Any, **kwargs: Any) -> _T:
+        if self.registered is None:
+            return method(self, *args, **kwargs)
+        with self.registered():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class PerExampleGradients(Sequence[Tensor]):
     """The per-example gradients of one batch, one entry per parameter, materialised only on demand.
 
@@ -265,6 +299,11 @@ class PerExampleGradients(Sequence[Tensor]):
         self.release_on_sum = False
         """Set by the engine when the next ``weighted_sum`` is the step's last use of the per-example
         terms: each layer's are then freed as soon as its sum is taken, which lowers the step's peak."""
+        self.sink: SumSink | None = None
+        """Set by the engine (``dp_fsdp``): ``weighted_sum`` forms the sum part by part and returns what the
+        sink keeps of each part (this rank's shards), never the full-size sum of every parameter at once."""
+        self.registered: Registered | None = None
+        """Set by the capture (``dp_fsdp``): how the layers get back the parameters the hooks recorded."""
 
     @classmethod
     def from_tensors(cls, tensors: Sequence[Tensor]) -> PerExampleGradients:
@@ -296,6 +335,7 @@ class PerExampleGradients(Sequence[Tensor]):
     def __getitem__(self, index: int) -> Tensor:  # type: ignore[override]
         return self.materialize()[index]
 
+    @_as_recorded
     def materialize(self) -> list[Tensor]:
         """Every parameter's [B, *shape] per-example gradients (zeros for unused parameters)."""
         if self._full is None:
@@ -308,6 +348,7 @@ class PerExampleGradients(Sequence[Tensor]):
             ]
         return self._full
 
+    @_as_recorded
     def sq_norms(self) -> Tensor:
         """Each example's squared gradient norm over all parameters, in fp32."""
         device = self.params[0].device if self.params else None
@@ -324,23 +365,75 @@ class PerExampleGradients(Sequence[Tensor]):
             total += materialized_sq_norm(g)
         return total
 
+    @_as_recorded
     def weighted_sum(self, weights: Tensor) -> list[Tensor]:
         """Σ_i w_i g_i per parameter in fp32; examples with weight 0 contribute exactly 0 (NaN-safe)."""
+        if self.sink is not None:
+            return self._sunk_weighted_sum(self.sink, weights)
         if self._full is not None:
             return [materialized_weighted(g, weights) for g in self._full]
         sums = materialized_weighted_grad(self._materialized, weights)
         weights = weights * self.scale
         rows = _sparse_rows(weights)
         for record in self._records:
-            layer_sums = _layer_weighted_sum(record, weights, rows)
-            if self.release_on_sum:
-                record.spend()
+            layer_sums = self._record_sum(record, weights, rows)
             for p, value in layer_sums.items():
                 sums[p] = value if p not in sums else sums[p] + value
         return [
             sums[p] if p in sums else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
             for p in self.params
         ]
+
+    def _sunk_weighted_sum(self, sink: SumSink, weights: Tensor) -> list[Tensor]:
+        """:meth:`weighted_sum` one sink part at a time: each part's layers are summed (and freed, with
+        ``release_on_sum``) when its turn comes, and only what the sink keeps of the part stays."""
+        groups = sink.groups(self.params)
+        part = {p: i for i, group in enumerate(groups) for p in group}
+        formed: list[dict[nn.Parameter, Tensor]] = [{} for _ in groups]
+
+        def add(sums: dict[nn.Parameter, Tensor]) -> None:
+            for p, value in sums.items():
+                if p not in part:  # not trained (frozen): no sum is returned for it
+                    continue
+                held = formed[part[p]]
+                held[p] = value if p not in held else held[p] + value
+
+        full = dict(zip(self.params, self._full, strict=True)) if self._full is not None else None
+        scaled = weights * self.scale
+        rows = _sparse_rows(scaled)
+        by_part: list[list[LayerCall | TiedCalls]] = [[] for _ in groups]
+        for record in self._records if full is None else []:
+            owners = {part[p] for p in _record_params(record) if p in part}
+            if len(owners) == 1:
+                by_part[owners.pop()].append(record)
+            else:  # a layer whose parameters the sink cannot place before its sum is formed
+                add(self._record_sum(record, scaled, rows))
+        kept: dict[nn.Parameter, Tensor] = {}
+        for i, group in enumerate(groups):
+            if full is not None:
+                add({p: materialized_weighted(full[p], weights) for p in group})
+            else:
+                own = {p: self._materialized[p] for p in group if p in self._materialized}
+                add(materialized_weighted_grad(own, weights))
+                for record in by_part[i]:
+                    add(self._record_sum(record, scaled, rows))
+            sums = [
+                formed[i].pop(p)
+                if p in formed[i]
+                else torch.zeros(p.shape, device=p.device, dtype=torch.float32)
+                for p in group
+            ]
+            kept.update(zip(group, sink.take(group, sums), strict=True))
+            del sums
+        return [kept[p] for p in self.params]
+
+    def _record_sum(
+        self, record: LayerCall | TiedCalls, scaled: Tensor, rows: Tensor | None
+    ) -> dict[nn.Parameter, Tensor]:
+        sums = _layer_weighted_sum(record, scaled, rows)
+        if self.release_on_sum:
+            record.spend()
+        return sums
 
     def grouped(
         self, unit_of_row: Tensor, reduction: Literal["mean", "sum"] = "mean", views: int = 1
@@ -380,6 +473,7 @@ class UnitGradients(PerExampleGradients):
         self.info = UnitInfo(self.unit_of_row, reduction, views)
         super().__init__(rows.params, self.info.num_units, {}, [], rows.scale)
         self.rows = rows
+        self.registered = rows.registered
         self.row_weights = self.info.row_weights()
         """w_r: the weight of row r in its unit's gradient."""
 
@@ -387,6 +481,7 @@ class UnitGradients(PerExampleGradients):
         """One materialised entry: every parameter's per-unit gradients [U, *shape]."""
         return [LayerGradients(None, 1.0, dict(zip(self.params, self.materialize(), strict=True)))]
 
+    @_as_recorded
     def materialize(self) -> list[Tensor]:
         """Every parameter's per-unit gradients [U, *shape] (Σ_{r∈u} w_r g_r, in the rows' dtype)."""
         if self._full is None:
@@ -399,6 +494,7 @@ class UnitGradients(PerExampleGradients):
             ]
         return self._full
 
+    @_as_recorded
     def sq_norms(self) -> Tensor:
         """Each unit's squared gradient norm ‖h_u‖² over all parameters, in fp32, never understated."""
         rows, index, weights, units = self.rows, self.unit_of_row, self.row_weights, self.batch
@@ -442,9 +538,16 @@ class UnitGradients(PerExampleGradients):
 
     def weighted_sum(self, weights: Tensor) -> list[Tensor]:
         """Σ_u c_u h_u per parameter in fp32, computed over rows as Σ_r c_{π(r)} w_r g_r."""
-        self.rows.release_on_sum = self.release_on_sum
+        self.rows.release_on_sum, self.rows.sink = self.release_on_sum, self.sink
         row_weights = weights.to(self.unit_of_row.device)[self.unit_of_row] * self.row_weights
         return self.rows.weighted_sum(row_weights)
+
+
+def _record_params(record: LayerCall | TiedCalls) -> list[nn.Parameter]:
+    """The parameters whose sums one layer call's record gives (its layer's own)."""
+    if isinstance(record, TiedCalls):
+        return [record.weight]
+    return list(record.module.parameters(recurse=False))
 
 
 def _layer_weighted_sum(

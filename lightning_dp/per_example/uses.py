@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +38,29 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_dp.per_example.broadcast import METADATA
 
-if TYPE_CHECKING:
-    from lightning_dp.per_example.capture import GradientCapture
+
+class TracedCapture(Protocol):
+    """What the tracer reads of its :class:`~lightning_dp.per_example.capture.GradientCapture` and adds to it."""
+
+    ignoring: bool
+    """True while a backward the capture must not record runs (an inner ``autograd.grad``)."""
+    loss_reduction: str
+
+    @property
+    def batch_hint(self) -> int | None: ...
+
+    def tracing_now(self) -> bool: ...
+
+    def used_outside(self, param: nn.Parameter) -> bool: ...
+
+    def scale(self, batch: int) -> float: ...
+
+    def name_of(self, param: nn.Parameter) -> str: ...
+
+    def add_outside(self, samples: dict[nn.Parameter, Tensor]) -> None: ...
+
+    def ignoring_backward(self) -> contextlib.AbstractContextManager[None]: ...
+
 
 NONE, MIXED = -1, -2
 """Row labels: a row of no example (a constant) and a row several examples reach."""
@@ -91,7 +112,7 @@ def _dim_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 class UseTracer(TorchFunctionMode):
     """The tracer of one :class:`~lightning_dp.per_example.capture.GradientCapture` (see the module doc)."""
 
-    def __init__(self, capture: GradientCapture) -> None:
+    def __init__(self, capture: TracedCapture) -> None:
         super().__init__()
         self.capture = capture
         self.derived = WeakTensorKeyDictionary()

@@ -1,25 +1,28 @@
 """DPFSDPStrategy: DP-SGD on parameters sharded with FSDP2 (``fully_shard``), on Lightning's ModelParallelStrategy.
 
-Every rank keeps only its shard of each parameter, of its gradient and of the optimizer state between
-steps. A step runs in four moves:
+Every rank keeps only its shard of each parameter, of its gradient and of the optimizer state, and during
+the step it holds in full only the FSDP2 units its forward or backward is in (FSDP2's own per-unit
+all-gather and reshard). A step runs in four moves:
 
-1. the parameters are all-gathered once (FSDP2's ``unshard``), so the step's forwards and backwards make no
-   collective: per-rank Poisson batches give the ranks different work (an empty batch, more physical
-   chunks, the sensitivity check's extra passes), which FSDP2's per-layer collectives would deadlock on;
+1. every rank makes the same passes (:mod:`~lightning_dp.strategies.lockstep`): the ranks agree on the
+   number of physical chunks, a rank with fewer (an empty Poisson batch has none) runs zero-contributing
+   placeholder passes, and the run-time checks' dry passes are answered pass for pass by the other ranks;
 2. each rank computes the per-example gradients of its own examples from their activations and output
    gradients (never the unsharded weight) and clips them, as under ``dp_ddp``;
-3. one reduce-scatter with an explicit SUM gives each rank the sum over all ranks of the rows it owns
-   (FSDP2's own AVG is not used: on gloo it sums, pytorch #162338), and each rank adds noise of std σC to
-   those rows only, from its own generator: each coordinate is noised once, by its owner;
-4. the gathered parameters are freed, the gradient is divided by the public expected batch size and the
-   user's optimizer steps the local shards.
+3. the clipped sum is formed one FSDP2 unit at a time, and each unit's is reduce-scattered at once with an
+   explicit SUM (FSDP2's own AVG is not used: on gloo it sums, pytorch #162338): each rank keeps the sum
+   over all ranks of the rows it owns, never the whole model's full-size sum; under virtual batching each
+   chunk's sum is reduce-scattered as it is formed, and the shards add up;
+4. each rank adds noise of std σC to its rows only, from its own generator (each coordinate noised once,
+   by its owner), the gradient is divided by the public expected batch size and the user's optimizer
+   steps the local shards.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -34,8 +37,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from typing_extensions import override
 
+from lightning_dp.batches import EmptyBatch
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import Clipping, Step
@@ -43,18 +48,23 @@ from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.checkpoints import CHECKPOINT_KEY, _rank_dp_state, gather_dp_state
 from lightning_dp.strategies.config import PrivacyConfig
 from lightning_dp.strategies.ddp import all_reduce_sum, check_ranks_agree, rank_agreement, refuse_together
+from lightning_dp.strategies.lockstep import Lockstep
 from lightning_dp.strategies.optim import DPOptimizer
 from lightning_dp.strategies.refusals import refuse_laplace_shares
 
+_IDLE = TrainingState.IDLE
+
 
 class ShardedParameters:
-    """The FSDP2 parameters of a model: gathered for a step, each rank's gradient shard, one reduce-scatter.
+    """The FSDP2 parameters of a model: the full-size stand-ins the hooks key by, and the sharded release.
 
-    FSDP2 registers on each layer a sharded DTensor (what the optimizer holds) at rest and, while the
-    layer is unsharded, a full plain tensor (``FSDPParam._unsharded_param``, one object for the whole run).
-    lightning-dp's per-example hooks key everything by the full tensors the forward uses, so all of
-    lightning-dp's work on the module happens between :meth:`gather` and :meth:`release`; the released
-    gradient goes to the sharded parameter (:meth:`assign`). Reads FSDP2's ``FSDPParam`` (torch 2.14).
+    FSDP2 registers on each layer a sharded DTensor (what the optimizer holds) at rest and, while its unit
+    is unsharded (FSDP2's per-unit all-gather in forward and backward), a full plain tensor
+    (``FSDPParam._unsharded_param``, one object for the whole run, its storage freed when resharded).
+    lightning-dp's per-example hooks key everything by those full tensors (:meth:`stand_in` lets them
+    attach without gathering the model); the clipped sum is reduce-scattered one unit at a time as it is
+    formed (:meth:`groups`, :meth:`take`: the engine's sum sink), and each rank's shard becomes the
+    sharded parameter's gradient (:meth:`assign`). Reads FSDP2's ``FSDPParam`` (torch 2.14).
     """
 
     def __init__(self, model: nn.Module, world_size: int, rank: int) -> None:
@@ -69,18 +79,23 @@ class ShardedParameters:
                 "torch.distributed.fsdp.fully_shard on each block and then on the module that holds them "
                 "(see docs/multi-gpu.md), or use strategy='dp_ddp' for a model that fits on one device."
             )
-        self.groups = [g for m in self.modules for g in m._get_fsdp_state()._fsdp_param_groups]
-        self.fsdp_params = [fp for g in self.groups for fp in g.fsdp_params]
+        inside = {id(c) for m in self.modules for c in m.modules() if c is not m}
+        self.roots = [m for m in self.modules if id(m) not in inside]
+        """The outermost sharded modules (their forward is a pass's)."""
+        self.groups_ = [g for m in self.modules for g in m._get_fsdp_state()._fsdp_param_groups]
+        self.fsdp_params = [fp for g in self.groups_ for fp in g.fsdp_params]
         for module in self.modules:
             module.set_requires_gradient_sync(False, recurse=False)  # FSDP2 never reduces it either
-        self.gathered = False
+        self.standing_in = False
         self._owner: dict[int, Any] = {}
-        self._saved: list[tuple[Any, Any, bool]] = []
+        self._unit: dict[int, int] = {}
+        self.formed = False
+        """Whether the sums of this release were reduce-scattered as they were formed (:meth:`take`)."""
 
     def compute_precision(self) -> str | None:
         """ "bf16-mixed" or "16-mixed" when a MixedPrecisionPolicy casts the parameters the forward uses
         (the run-time checks' rounding allowance follows the dtype the forward computes in), else None."""
-        dtypes = {g.mp_policy.param_dtype for g in self.groups if g.mp_policy.param_dtype is not None}
+        dtypes = {g.mp_policy.param_dtype for g in self.groups_ if g.mp_policy.param_dtype is not None}
         if torch.float16 in dtypes:
             return "16-mixed"
         return "bf16-mixed" if torch.bfloat16 in dtypes else None
@@ -105,42 +120,72 @@ class ShardedParameters:
                     "fully_shard without shard_placement_fn and without tensor parallelism."
                 )
 
-    # -- the step's window: full parameters on every layer ----------------------------------------------
-    def gather(self) -> None:
-        """All-gather every parameter (every rank, the same modules in the same order) and keep it gathered
-        through the step's forwards and backwards; idempotent."""
-        if self.gathered:
+    # -- set-up: the hooks attach to the full-size tensors, none of them gathered --------------------------
+    def stand_in(self) -> None:
+        """Register FSDP2's full-size parameter objects on the layers, without their storage, while
+        lightning-dp attaches its hooks (which key by them): each unit is gathered and resharded once, one
+        after another (FSDP2 creates the objects at its first all-gather), so no more than one unit is full."""
+        if self.standing_in:
             return
-        self._saved = [(g, g.post_forward_mesh_info, g.reshard_after_backward) for g in self.groups]
-        for group in self.groups:
-            group.post_forward_mesh_info = None  # no reshard after forward or backward: no collective
-            group.reshard_after_backward = False
-        for module in self.modules:
+        for module in self.modules:  # outermost first: its FSDP2 state becomes the root
             module.unshard()
+            module.reshard()
         for fp in self.fsdp_params:  # after FSDP2's lazy init, which sets it
             fp.reduce_dtype = None  # the non-private gradient stays where autograd put it (never reduced)
+        for (
+            group
+        ) in self.groups_:  # registered and marked unsharded (FSDP2's own reshard undoes it); no storage
+            group._to_unsharded()
         self._owner = {id(fp._unsharded_param): fp for fp in self.fsdp_params}
-        self.gathered = True
+        self._unit = {id(fp._unsharded_param): i for i, g in enumerate(self.groups_) for fp in g.fsdp_params}
+        self.standing_in = True
 
-    def release(self) -> None:
-        """Free the gathered parameters (the sharded ones are registered again) and restore FSDP2's settings."""
-        if not self.gathered:
+    def stand_down(self) -> None:
+        """The sharded parameters are registered again (what configure_optimizers and checkpoints see)."""
+        if not self.standing_in:
             return
-        for fp in self.fsdp_params:  # the non-private gradient of a check's pass, or of the first step
-            fp._unsharded_param.grad = None
         for module in self.modules:
             module.reshard()
-        for group, mesh_info, after_backward in self._saved:
-            group.post_forward_mesh_info, group.reshard_after_backward = mesh_info, after_backward
-        self.gathered = False
+        self.standing_in = False
 
     @contextmanager
-    def gathering(self) -> Iterator[None]:
-        self.gather()
+    def registered(self) -> Iterator[None]:
+        """The layers hold the full-size parameter objects (storage freed or not) for the block: the
+        per-example kernels, run after a unit's backward resharded it, key their results by the layer's
+        parameters, which must be the ones the hooks recorded. Only attributes change; FSDP2's state does not."""
+        slots = [
+            (module, name, fp._unsharded_param)
+            for fp in self.fsdp_params
+            if hasattr(fp, "_unsharded_param")
+            for module, name in [
+                (fp._module_info.module, fp._module_info.param_name),
+                *zip(fp._module_info.shared_modules, fp._module_info.shared_param_names, strict=True),
+            ]
+        ]
+        saved = [module._parameters[name] for module, name, _ in slots]
+        for module, name, full in slots:
+            module._parameters[name] = full
         try:
             yield
         finally:
-            self.release()
+            for (module, name, _), before in zip(slots, saved, strict=True):
+                module._parameters[name] = before
+
+    # -- between passes ----------------------------------------------------------------------------------------
+    def settle(self) -> None:
+        """Reshard every unit a pass left gathered (FSDP2 keeps the root unit gathered after a forward
+        without backward), so that every rank starts its next pass with the same collectives."""
+        for group in self.groups_:
+            if group.is_unsharded and group._training_state == _IDLE:
+                group.reshard()
+
+    def forget_grads(self) -> None:
+        """Drop the full-size non-private gradients a dry or placeholder pass left (before the consistency
+        check's first step, autograd still computes them)."""
+        for fp in self.fsdp_params:
+            if hasattr(fp, "_unsharded_param"):
+                fp._unsharded_param.grad = None
+            fp.unsharded_accumulated_grad = None
 
     # -- the engine's gradient sink ------------------------------------------------------------------------
     def _param(self, standin: Tensor) -> Any:
@@ -161,14 +206,42 @@ class ShardedParameters:
         per_rank = math.ceil(full / self.world_size)
         return per_rank, max(0, min(per_rank, full - self.rank * per_rank))
 
-    def reduce_scatter(self, params: list[nn.Parameter], sums: list[Tensor]) -> list[Tensor]:
-        """Σ over ranks of each full-shape local sum, each rank getting only its rows: one reduce-scatter (SUM)."""
+    # -- the engine's sum sink: one reduce-scatter per FSDP2 unit, as its sums are formed --------------------
+    def groups(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """``params`` per FSDP2 unit, in the units' order (the same on every rank)."""
+        parts: list[list[nn.Parameter]] = [[] for _ in self.groups_]
+        for p in params:
+            self._param(p)
+            parts[self._unit[id(p)]].append(p)
+        return [part for part in parts if part]
+
+    def take(self, params: list[nn.Parameter], sums: list[Tensor]) -> list[Tensor]:
+        """One unit's full-size sums → this rank's shards of their sum over all ranks."""
+        self.formed = True
+        return self.reduce_scatter(params, sums)
+
+    def to_shards(self, params: list[nn.Parameter], sums: list[Tensor]) -> list[Tensor]:
+        """The release's sums as this rank's shards: already so when formed through :meth:`take`; else (a
+        clipping that built its sums itself) reduce-scattered now."""
         if len(sums) != len(params):
             raise DPConfigurationError(
                 "A release hook added tensors to the clipped sums (a privacy audit's canaries): under "
                 "strategy='dp_fsdp' each rank keeps only its shard of the parameters' sums, so extra tensors "
                 "have no owner. Run the audit with strategy='dp_ddp' or on one device."
             )
+        if not self.formed:
+            return self.reduce_scatter(params, sums)
+        self.formed = False
+        for p, s in zip(params, sums, strict=True):
+            if s.shape != self._param(p).sharded_size:
+                raise RuntimeError(
+                    "A clipping slot mixed sums reduce-scattered as they were formed with sums it built "
+                    "itself: under strategy='dp_fsdp' take every sum through grad_samples.weighted_sum."
+                )
+        return list(sums)
+
+    def reduce_scatter(self, params: list[nn.Parameter], sums: list[Tensor]) -> list[Tensor]:
+        """Σ over ranks of each full-shape local sum, each rank getting only its rows: one reduce-scatter (SUM)."""
         dtype = functools.reduce(torch.promote_types, [s.dtype for s in sums], torch.float32)
         blocks = []
         for p, s in zip(params, sums, strict=True):
@@ -177,14 +250,15 @@ class ShardedParameters:
             padded = torch.zeros(per_rank * self.world_size, rows.shape[1], device=s.device, dtype=dtype)
             padded[: rows.shape[0]] = rows
             blocks.append(padded.view(self.world_size, -1))
+        widths = [block.shape[1] for block in blocks]
         flat = torch.cat(blocks, dim=1)
+        del blocks
         out = torch.empty(flat.shape[1], device=flat.device, dtype=dtype)
         dist.reduce_scatter_tensor(out, flat.reshape(-1), op=dist.ReduceOp.SUM)
         shards, offset = [], 0
-        for p, block in zip(params, blocks, strict=True):
+        for p, width in zip(params, widths, strict=True):
             fp = self._param(p)
             per_rank, owned = self._rows(fp)
-            width = block.shape[1]
             local = out[offset : offset + width].view(per_rank, -1)[:owned]
             shards.append(local.reshape(fp.sharded_size))
             offset += width
@@ -277,6 +351,7 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
         refuse_unsharded_slots(self.engine)
         self.per_device_batch_size = per_device_batch_size
         self.shards: ShardedParameters | None = None
+        self.lockstep: Lockstep | None = None
 
     @override
     def setup_environment(self) -> None:
@@ -294,51 +369,98 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
         )
         assert self.model is not None
         _materialize_distributed_module(self.model, self.root_device)  # hooks go on the real parameters
-        self.shards = ShardedParameters(self.model, self.world_size, self.global_rank)
-        self.shards.refuse_unsharded(self.model)
-        compute = self.shards.compute_precision()
+        self.shards = shards = ShardedParameters(self.model, self.world_size, self.global_rank)
+        shards.refuse_unsharded(self.model)
+        compute = shards.compute_precision()
         if compute is not None and "true" in str(self.precision_plugin.precision):
             self.precision_plugin.precision = compute  # type: ignore[assignment]
-        shards = self.shards
-        self.engine.gradient_sink = shards
-        self.engine.releases.reduce_scatter_fn = lambda sums: shards.reduce_scatter(self.engine.params, sums)
-        with shards.gathering():  # the hooks key by the full parameters the forward uses
-            super().setup(trainer)
+        self.engine.gradient_sink = self.engine.sum_sink = shards
+        self.engine.releases.reduce_scatter_fn = lambda sums: shards.to_shards(self.engine.params, sums)
+        shards.stand_in()  # the hooks key by the full-size tensors the forward uses (until setup_optimizers)
+        super().setup(trainer)
+        assert self.engine.grads is not None
+        self.engine.grads.registered = shards.registered
+        self.lockstep = Lockstep(
+            self._module(), shards.roots, shards.settle, shards.forget_grads, lambda: self.engine.grads,
+            self._placeholder, self.precision_plugin, self.root_device,
+        )  # fmt: skip
+        self.lockstep.install()  # also on one process: each pass ends with every unit resharded
+
+    def _placeholder(self) -> Any:
+        """One training example, collated: what a placeholder pass runs on."""
+        assert self.engine.train_data is not None
+        dataset, collate = self.engine.train_data
+        return collate([dataset[0]])
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         if self.shards is not None:
-            self.shards.release()  # configure_optimizers sees the sharded parameters
+            self.shards.stand_down()  # configure_optimizers sees the sharded parameters
         super().setup_optimizers(trainer)
+
+    # -- every rank makes the same passes --------------------------------------------------------------------
+    @override
+    def _before_user_code(self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The checks (their dry passes answered pass for pass by the other ranks), then as many physical
+        chunks on every rank: a rank with fewer first runs placeholder passes that add zero sums."""
+        if self.lockstep is None:
+            super()._before_user_code(batch, args, kwargs)
+            return
+        counted: list[int] = []  # a unit too large for one chunk is refused on every rank, before any pass
+        refuse_together(lambda: counted.append(self._chunk_count(batch)), self.root_device)
+        super()._before_user_code(batch, args, kwargs)
+        own = counted[0]
+        missing = self.lockstep.agree_max(own) - own
+        for i in range(missing):
+            self.lockstep.placeholder_pass()
+            if own or i < missing - 1:  # an empty batch's last pass is released by its noise-only step
+                self.engine.accumulate_chunk()
+
+    def _chunk_count(self, batch: Any) -> int:
+        """How many passes this rank's share of the sampled batch takes (an empty one: none)."""
+        return 0 if isinstance(batch, EmptyBatch) else len(self.chunking.split(batch, self.engine.units))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.shards is not None and self._fitting():
-            self.shards.gather()
-            if self.checks.state is not None:  # the gathered tensors stand for the parameters the step saw
-                self.checks.state.at_entry()
-        return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        lockstep = self.lockstep
+        if lockstep is None or not self._fitting() or not self._module().automatic_optimization:
+            return output
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if isinstance(loss, Tensor) or self.engine.halted:  # halted: no rank releases anything
+            return output
+        # No loss: the pass ends now with a backward of zeros (as the other ranks' backward of their loss),
+        # and the step goes on through post_backward like theirs, releasing noise alone for this rank's share
+        # (what a step without loss releases on one process). No collective decides it.
+        lockstep.close()
+        grads = self.engine.grads
+        if grads is not None:
+            grads.discard()
+        assert self.shards is not None
+        self.shards.forget_grads()
+        return torch.zeros((), device=self.root_device, requires_grad=True)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
+        if self.lockstep is not None:
+            self.lockstep.close()  # a loss that reached no model output: its backward's collectives now
         super().post_backward(closure_loss)
-        if self.shards is not None and self.engine.pending_ctx is not None:
-            self.shards.release()  # released: the hooks after backward see the sharded parameters' gradients
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            if self.shards is not None:
-                self.shards.release()
 
     @override
     def _refuse_together(self, check: Callable[[], None]) -> None:
+        lockstep = self.lockstep
+
+        def in_step() -> None:
+            if lockstep is None:
+                check()
+                return
+            with lockstep.window():  # a check's dry passes: every rank answers them (and their gradients go)
+                check()
+
         if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            check()
+            in_step()
             return
-        refuse_together(check, self.root_device)
+        refuse_together(in_step, self.root_device)
 
     @override
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
@@ -350,8 +472,6 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        if self.shards is not None:
-            self.shards.release()
         checkpoint[CHECKPOINT_KEY] = gather_dp_state(self.engine, self.world_size, self.step_counts)
         ModelParallelStrategy.save_checkpoint(self, checkpoint, filepath, storage_options=storage_options)
 
@@ -376,8 +496,10 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.lockstep is not None:
+            self.lockstep.remove()
         if self.shards is not None:
-            self.shards.release()
+            self.shards.stand_down()
         super().teardown()
 
     @classmethod
