@@ -170,30 +170,45 @@ def check_privacy_state(state: Any, path: Any) -> None:
         )
 
 
+def _fit_loop(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    loops = checkpoint.get("loops")
+    fit_loop = loops.get("fit_loop") if isinstance(loops, dict) else None
+    return fit_loop if isinstance(fit_loop, dict) else None
+
+
+def _counter(state: Any, path: tuple[str, ...]) -> int | None:
+    for key in path:
+        state = state.get(key) if isinstance(state, dict) else None
+    return state if isinstance(state, int) else None
+
+
 def loop_global_step(checkpoint: dict[str, Any]) -> int | None:
     """The optimizer steps Lightning's fit loop will resume from (its progress counters, which set
     ``trainer.global_step`` on resume; the top-level ``global_step`` is only a copy). None when absent."""
-    fit_loop = (
-        checkpoint.get("loops", {}).get("fit_loop") if isinstance(checkpoint.get("loops"), dict) else None
-    )
-    if not isinstance(fit_loop, dict):
+    fit_loop = _fit_loop(checkpoint)
+    if fit_loop is None:
         return None
     paths = (
         ("epoch_loop.automatic_optimization.optim_progress", "optimizer", "step", "total", "completed"),
         ("epoch_loop.manual_optimization.optim_step_progress", "total", "completed"),
     )
-    total, found = 0, False
-    for path in paths:
-        value: Any = fit_loop
-        for key in path:
-            value = value.get(key) if isinstance(value, dict) else None
-        if isinstance(value, int):
-            total, found = total + value, True
-    return total if found else None
+    counts = [n for n in (_counter(fit_loop, path) for path in paths) if n is not None]
+    return sum(counts) if counts else None
+
+
+def step_in_flight(checkpoint: dict[str, Any]) -> bool:
+    """Whether the checkpoint was written in the middle of a training step (an interrupt or an exception,
+    e.g. by ``OnExceptionCheckpoint``): Lightning's loop had started a batch it had not finished processing
+    (its optimizer steps included). Resumed, the loop runs that batch again."""
+    fit_loop = _fit_loop(checkpoint)
+    total = ("epoch_loop.batch_progress", "total")
+    started = _counter(fit_loop, (*total, "started"))
+    processed = _counter(fit_loop, (*total, "processed"))
+    return started is not None and processed is not None and started > processed
 
 
 def check_resumed_counts(
-    engine: Any, state: dict[str, Any], checkpoint: dict[str, Any], path: Any, silent: int, outside: int
+    engine: Any, state: dict[str, Any], checkpoint: dict[str, Any], path: Any, counts: Any, in_flight: bool
 ) -> None:
     """The restored ledger must agree with the loop's step count, the engine's and the slots' own.
 
@@ -201,16 +216,24 @@ def check_resumed_counts(
     record more; correlated noise with cyclic sampling, one per round of b steps), so
     ``ledger events ≥ ⌈private steps / b⌉``; the ledger's size at save time is stored beside
     it, and no slot can have taken more steps than the engine. Lightning's loop counts
-    ``private steps − outside + silent`` optimizer steps (``silent``: steps that released nothing;
-    ``outside``: releases no optimizer step of the loop counted), in its progress counters and in the
-    top-level ``global_step``. A lowered count or an emptied history would resume at a smaller ε than
-    was spent.
+    ``private steps − outside + silent`` optimizer steps (``counts.silent_steps``: steps that released
+    nothing; ``counts.steps_outside_loop``: releases no optimizer step of the loop counted), in its progress
+    counters and in the top-level ``global_step``. A lowered count or an emptied history would resume at a
+    smaller ε than was spent.
+
+    A checkpoint written inside a step (``in_flight``) may hold what that step did before it stopped, all of
+    it counted in ε: the ledger's event (its saved size then one short), the private step (one more than the
+    loop counted) and the slots' counters (one ahead of the engine). Each step that stopped so, and ran again
+    on resume (``counts.interrupted_steps``), lets the slots' counters stay one step further ahead.
     """
     steps, events = engine.steps, engine.ledger.steps
+    silent, outside = counts.silent_steps, counts.steps_outside_loop
     paid = -(-steps // engine.noise.steps_per_event)  # BandMF: one event per round of b steps
     problems = []
     saved_events = state.get("ledger_events")
-    if saved_events is not None and int(saved_events) != events:
+    if saved_events is not None and (
+        events < int(saved_events) or (events > int(saved_events) and not in_flight)
+    ):
         problems.append(f"its ledger holds {events} events but was saved holding {int(saved_events)}")
     if events < paid:
         problems.append(
@@ -224,15 +247,16 @@ def check_resumed_counts(
         problems.append(f"its global_step {global_step} is not the fit loop's {loop_steps} optimizer steps")
     looped = steps - outside + silent
     for counted in dict.fromkeys(n for n in (global_step, loop_steps) if isinstance(n, int)):
-        if counted != looped:
+        if not counted <= looped <= counted + int(in_flight):  # in flight: one the loop had not counted yet
             extra = f" (+ {silent} that released nothing)" if silent else ""
             extra += f" (− {outside} outside the loop)" if outside else ""
             problems.append(f"it records {steps} private steps{extra} at global_step {counted}")
+    ahead = counts.interrupted_steps + int(in_flight)
     for name, slot in state["slots"].items():
         slot_state = slot.get("state") if isinstance(slot, dict) else None
         for key in SLOT_STEP_COUNTERS:
             value = slot_state.get(key) if isinstance(slot_state, dict) else None
-            if isinstance(value, int) and value > steps:
+            if isinstance(value, int) and value > steps + ahead:
                 problems.append(f"its {name} ({slot.get('name')}) has taken {value} steps, more than {steps}")
     if problems:
         raise DPConfigurationError(does_not_add_up(path, problems))

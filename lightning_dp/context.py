@@ -38,3 +38,8 @@ class StepContext:
     """The released noisy sums before ``finalize``, for steps with ``needs_sums`` (else None)."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Scratch space of a clipping slot within one step (read by nothing else)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (the engine holds the step's context until the optimizer step) without the clipped sums:
+        with the released noisy sums they give the noise."""
+        return dict(self.__dict__, clipped_sums=None)

@@ -654,6 +654,15 @@ class PrivateStepEngine:
         before = self.releases.prefetch.state_before(self.generator)
         return before if before is not None else self.generator.get_state()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled like a checkpoint: the noise generator only as the state a seeded run saves (none without a
+        seed), taken before any draws made ahead, so a seeded copy draws the next release's noise again."""
+        state = dict(self.__dict__)
+        if self.generator is not None:
+            state["_pending_generator_state"] = self._noise_generator_state()
+        state["generator"] = None
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the ledger, the step count and the slots; random streams only where a seed was given.
 
@@ -677,6 +686,11 @@ class PrivateStepEngine:
         self.prior_events = int(state.get("prior_events", 0))
         self.generator = None
         self._pending_generator_state = state.get("noise_generator") if self.seed is not None else None
+
+    def resume_inside_step(self) -> None:
+        """The state just loaded was saved inside a step: every slot learns the steps released so far."""
+        for _, slot in self._slots():
+            slot.resume_at(self.steps)
 
     def _slots(self) -> list[tuple[str, Any]]:
         return list(iter_slots(self.sampler, self.clipping, self.noise, self.step_slot))

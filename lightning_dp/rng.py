@@ -127,6 +127,11 @@ class NoisePrefetch:
         self._spare: list[torch.Tensor] = []
         self._spare_layout: tuple[Any, ...] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with nothing drawn: the pending draws are the next release's noise, the spare buffers the
+        last one's, and the saved state is the generator's (its ``os.urandom`` seed in an unseeded run)."""
+        return NoisePrefetch().__dict__
+
     @staticmethod
     def layout(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
         """What a draw for ``tensors`` depends on; None where it cannot be drawn ahead (not all contiguous

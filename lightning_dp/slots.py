@@ -44,6 +44,12 @@ class Slot:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
 
+    def resume_at(self, steps: int) -> None:
+        """Called after a checkpoint written inside a step (an interrupt) was loaded: ``steps`` private
+        steps were released, and the one that was interrupted runs again. A slot whose counters advance
+        before the release (steps begun) sets them back to ``steps``. Default: nothing to set."""
+        del steps
+
     @property
     def name(self) -> str:
         return type(self).__name__

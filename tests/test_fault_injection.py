@@ -1,30 +1,39 @@
-"""Fault injection: SIGKILL mid-checkpoint-write and mid-step (one DDP rank), then resume.
+"""Fault injection: SIGKILL mid-checkpoint-write and mid-step (one DDP rank), interrupts at random moments
+(in-process, as SIGINT lands), then resume.
 
 Invariants after every resume: ε never decreases, the ledger's step count equals the global step
 (no step lost or counted twice), and a damaged checkpoint is refused with a clear message while the
-previous complete one is found and used. Three subprocess launches in all (about 15 s each here).
+previous complete one is found and used. Three subprocess launches in all (about 15 s each here). An
+interrupted run's own checkpoint resumes: an ``OnExceptionCheckpoint`` written at any line of a step (or of
+a resume's set-up) keeps every release in ε and is accepted (issue #47).
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import random
 import shutil
 import signal
 import subprocess
+import sys
+import sysconfig
 import time
+import types
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from _worker import launch, launch_ranks
 from conftest import TinyModule, make_trainer
 from lightning.pytorch import Callback
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
-from lightning_dp import DPConfigurationError, DPStrategy
+from lightning_dp import BandMF, CyclicPoisson, DPConfigurationError, DPStrategy
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
 from lightning_dp.checkpointing import (
     PARTIAL_SUFFIX,
@@ -32,6 +41,9 @@ from lightning_dp.checkpointing import (
     checkpoint_problem,
     latest_valid_checkpoint,
 )
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.release import Releases
+from lightning_dp.strategies import checkpoints
 
 SIGMA, MAX_STEPS, N, BATCH = 1.0, 16, 128, 16  # as in fault_worker.py
 # The kill points are random; a failure names the seed, and LDP_FAULT_SEED=<seed> replays it.
@@ -255,3 +267,284 @@ def test_ddp_rank_death_mid_step_resumes_without_losing_or_double_counting(ddp_r
         assert record["steps"] == record["global_step"] == MAX_STEPS
         assert record["epsilon"] == pytest.approx(exact_epsilon(MAX_STEPS), rel=1e-9)
         assert record["epsilon"] >= start["epsilon"]
+
+
+# -- interrupts at random moments, in-process: every checkpoint the strategy wrote resumes ------------------
+class Interrupt(Callback):
+    """Raises ``KeyboardInterrupt`` between two Python lines, as a SIGINT does between two bytecodes.
+
+    ``plan="step"``: the lines of training step ``step`` are counted, and a uniformly random one of the next
+    step's (or of a later one, if it is shorter) interrupts. ``"call"``: the first line of the function whose
+    code is ``at``, in step ``step``. ``"first"``: the ``at``-th line from
+    ``on_train_start`` (the fit's first batch: its dry passes). ``"setup"``: the ``at``-th line counted from
+    ``on_fit_start`` (a fresh fit) or from the strategy's ``load_checkpoint`` (a resume: the restore,
+    Lightning's loops, the data, the checks' set-up). It also measures the set-up's lines (to
+    ``on_train_start``) and the first batch's. Its counters live in a ``SimpleNamespace``, which the run-time
+    checks' dry passes do not restore (they put back a callback's own attributes)."""
+
+    LOAD = DPStrategy.load_checkpoint.__code__
+    STDLIB = sysconfig.get_paths()["stdlib"]
+
+    def __init__(self, rng: random.Random, plan: str | None, at: Any, step: int | None, fresh: bool) -> None:
+        self.rng, self.plan, self.step, self.fresh = rng, plan, step, fresh
+        self.state = types.SimpleNamespace(lines=0, left=None, at=at, mark=0, fired=False, saved=False)
+        self.state.setup_lines = self.state.first_lines = self.state.first_step = None
+
+    def _line(self, frame, event, arg):
+        state = self.state
+        if event == "line":
+            state.lines += 1
+            if state.left is not None:
+                state.left -= 1
+                # not inside the standard library (a lock half taken in threading is Python's own hazard)
+                if state.left < 0 and not frame.f_code.co_filename.startswith(self.STDLIB):
+                    sys.settrace(None)
+                    state.left, state.fired = None, True
+                    raise KeyboardInterrupt
+        return self._line
+
+    def _call(self, frame, event, arg):
+        if frame.f_code is self.LOAD:  # a resume's set-up is counted from here
+            self.state.mark = self.state.lines
+            if self.plan == "setup":
+                self.state.left = self.state.at
+        elif self.plan == "call" and frame.f_code is self.state.at and self.state.mark is None:
+            self.state.left = 0  # the first line of that call, in the step armed below
+        return self._line
+
+    def on_fit_start(self, trainer, pl_module):
+        sys.settrace(self._call)
+        frame = sys._getframe(1)
+        while frame is not None:  # the frames already running (Lightning's loops) count their lines too
+            frame.f_trace = self._line
+            frame = frame.f_back
+        if self.fresh and self.plan == "setup":
+            self.state.left = self.state.at
+
+    def on_train_start(self, trainer, pl_module):
+        state = self.state
+        state.setup_lines, state.mark, state.first_step = (
+            state.lines - state.mark,
+            state.lines,
+            trainer.global_step,
+        )
+        if self.plan == "first":
+            state.left = state.at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        state = self.state
+        if trainer.global_step == state.first_step + 1 and state.first_lines is None:
+            state.first_lines = state.lines - state.mark
+        if self.plan == "call" and trainer.global_step == self.step:
+            state.mark = None  # armed
+        if self.plan == "step" and trainer.global_step == self.step:
+            state.mark = state.lines
+        elif self.plan == "step" and trainer.global_step == self.step + 1 and state.left is None:
+            state.left = self.rng.randrange(max(state.lines - state.mark, 1))  # this step's, or a later one's
+
+    def teardown(self, trainer, pl_module, stage):
+        sys.settrace(None)
+
+
+def _counting_releases(monkeypatch) -> types.SimpleNamespace:
+    """Counts the gradient releases that began (their event is recorded before): the exact ε's steps."""
+    count, real = types.SimpleNamespace(value=0), Releases.noisy
+
+    def noisy(releases, *args, **kwargs):
+        count.value += 1
+        return real(releases, *args, **kwargs)
+
+    monkeypatch.setattr(Releases, "noisy", noisy)
+    return count
+
+
+def _resume_check(path: Path, make_strategy) -> None:
+    """What resuming from ``path`` checks, without a Trainer: the restore, then the events once bound."""
+    strategy, counts = make_strategy(), checkpoints.StepCounts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpoints.restore_dp_state(strategy.engine, torch.load(path, weights_only=True), path, 1, 0, counts)
+    strategy.engine.sampler.bind(N, BATCH)
+    checkpoints.check_resumed_data(strategy.engine, counts, public_changes=False)
+
+
+INTERRUPTED_RUNS = {
+    "DP-SGD": lambda: DPStrategy(noise_multiplier=SIGMA),
+    "BandMF": lambda: DPStrategy(sampler=CyclicPoisson(2), noise=BandMF(noise_multiplier=SIGMA)),
+}
+CHAINS = [("DP-SGD", SEED + i) for i in range(4)] + [("BandMF", SEED + 4)]
+INTERRUPTED_STEPS = 16
+PLANS = {
+    "DP-SGD": ("step", "first", "setup", "step", None),
+    "BandMF": ("setup", "step", "setup", "first", None),
+}
+"""Each chain: a fit interrupted in a step (or its set-up), three resumes interrupted in a step, in their
+first batch (its dry passes) or in their set-up, then a resume run to the end."""
+
+
+class SavedOnException(OnExceptionCheckpoint):
+    """``OnExceptionCheckpoint`` that notes (in the interrupt's state) that its checkpoint was written."""
+
+    def __init__(self, dirpath: Path, state: types.SimpleNamespace) -> None:
+        super().__init__(dirpath)
+        self.state = state
+
+    def on_exception(self, trainer, *args, **kwargs):
+        super().on_exception(trainer, *args, **kwargs)
+        self.state.saved = True
+
+
+class Started(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.epsilon, self.events = trainer.strategy.epsilon, trainer.strategy.ledger.steps
+
+
+def _segment(
+    name: str, root: Path, plan: str | None, rng: random.Random, lines: dict, releases, call: Any = None
+) -> dict:
+    """One fit of a chain, interrupted as ``plan`` says (``lines``: the set-ups' and first batches' lines as
+    first measured; ``call``: (code, step) for ``plan="call"``); what it did and what it wrote."""
+    resume = root / "on_exception.ckpt" if (root / "on_exception.ckpt").exists() else None
+    start = int(torch.load(resume, weights_only=True)["global_step"]) if resume else 0
+    if (plan == "step" and start + 1 > INTERRUPTED_STEPS - 2) or (
+        plan == "first" and start >= INTERRUPTED_STEPS
+    ):
+        plan = None  # no step left to count and then interrupt
+    kind = {"setup": "resume" if resume else "fresh", "first": "first"}.get(plan or "")
+    at = rng.randrange(lines[kind]) if kind in lines else None
+    plan = None if kind and at is None else plan  # nothing measured yet: run on
+    step = rng.randint(start + 1, min(start + 4, INTERRUPTED_STEPS - 2)) if plan == "step" else None
+    if plan == "call":
+        at, step = call
+    interrupt = Interrupt(rng, plan, at, step, fresh=resume is None)
+    started, strategy = Started(), INTERRUPTED_RUNS[name]()
+    trainer = make_trainer(
+        strategy, root, max_steps=INTERRUPTED_STEPS, max_epochs=-1, enable_checkpointing=True,
+        callbacks=[ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=3, save_top_k=-1),
+                   SavedOnException(root, interrupt.state), interrupt, started],
+    )  # fmt: skip
+    before = releases.value
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(TinyModule(n=N, batch_size=BATCH), ckpt_path=resume)
+        except SystemExit:  # Lightning's answer to a KeyboardInterrupt, after on_exception has saved
+            pass
+        except Exception:  # Lightning's own teardown may fail after an interrupt in its data set-up
+            if not (interrupt.state.fired and interrupt.state.saved):
+                raise
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning ignores SIGINT once hit
+    interrupted = interrupt.state.fired and interrupt.state.saved  # (a finalizer may swallow an interrupt)
+    if interrupted:  # kept for the check of every checkpoint written
+        (root / "ckpt").mkdir(exist_ok=True)
+        shutil.copy(
+            root / "on_exception.ckpt", root / "ckpt" / f"on_exception_{len(os.listdir(root / 'ckpt'))}.ckpt"
+        )
+    measured = {
+        "resume" if resume else "fresh": interrupt.state.setup_lines,
+        "first": interrupt.state.first_lines,
+    }
+    lines.update({k: v for k, v in measured.items() if v and k not in lines})
+    return dict(
+        plan=plan, interrupted=interrupted, released_before=before, released=releases.value,
+        started=hasattr(started, "epsilon"), start_epsilon=getattr(started, "epsilon", None),
+        start_events=getattr(started, "events", None),
+        in_flight=any("written in the middle of a training step" in str(w.message) for w in caught),
+        steps=strategy.engine.steps, global_step=trainer.global_step, epsilon=strategy.epsilon,
+        events=strategy.ledger.steps, counts=strategy.step_counts.state_dict(),
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interrupted_chains(tmp_path_factory):
+    chains, lines = [], {}  # lines of a fresh fit's and of a resume's set-up, and of a first batch
+    with pytest.MonkeyPatch.context() as patch:
+        releases = _counting_releases(patch)
+        for name, seed in CHAINS:
+            releases.value, rng = 0, random.Random(seed)
+            root = tmp_path_factory.mktemp(f"interrupted_{name}")
+            segments: list[dict] = []
+            for plan in PLANS[name]:
+                segments.append(_segment(name, root, plan, rng, lines, releases))
+                if not segments[-1]["interrupted"]:
+                    break
+            chains.append((name, seed, root, segments))
+    return chains
+
+
+def test_an_interrupted_runs_own_checkpoints_resume_and_keep_every_release(interrupted_chains):
+    """Issue #47: an ``OnExceptionCheckpoint`` written at a random line of a step or of a resume's set-up (an
+    event recorded for a step that did not finish, the step's release not yet counted by the loop, a slot
+    a step ahead) resumes, says so when it was written inside a step, and ε never falls below the exact ε of
+    the releases made; at the end the counts agree again."""
+    for name, seed, root, segments in interrupted_chains:
+        where = f"{name}, seed {seed} (LDP_FAULT_SEED={seed - CHAINS.index((name, seed))}): {segments}"
+        assert [s["interrupted"] for s in segments] == [True] * (len(segments) - 1) + [False], where
+        final = segments[-1]
+        assert final["global_step"] == INTERRUPTED_STEPS, where
+        counts = final["counts"]
+        assert final["steps"] - counts["steps_outside_loop"] + counts["silent_steps"] == INTERRUPTED_STEPS, (
+            where
+        )
+        in_flight = [s["in_flight"] for s in segments]  # a resume interrupted in its set-up may repeat one
+        carried = sum(f for f, s in zip(in_flight, segments, strict=True) if s["started"])
+        assert carried <= counts["interrupted_steps"], where
+        assert counts["interrupted_steps"] <= sum(in_flight), where
+        for earlier, later in itertools.pairwise(segments):
+            if later["started"]:  # ε where the resumed fit starts: every release made so far, and at most
+                assert later["start_events"] >= earlier["events"], where  # one event more per interrupt
+                if name == "DP-SGD":
+                    assert later["start_epsilon"] >= exact_epsilon(later["released_before"]) * (1 - 1e-12), (
+                        where
+                    )
+                    assert later["start_events"] <= later["released_before"] + len(segments), where
+        if name == "DP-SGD":
+            assert final["epsilon"] >= exact_epsilon(final["released"]) * (1 - 1e-12), where
+            assert final["events"] <= final["released"] + len(segments) - 1, where
+        else:  # BandMF: one event per round of 2 steps, rounds paid again when a resume repeats their start
+            assert final["events"] >= -(-final["steps"] // 2), where
+        for path in sorted((root / "ckpt").glob("*.ckpt")):  # every checkpoint the chain wrote
+            _resume_check(path, INTERRUPTED_RUNS[name])
+
+
+def test_the_interrupts_landed_inside_steps_first_batches_and_set_ups(interrupted_chains):
+    """The chains above exercised what they claim: checkpoints written inside a step (the resume says so),
+    interrupts in a fit's first batch, and in a fresh fit's and a resume's set-up (then the checkpoint is
+    the one being restored)."""
+    segments = [s for _, _, _, chain in interrupted_chains for s in chain]
+    assert sum(s["in_flight"] for s in segments) >= 2
+    interrupted = {s["plan"] for s in segments if s["interrupted"]}
+    assert {"step", "first", "setup"} <= interrupted, interrupted
+    assert any(s["plan"] == "setup" and s["interrupted"] and not s["started"] for s in segments)
+
+
+@pytest.mark.parametrize(
+    ("name", "where"),
+    [
+        ("DP-SGD", Releases.noisy),  # the event recorded, the noise not yet added: one event more than steps
+        ("DP-SGD", PrivateStepEngine.apply_step),  # released, the update not applied: a step the loop missed
+        ("BandMF", Releases.noisy),  # CyclicPoisson counted the step before the release: drawn again for it
+    ],
+    ids=["event-recorded", "released-not-applied", "cyclic-step-counted"],
+)
+def test_a_checkpoint_written_inside_the_release_resumes_and_counts_the_release_once(name, where, tmp_path):
+    """The race of issue #47, made certain: ``OnExceptionCheckpoint`` written at the first line of a call
+    inside step 3's release. The resume warns, keeps the recorded event, and the counts agree at the end."""
+    with pytest.MonkeyPatch.context() as patch:
+        releases = _counting_releases(patch)
+        first = _segment(name, tmp_path, "call", random.Random(0), {}, releases, call=(where.__code__, 3))
+        last = _segment(name, tmp_path, None, random.Random(0), {}, releases)
+    assert first["interrupted"], first
+    assert first["global_step"] == 3, first
+    assert last["in_flight"], last
+    counts = last["counts"]
+    assert last["global_step"] == INTERRUPTED_STEPS
+    assert last["steps"] - counts["steps_outside_loop"] + counts["silent_steps"] == INTERRUPTED_STEPS
+    assert counts["interrupted_steps"] == 1
+    if name == "DP-SGD":
+        assert last["events"] == last["released"]  # every release began with its event, and nothing else
+        assert last["epsilon"] >= exact_epsilon(last["released"]) * (1 - 1e-12)
+        assert last["released"] == INTERRUPTED_STEPS + 1  # the interrupted release began; its step ran again
+    for path in sorted((tmp_path / "ckpt").glob("*.ckpt")):  # the on-exception one (a copy) and the others
+        _resume_check(path, INTERRUPTED_RUNS[name])

@@ -15,8 +15,16 @@ import torch
 from scipy import stats
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dp import CyclicPoisson, DPStrategy, FixedSize, Poisson
-from lightning_dp.draws import poisson_share, poisson_subset, uniform_below, uniform_subset
+from lightning_dp import CyclicPoisson, DPConfigurationError, DPStrategy, FixedSize, Poisson
+from lightning_dp.draws import (
+    BINOMIAL_MAX,
+    MAX_POPULATION,
+    _poisson_hits,
+    poisson_share,
+    poisson_subset,
+    uniform_below,
+    uniform_subset,
+)
 
 ALPHA = 1e-4
 
@@ -75,6 +83,66 @@ def test_the_poisson_sampler_draws_binomial_batches_over_a_billion_examples():
     batches = sampler_batches(Poisson(seed=3), 10**9, 512, 2000)
     assert binomial_fit(np.array([len(b) for b in batches]), 10**9, 512 / 10**9) > ALPHA
     assert len(batches) == 2000
+
+
+# -- the population limit ----------------------------------------------------------------------------------
+def test_torch_binomial_is_trusted_only_up_to_where_it_is_unbiased():
+    """Issue #47: 2·10⁶ ``torch.binomial`` sizes of mean 90 pass χ² at ``BINOMIAL_MAX`` = 2³², and the same test
+    finds their bias at 2⁵³, the old limit (the BTRS acceptance rounds like n·2⁻⁵³)."""
+
+    def pvalue(n: int) -> float:
+        g = torch.Generator().manual_seed(0)
+        counts = torch.full((2_000_000,), float(n), dtype=torch.float64)
+        sizes = torch.binomial(counts, torch.full_like(counts, 90 / n), generator=g)
+        return binomial_fit(sizes.numpy().astype(np.int64), n, 90 / n)
+
+    assert pvalue(BINOMIAL_MAX) > ALPHA
+    assert pvalue(2**53) < 1e-12
+
+
+@pytest.mark.parametrize("n", [BINOMIAL_MAX + 1, MAX_POPULATION])
+def test_batches_are_exact_above_the_binomial_and_up_to_the_limit(n):
+    g = torch.Generator().manual_seed(1)
+    batches = [poisson_subset(n, 90 / n, g) for _ in range(3000)]
+    assert binomial_fit(np.array([len(b) for b in batches]), n, 90 / n) > ALPHA
+    drawn = torch.cat(batches)
+    assert int(drawn.min()) >= 0
+    assert int(drawn.max()) < n
+    assert all(bool((b[1:] > b[:-1]).all()) for b in batches)  # sorted and distinct
+    assert stats.kstest(drawn.double().numpy() / n, "uniform").pvalue > ALPHA  # positions uniform over n
+
+
+def test_poisson_hits_join_each_member_at_the_rate_even_when_hits_repeat():
+    """The draw above 2³², checked where repeated hits are common: sizes Binomial(40, 0.3), every member at 0.3."""
+    g = torch.Generator().manual_seed(2)
+    batches = [_poisson_hits(40, 0.3, g) for _ in range(2000)]
+    assert binomial_fit(np.array([len(b) for b in batches]), 40, 0.3) > ALPHA
+    assert stats.chisquare(np.bincount(torch.cat(batches).numpy(), minlength=40)).pvalue > ALPHA
+
+
+def test_a_population_above_the_limit_is_refused_at_set_up_and_the_limit_trains():
+    """N = 2⁶² + 1 is refused when the sampler is bound, before any draw; N = 2⁶² trains private steps."""
+    for sampler in (Poisson(), CyclicPoisson(2), FixedSize()):
+        with pytest.raises(ValueError, match=r"more than the 2\*\*62 a sampler draws from exactly"):
+            sampler.bind(MAX_POPULATION + 1, 8)
+    from conftest import TinyModule, make_trainer
+
+    class Huge(TinyModule):
+        population = MAX_POPULATION
+
+        def train_dataloader(self):
+            return DataLoader(Synthetic(self.population), batch_size=8)
+
+    for n in (MAX_POPULATION + 1, MAX_POPULATION):
+        module, strategy = Huge(n=8, batch_size=8), DPStrategy(noise_multiplier=1.0)
+        module.population = n
+        if n > MAX_POPULATION:
+            with pytest.raises(DPConfigurationError, match=r"Train on at most 2\*\*62 examples"):
+                make_trainer(strategy, max_steps=2).fit(module)
+            assert module.seen_batch_sizes == []
+        else:
+            make_trainer(strategy, max_steps=2).fit(module)
+            assert strategy.engine.steps == 2
 
 
 # -- which examples join ------------------------------------------------------------------------------------

@@ -1,16 +1,19 @@
-"""Issue #35: nothing an unseeded run writes lets anyone regenerate its noise or its batches, or read a
-private statistic; a seeded run says so and still resumes bit for bit.
+"""Issues #35 and #47: nothing an unseeded run writes or pickles lets anyone regenerate its noise or its
+batches, read the noise it added, or read a private statistic; a seeded run says so and still resumes bit
+for bit.
 
 Every mechanism's slots run once through the Trainer with a ModelCheckpoint, ``trainer.save_checkpoint``, a
-CSV logger, saved hyperparameters and the privacy report; ``tests/secret_scan.py`` then opens every file
-under the run's folder, plus the log lines, warnings and a refusal's message. The DDP run is in
-tests/test_ddp.py (it reuses that file's two-process launch).
+CSV logger, saved hyperparameters and the privacy report, and every object the library built is pickled
+before, during and after the fit; ``tests/secret_scan.py`` then opens every file under the run's folder and
+every pickle, plus the log lines, warnings and a refusal's message. The DDP run is in tests/test_ddp.py (it
+reuses that file's two-process launch).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pickle
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,25 +21,44 @@ from typing import Any
 import pytest
 import torch
 from conftest import TinyModule, make_trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from secret_scan import CPU_STATE_BYTES, Secrets, UrandomDraws, scan_files, search_text, walk
+from secret_scan import (
+    CPU_STATE_BYTES,
+    NoiseRecord,
+    Secrets,
+    UrandomDraws,
+    scan_files,
+    scan_pickle,
+    search_text,
+    walk,
+    walk_objects,
+)
 
 from lightning_dp import (
     BLT,
     DPIS,
     AdaCliP,
     AdaptiveGD,
+    AutoClipping,
     BandMF,
+    ConstantNoise,
     CyclicPoisson,
     DPConfigurationError,
     DPStrategy,
+    FlatClipping,
     HeavyBall,
     LineSearch,
     Nesterov,
     NoiseDividing,
     PrivacyCallback,
+    QuantileClipping,
+    checking,
 )
+from lightning_dp.accounting import PrivacyLedger
+from lightning_dp.noise.correlated import CorrelatedNoise
+from lightning_dp.release import Releases
 
 N, BATCH = 211, 40  # N prime and unlike any layer size: a dimension of length N is one value per example
 
@@ -57,6 +79,8 @@ MECHANISMS: dict[str, Callable[[], dict[str, Any]]] = {
         "users_per_step": 10,
     },
     "augmentation multiplicity": lambda: {"augmentation_multiplicity": 2, "max_physical_batch_size": 64},
+    "QuantileClipping": lambda: {"clipping": QuantileClipping()},
+    "AutoClipping": lambda: {"clipping": AutoClipping()},
 }
 
 
@@ -78,7 +102,9 @@ class Logged(TinyModule):
         return torch.nn.functional.cross_entropy(self(x), y, reduction="none")
 
 
-def _fit(strategy: DPStrategy, root, *, max_steps: int, ckpt_path=None, module=None) -> tuple[Any, Logged]:
+def _fit(
+    strategy: DPStrategy, root, *, max_steps: int, ckpt_path=None, module=None, callbacks=()
+) -> tuple[Any, Logged]:
     module = module if module is not None else Logged(n=N, batch_size=BATCH)
     trainer = make_trainer(
         strategy,
@@ -90,6 +116,7 @@ def _fit(strategy: DPStrategy, root, *, max_steps: int, ckpt_path=None, module=N
         callbacks=[
             ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=2, save_top_k=-1),
             PrivacyCallback(),
+            *callbacks,
         ],
     )
     trainer.fit(module, ckpt_path=ckpt_path)
@@ -97,16 +124,27 @@ def _fit(strategy: DPStrategy, root, *, max_steps: int, ckpt_path=None, module=N
 
 
 @pytest.mark.parametrize("mechanism", list(MECHANISMS))
-def test_an_unseeded_runs_files_logs_and_messages_hold_no_seed_no_generator_state_no_private_statistic(
+def test_an_unseeded_runs_files_pickles_logs_and_messages_hold_no_seed_no_generator_state_no_noise(
     mechanism, tmp_path, monkeypatch, caplog
 ):
+    """Also no private statistic in the files. The pickles (issue #47): the slots, the engine, the strategy
+    and the loader, as a spawn launcher, a ``torch.save`` or a cache writes them, before the fit, after its
+    second step, inside the third (released, not yet applied) and after the fit, hold neither the correlated
+    noise's history, nor the noise drawn ahead for the next release, nor a step's clipped sums, nor a
+    generator's state; files and pickles are walked for the noise every release
+    of the run added (``NoiseRecord``), not only for seeds and generator states."""
     draws = UrandomDraws()
     monkeypatch.setattr(os, "urandom", draws)  # every seed an unseeded stream draws passes through here
+    noise = NoiseRecord()
+    noise.install(monkeypatch)
     caplog.set_level(logging.DEBUG)
     root = tmp_path / "run"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer, module = _fit(DPStrategy(target_epsilon=3.0, **MECHANISMS[mechanism]()), root, max_steps=4)
+        strategy, mid_run = DPStrategy(target_epsilon=3.0, **MECHANISMS[mechanism]()), PickleAt(step=2)
+        pickles = {"strategy (before fit)": pickle.dumps(strategy), **mid_run.pickles}
+        trainer, module = _fit(strategy, root, max_steps=4, callbacks=[mid_run])
+        pickles.update({**mid_run.pickles, **_pickles(trainer, "after fit")})
         trainer.save_checkpoint(root / "saved.ckpt")
         # resuming works without the states (fresh streams; DPIS recomputes its envelopes) and writes more files
         step2 = next((root / "checkpoints").glob("*step=2.ckpt"))
@@ -125,7 +163,8 @@ def test_an_unseeded_runs_files_logs_and_messages_hold_no_seed_no_generator_stat
     assert not [w for w in caught if "this run is seeded" in str(w.message)]
     assert draws.draws, "the run drew no os.urandom seed: the scan would prove nothing"
 
-    secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 4, units})
+    public = {N, BATCH, 2, 4, units}
+    secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints=public, noise=noise)
     found, files = scan_files(root, secrets)
     if units != N:  # a per-user array (which users a step drew) is as private as a per-example one
         per_user = Secrets(
@@ -137,7 +176,14 @@ def test_an_unseeded_runs_files_logs_and_messages_hold_no_seed_no_generator_stat
     assert len([p for p in files if p.suffix == ".ckpt"]) >= 3
     said = "\n".join([*(r.getMessage() for r in caplog.records), *(str(w.message) for w in caught), refusal])
     found += [f"log/warning/message: {what}" for what in search_text(said, secrets)]
+    assert len(pickles) >= (10 if isinstance(strategy.engine.sampler, DPIS) else 22), sorted(pickles)
+    assert noise.count >= 6  # the releases of steps 3 and 4 came after the mid-run pickles
+    found += [line for name, data in pickles.items() for line in scan_pickle(data, secrets, name)]
     assert not found, "\n".join(found)
+    copy = pickle.loads(pickles["noise (after step 2)"])
+    assert type(copy) is type(strategy.engine.noise)  # it loads again
+    if isinstance(copy, CorrelatedNoise):  # a copy restarts the recursion, as a resume does
+        assert (copy.buffers, copy.local_step, copy.resets) == (None, 0, [2])
 
 
 def test_the_scan_finds_what_it_looks_for():
@@ -281,43 +327,55 @@ def test_an_unseeded_audit_writes_no_canary_draw(tmp_path, monkeypatch):
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("mechanism", ["DP-SGD", "DPIS", "LineSearch", "CyclicPoisson+BLT", "UserPoisson"])
-def test_pickling_the_slots_or_the_train_loader_of_an_unseeded_run_writes_no_seed(
-    mechanism, tmp_path, monkeypatch
-):
-    """A user may pickle what they built (the sampler they passed, the loader): an unseeded generator pickles
-    as a fresh one (rng.UnseededGenerator), so the bytes hold no seed and no generator state."""
-    import pickle
+class PickleAt(Callback):
+    """Pickles what the library built once the given step has ended, and inside the next one once it has
+    released (a user's ``torch.save`` in a callback)."""
 
-    draws = UrandomDraws()
-    monkeypatch.setattr(os, "urandom", draws)
-    trainer, module = _fit(
-        DPStrategy(target_epsilon=3.0, **MECHANISMS[mechanism]()), tmp_path / "run", max_steps=3
-    )
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.pickles: dict[str, bytes] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not checking():  # not in the run-time checks' dry passes
+            self.pickles.update(_pickles(trainer, f"after step {self.step}"))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == self.step and not checking():  # inside the next step: released, not applied
+            self.pickles.update(_pickles(trainer, f"inside step {self.step + 1}"))
+
+
+def _pickles(trainer: Any, when: str) -> dict[str, bytes]:
+    """Every object the library builds that a user, a launcher or a cache may pickle: the slots, the engine,
+    the strategy and the private train loader. DPIS's sampler holds its norm pass's closures and does not
+    pickle (nor does anything that holds it): then nothing is written."""
     engine = trainer.strategy.engine
     objects = {
         "sampler": engine.sampler, "noise": engine.noise, "clipping": engine.clipping, "step": engine.step_slot,
-        "train_dataloader": trainer.train_dataloader,
+        "engine": engine, "strategy": trainer.strategy, "train_dataloader": trainer.train_dataloader,
     }  # fmt: skip
-    out = tmp_path / "pickles"
-    out.mkdir()
-    pickled = []
+    out = {}
     for name, value in objects.items():
         try:
-            data = pickle.dumps(value)
-        except (
-            TypeError,
-            AttributeError,
-            pickle.PicklingError,
-        ):  # cannot be pickled: then nothing is written
-            continue
-        (out / f"{name}.pkl").write_bytes(data)
-        assert type(pickle.loads(data)) is type(value)  # it loads again (unseeded streams with fresh seeds)
-        pickled.append(name)
-    assert "noise" in pickled, pickled
-    assert len(pickled) >= 3, pickled  # (DPIS's sampler holds a local function: it does not pickle)
-    secrets = Secrets(draws, N, realised_sizes=module.seen_batch_sizes, public_ints={N, BATCH, 2, 3, 71})
-    found, files = scan_files(out, secrets)
-    assert len(files) == len(pickled)
-    assert draws.draws
-    assert not found, "\n".join(found)
+            out[f"{name} ({when})"] = pickle.dumps(value)
+        except AttributeError:
+            assert isinstance(engine.sampler, DPIS), name  # the only one that holds a local function
+    return out
+
+
+def test_the_scan_finds_noise_and_tells_it_from_released_values(monkeypatch):
+    """The noise check itself: noise and a clipped sum are found, functions of the released values are not."""
+    noise = NoiseRecord()
+    noise.install(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    clipped = [torch.randn(200, 3, generator=g) for _ in range(4)]
+    releases = Releases(PrivacyLedger(1e-5), target_epsilon=None, noise=ConstantNoise(1.0),
+                        clipping=FlatClipping(), gradient_name="test")  # fmt: skip
+    released = [releases.noisy([c.clone()], 2.0, g)[0] for c in clipped]
+    added = [r - c for r, c in zip(released, clipped, strict=True)]
+    secrets = Secrets(UrandomDraws(), N, noise=noise)
+    momentum = sum(0.9**i * r for i, r in enumerate(released))
+    leaky = {"buffer": torch.stack(added[:2]), "clipped": clipped[3], "noise": 0.5 * added[1] - added[2]}
+    kept = {"momentum": momentum, "grad": released[3] / 40, "weights": torch.randn(200, 3, generator=g)}
+    found = walk_objects(leaky, secrets, "leaky")
+    assert all(any(f"leaky{key}" in line for line in found) for key in leaky), found
+    assert walk_objects(kept, secrets, "kept") == []

@@ -2,8 +2,8 @@
 
 A correlated noise slot adds σ·C_clip·κ·z_t with z = C⁻¹w, w_t ~ N(0, I) i.i.d., computed online from a
 few parameter-sized buffers per tensor (the subclass's recursion, ``_correlate``). The buffers hold past
-noise, so they never enter a checkpoint: a resume starts them at zero, which turns C into
-blockdiag(C_s, C_{T−s}) and keeps the bound (spec §4.4). Under DDP each rank runs its own recursion on
+noise, so they never enter a checkpoint or a pickle of the slot: a resume (or an unpickled copy) starts
+them at zero, which turns C into blockdiag(C_s, C_{T−s}) and keeps the bound (spec §4.4). Under DDP each rank runs its own recursion on
 its share w/√W: the recursion is linear, so the sum over ranks is the single-process noise (spec §1.5).
 """
 
@@ -167,6 +167,15 @@ class CorrelatedNoise(Noise):
             **self._strategy_state(),
         }
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a spawn launcher, ``torch.save`` of the strategy, a cache) without the buffers, which hold
+        past noise: a copy that adds noise restarts the recursion from zero, as a resume does (spec §4.4)."""
+        state = dict(self.__dict__)
+        if self.buffers is not None:
+            state["resets"] = [*self.resets, self.steps_taken]
+        state["buffers"], state["local_step"] = None, 0
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("sigma")
         if self.sigma is None:
@@ -189,6 +198,12 @@ class CorrelatedNoise(Noise):
                 "unchanged; the noise of the resumed part is correlated only within it.",
                 stacklevel=2,
             )
+
+    def resume_at(self, steps: int) -> None:
+        """An interrupted step may have drawn its noise before the engine counted it: count released steps."""
+        self.steps_taken = min(self.steps_taken, steps)
+        if self.resets and self.resets[-1] > steps:
+            self.resets[-1] = steps
 
     # -- reporting ----------------------------------------------------------------------------------
     def _predicted_ratio(self, rmse: float, steps: int) -> float | None:

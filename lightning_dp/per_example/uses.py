@@ -128,6 +128,14 @@ class UseTracer(TorchFunctionMode):
         """A gradient of the model was differentiated again (``create_graph=True``) since the last reset."""
         self._paused = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (with the engine) without this step's weak maps of tensors: a copy starts a step afresh."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "rows", "moved")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.reset()
+
     def reset(self) -> None:
         self.derived, self.rows = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
         self.moved = WeakTensorKeyDictionary()

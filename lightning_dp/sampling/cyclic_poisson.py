@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
 from lightning_dp.batches import IndicesWithInfo
-from lightning_dp.draws import poisson_share
+from lightning_dp.draws import check_population, poisson_share
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.release import Releases
@@ -117,6 +117,7 @@ class CyclicPoisson(SeededSampler):
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         if num_samples <= 0:
             raise ValueError("The training set is empty: DP training needs at least one example.")
+        check_population(num_samples)
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}.")
         self.num_samples, self.batch_size = num_samples, batch_size
@@ -220,6 +221,10 @@ class CyclicPoisson(SeededSampler):
             )
         self.steps_released = ctx.step + 1
         return None
+
+    def resume_at(self, steps: int) -> None:
+        """``weigh`` counts a step before its release: an interrupted step's batch is drawn again for it."""
+        self.steps_released, self._batch_step = steps, None
 
     def event(self, noise_multiplier: float) -> PrivacyEvent:
         """One round's event: a Poisson-subsampled Gaussian at the within-group rate q_b."""

@@ -11,7 +11,7 @@ import torch
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.pure_laplace import SubsampledLaplace
-from lightning_dp.draws import uniform_subset
+from lightning_dp.draws import check_population, uniform_subset
 from lightning_dp.sampling.seeded import DrawnBatches, SeededSampler
 
 
@@ -39,6 +39,7 @@ class FixedSize(SeededSampler):
             )
         if num_samples <= 0:
             raise ValueError("The training set is empty: DP training needs at least one example.")
+        check_population(num_samples)
         if not 0 < batch_size <= num_samples:
             raise ValueError(f"batch_size must be in [1, N={num_samples}], got {batch_size}.")
         self.num_samples, self.batch_size = num_samples, batch_size

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
-from lightning_dp.draws import poisson_share
+from lightning_dp.draws import check_population, poisson_share
 from lightning_dp.sampling.seeded import SeededSampler
 
 
@@ -68,6 +68,7 @@ class Poisson(SeededSampler):
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
         if num_samples <= 0:
             raise ValueError("The training set is empty: DP training needs at least one example.")
+        check_population(num_samples)
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}.")
         size = num_samples if self.public_size is None else self.public_size

@@ -142,7 +142,7 @@ class DPStrategyBase(Strategy):
         rank_zero_info(f"lightning-dp: {self.clipping_paths}")
         # each convolution's methods, chosen on its first batch by the cost model: one line per shape
         self.conv_tuner = grads.conv_tuner
-        self.conv_tuner.announce = lambda line: rank_zero_info(f"lightning-dp: {line}")
+        self.conv_tuner.announce = _announce  # a module function: the engine holding it still pickles
 
     # -- 2. optimizers --------------------------------------------------------------------------------------
     @override
@@ -162,9 +162,13 @@ class DPStrategyBase(Strategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(
-            self.engine, self.world_size, self.step_counts
-        )
+        restoring = self.step_counts.window.restoring(super().load_checkpoint)
+        if restoring is not None:  # written while a resume restores: the checkpoint it restores
+            checkpoint = restoring
+        else:
+            checkpoint[checkpoints.CHECKPOINT_KEY] = checkpoints.gather_dp_state(
+                self.engine, self.world_size, self.step_counts
+            )
         plain_file = type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None
         if not (plain_file and is_local_path(filepath)):
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -173,6 +177,7 @@ class DPStrategyBase(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.step_counts.window.begin(checkpoint_path, weights_only, fitting=self._fitting())
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except Exception as err:
@@ -196,6 +201,7 @@ class DPStrategyBase(Strategy):
         self._train_loader_pass = refusals.refuse_several_train_loaders(trainer, self._train_loader_pass)
         loader = refusals.refuse_unsupported_loader(dataloader)
         num_batches = self._bind_sampler(loader)
+        self.step_counts.window.end()  # the resume is complete (Lightning has restored its loops before this)
         self._plan_noise(trainer, loader, num_batches)
         sampler = self.engine.sampler
         views = self.config.augmentation_multiplicity
@@ -279,8 +285,7 @@ class DPStrategyBase(Strategy):
             return None  # the budget cannot pay for this batch: nothing is released, training stops
         self._before_user_code(batch, args, kwargs)
         if isinstance(batch, EmptyBatch):
-            self.step_counts.noise_only(module)
-            return routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
+            return self._noise_only_step(module)
         with tracing(
             module
         ):  # parameter uses outside the layers, rows taken from the batch (per_example.uses)
@@ -294,6 +299,12 @@ class DPStrategyBase(Strategy):
         return routing.virtual_batch_step(
             user_step, self.engine, module, batch, chunking, *args[1:], **kwargs
         )
+
+    def _noise_only_step(self, module: Any) -> Any:
+        """An empty batch's noise-only step, counted once released (a checkpoint between counts it once)."""
+        output = routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
+        self.step_counts.noise_only(module)
+        return output
 
     def _module(self) -> Any:
         module = self.lightning_module
@@ -366,6 +377,11 @@ class DPStrategyBase(Strategy):
     def _fitting(self) -> bool:
         trainer = self._trainer()
         return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
+
+def _announce(line: str) -> None:
+    """One line of what the run chose, logged on rank 0."""
+    rank_zero_info(f"lightning-dp: {line}")
 
 
 def _ensure_privacy_callback(trainer: Trainer) -> None:

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
-from lightning_dp.checkpointing import check_privacy_state, check_resumed_counts, does_not_add_up
+from lightning_dp.checkpointing import (
+    check_privacy_state,
+    check_resumed_counts,
+    does_not_add_up,
+    loop_global_step,
+    step_in_flight,
+)
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.prepare import MODEL_HISTORY_ATTR
@@ -135,6 +141,37 @@ def _check_prior_data(engine: PrivateStepEngine, public_changes: bool) -> None:
     )
 
 
+class ResumeWindow:
+    """From the start of a resume's restore until the train loader is bound (the resume is then complete), a
+    checkpoint written (an interrupt, ``OnExceptionCheckpoint``) is the checkpoint being restored, not the
+    half-restored state: a ledger partly reloaded, the loops not yet restored, the weights not yet loaded."""
+
+    def __init__(self) -> None:
+        self.path: Any = None
+        self.weights_only: bool | None = None
+        self.checkpoint: dict[str, Any] | None = None
+
+    def begin(self, path: Any, weights_only: bool | None, fitting: bool) -> None:
+        """A checkpoint is about to be read (a fit's resume opens the window; validate or test does not)."""
+        self.path, self.weights_only, self.checkpoint = (path if fitting else None), weights_only, None
+
+    def loaded(self, checkpoint: dict[str, Any]) -> None:
+        self.checkpoint = dict(checkpoint)
+
+    def end(self) -> None:
+        self.path, self.checkpoint = None, None
+
+    def restoring(self, load: Any) -> dict[str, Any] | None:
+        """The checkpoint being restored (read again with ``load(path, weights_only)`` if the interrupt came
+        while it was being read); None outside a resume, or when it cannot be read (nothing was restored)."""
+        if self.path is not None and self.checkpoint is None:
+            try:
+                self.checkpoint = dict(load(self.path, weights_only=self.weights_only))
+            except Exception:
+                self.end()
+        return self.checkpoint
+
+
 @dataclass
 class StepCounts:
     """How the engine's private steps and Lightning's optimizer steps (``global_step``) differ, counted as
@@ -147,8 +184,14 @@ class StepCounts:
     steps_outside_loop: int = 0
     """Private steps Lightning's loop did not count: an empty batch's noise-only release under manual
     optimization (the user's optimizer steps are not called), and steps of earlier fits on another Trainer."""
+    interrupted_steps: int = 0
+    """Steps a checkpoint written in their middle (an interrupt, ``OnExceptionCheckpoint``) left unfinished,
+    run again after the resume: what each had recorded stays (its ledger event, the slots' counters), so the
+    ledger may hold an event and a slot a step more than the engine for each."""
     resumed_from: Any = None
     """The checkpoint this fit resumed from (None: a fresh fit)."""
+    window: ResumeWindow = field(default_factory=ResumeWindow)
+    """What a checkpoint written while this fit's resume restores holds (the checkpoint restored)."""
     model_history: Any = None
     """The fitted module's privacy history from another strategy (a :class:`ModelHistory`), continued at
     the first bind unless a checkpoint's weights and ledger replace it (``ckpt_path``)."""
@@ -156,6 +199,7 @@ class StepCounts:
     def start_fit(self, engine: PrivateStepEngine, trainer: Trainer) -> None:
         """A fit starts: steps this engine took before it (an earlier fit, another Trainer) are outside its loop."""
         self.resumed_from = None
+        self.window.end()
         self.steps_outside_loop = engine.steps + self.silent_steps - trainer.global_step
 
     def released_nothing(self, module: LightningModule) -> None:
@@ -166,12 +210,27 @@ class StepCounts:
         """An empty batch's noise-only release: under manual optimization no user optimizer step counts it."""
         self.steps_outside_loop += int(not module.automatic_optimization)
 
+    def resume_in_flight(self, steps: int, global_step: int) -> None:
+        """A checkpoint written inside a step was restored: the loop runs that step again, so a release it
+        made counts as a private step outside the loop (a step that released nothing is not counted twice)."""
+        ahead = steps - self.steps_outside_loop + self.silent_steps - global_step
+        if ahead > 0:
+            outside = min(steps, self.steps_outside_loop + ahead)
+            self.silent_steps -= ahead - (outside - self.steps_outside_loop)
+            self.steps_outside_loop = outside
+        self.interrupted_steps += 1
+
     def state_dict(self) -> dict[str, int]:
-        return {"silent_steps": self.silent_steps, "steps_outside_loop": self.steps_outside_loop}
+        return {
+            "silent_steps": self.silent_steps,
+            "steps_outside_loop": self.steps_outside_loop,
+            "interrupted_steps": self.interrupted_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any], path: Any) -> None:
         self.silent_steps = int(state.get("silent_steps", 0))
         self.steps_outside_loop = int(state.get("steps_outside_loop", 0))
+        self.interrupted_steps = int(state.get("interrupted_steps", 0))
         self.resumed_from = path
 
 
@@ -215,6 +274,7 @@ def restore_dp_state(
             "to start DP training from non-private weights, load them into the module and call fit "
             "without ckpt_path."
         )
+    counts.window.loaded(checkpoint)
     rank_state = _rank_dp_state(state, world_size, rank)
     check_privacy_state(rank_state, path)
     try:
@@ -227,7 +287,20 @@ def restore_dp_state(
         raise DPConfigurationError(str(err)) from err
     counts.load_state_dict(rank_state, path)
     counts.model_history = None  # the checkpoint's weights replace the module's, and its ledger is theirs
-    check_resumed_counts(engine, rank_state, checkpoint, path, counts.silent_steps, counts.steps_outside_loop)
+    in_flight = step_in_flight(checkpoint)
+    check_resumed_counts(engine, rank_state, checkpoint, path, counts, in_flight)
+    if in_flight:
+        loop_steps = loop_global_step(checkpoint)
+        counts.resume_in_flight(engine.steps, loop_steps if loop_steps is not None else engine.steps)
+        engine.resume_inside_step()
+        warnings.warn(IN_FLIGHT_WARNING.format(path=path), stacklevel=2)
+
+
+IN_FLIGHT_WARNING = (
+    "lightning-dp: the checkpoint {path} was written in the middle of a training step (an interrupt or an "
+    "exception, e.g. by OnExceptionCheckpoint). Lightning runs that step again; whatever it had recorded is "
+    "kept, so ε counts a release it may have made although its update never reached the weights."
+)
 
 
 def _lowering_message(path: Any, err: ValueError) -> str:
@@ -251,18 +324,22 @@ def check_resumed_data(engine: PrivateStepEngine, counts: StepCounts, public_cha
         return
     if not public_changes:
         _check_same_shape(engine.sampler)
-    problems = gradient_event_problems(engine, exact_rate=not public_changes)
+    problems = gradient_event_problems(engine, not public_changes, counts.interrupted_steps)
     if problems:
         raise DPConfigurationError(does_not_add_up(path, problems))
 
 
-def gradient_event_problems(engine: PrivateStepEngine, exact_rate: bool = True) -> list[str]:
+def gradient_event_problems(
+    engine: PrivateStepEngine, exact_rate: bool = True, interrupted: int = 0
+) -> list[str]:
     """Where the ledger's gradient events disagree with the restored sampler's q, noise slot's σ and the steps.
 
     Checked where one event per step follows from the slots alone: a constant σ, a sampler that does not
     schedule its own σ and a step slot that prices a gradient as the sampler's event (DP-SGD and the
     momentum steps, with any clipping). Other mechanisms' events depend on their own adaptive state, and
     only the counts are checked. ``exact_rate=False`` (data changes declared public) lets q vary.
+    ``interrupted``: steps stopped in their middle and run again (``StepCounts.interrupted_steps``), each of
+    which may have left one more event than the steps.
     """
     sampler, noise, step = engine.sampler, engine.noise, engine.step_slot
     if sampler.schedules_noise or not noise.is_constant or not noise.is_set:
@@ -288,7 +365,7 @@ def gradient_event_problems(engine: PrivateStepEngine, exact_rate: bool = True) 
         f"{expected!r} at every step"
         for event, count in others.items()
     ]
-    if same != engine.steps:
+    if not engine.steps <= same <= engine.steps + interrupted:
         problems.append(f"its ledger holds {same} × {expected!r} for {engine.steps} private steps")
     return problems
 
@@ -307,11 +384,11 @@ def _after(history: list[tuple[PrivacyEvent, int]], skip: int) -> list[tuple[Pri
 def _check_same_shape(sampler: Sampler) -> None:
     saved_n, saved_q = sampler.restored_shape
     if (
-        saved_n is None
+        not saved_n
         or saved_q is None
         or (saved_n, saved_q) == (sampler.size_for_releases, sampler.sample_rate)
     ):
-        return
+        return  # (N = 0: written before the sampler was bound, e.g. interrupted in a fresh fit's set-up)
     raise DPConfigurationError(
         f"The checkpoint was trained on {_units(sampler, saved_n)} with sample rate {saved_q:.6g}; this run "
         f"has {_units(sampler, sampler.size_for_releases)}, rate {sampler.sample_rate:.6g}. The ledger cannot "

@@ -83,6 +83,13 @@ class DPOptimizer(Optimizer):
         self.engine.apply_step(self.original_optimizer)
         return loss
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A proxy pickles its own attributes (``torch.optim.Optimizer``'s would drop the wrapped optimizer)."""
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def state_dict(self) -> dict[str, Any]:
         return self.original_optimizer.state_dict()
 
