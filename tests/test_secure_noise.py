@@ -90,6 +90,21 @@ def test_its_error_bounds_are_what_the_ledger_is_told():
         CKSSampler(0.4)
 
 
+@pytest.mark.parametrize("sigma", [0.8, 3.0, 12.0])
+def test_the_tail_bound_covers_the_exact_tail_and_counts_the_whole_bulk(sigma):
+    """β bounds the exact pmf's mass beyond the bulk (σ²/t + 10σ) three times over, and is no looser than the
+    erfc bound at that edge (an edge left at 10σ overstated it by a factor of 10² to 10⁴)."""
+    sampler = CKSSampler(sigma)
+    edge = sampler.shift + math.sqrt(2 * dg.BULK_EXPONENT) * sigma
+    z = np.arange(-int(edge) - 400, int(edge) + 401, dtype=np.float64)
+    logs = -(z**2) / (2 * sigma**2)
+    pmf = np.exp(logs - logs.max())
+    pmf /= pmf.sum()
+    exact = float(pmf[np.abs(z) > edge].sum())
+    assert exact <= (sampler.tail - 2.0**-120) / 3
+    assert sampler.tail <= 3 * math.erfc((edge - 1) / (sigma * math.sqrt(2))) + 2.0**-119
+
+
 # -- the timing channel -----------------------------------------------------------------------------------------
 
 
@@ -275,6 +290,26 @@ def test_the_integer_sum_is_flat_clipping_up_to_half_a_grid_step_per_example():
         )
     ]
     assert all(torch.equal(a, b) for a, b in zip(integers, split, strict=True))
+
+
+def test_the_integer_sum_is_exact_beyond_two_to_the_53():
+    """Rounded rows of about 2⁴⁶ grid units, 2048 of them: their sum passes 2⁵³, where fp64 adds inexactly;
+    the integers must still add up exactly (each chunk exactly, the chunks in int64), whatever the order."""
+    from lightning_dp.clipping import integer_grid
+
+    g = torch.Generator().manual_seed(3)
+    unit = 2.0**46
+    rows = torch.randint(-(2**20), 2**20, (2048, 4), generator=g, dtype=torch.int64) + (2**46 - 2**21)
+    values = rows.to(torch.float64)
+    total, _ = integer_grid._round_and_sum(
+        values, torch.ones(2048, dtype=torch.float64), torch.float64, unit, again=False, clean=True
+    )
+    exact = [sum(int(v) for v in rows[:, j].tolist()) for j in range(4)]
+    assert total.tolist() == exact
+    flipped, _ = integer_grid._round_and_sum(
+        values.flip(0), torch.ones(2048, dtype=torch.float64), torch.float64, unit, again=False, clean=True
+    )
+    assert torch.equal(total, flipped)
 
 
 def test_non_finite_examples_are_dropped_and_sums_never_overflow():

@@ -534,6 +534,19 @@ def test_search_refusals(change: dict[str, Any], message: str) -> None:
         load_search({**SEARCH, **change})
 
 
+def test_a_declared_dataset_size_fixes_the_trials_rate_and_steps() -> None:
+    """dataset_size=: the tuner plans q = B/N_pub and ⌈N_pub/B⌉ steps an epoch, never the real N (1257)."""
+    from lightning_dp.tuning.planning import plan_from_args
+
+    real = plan_from_args(DIGITS, Score("public"))
+    for declared in (600, 5000):
+        plan = plan_from_args(
+            [*DIGITS, f"--trainer.strategy.init_args.dataset_size={declared}"], Score("public")
+        )
+        assert plan.sample_rate == pytest.approx(real.sample_rate * 1257 / declared)
+        assert plan.steps == real.steps // math.ceil(1257 / 128) * math.ceil(declared / 128)
+
+
 def test_monitor_callbacks_and_prv_are_refused_and_cli_plan_only(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -8,10 +8,10 @@ The sum over examples is computed in int64, where addition is exact and associat
 does not depend on the order, the chunking or the number of ranks it was added in.
 
 The norms that set the clip factor are computed from the very values that are rounded (materialised per
-layer), so the bound holds for what is released, not for a formula's estimate of it; every example's
-scaled norm is checked again before anything is released. The arithmetic is fp32 (fp64 past 2²² grid
-units per clip bound), whose rounding the margin in Δ covers, and the rounded integers are summed exactly
-(integers below 2⁵³ in fp64, then int64). The cost is materialising the per-example gradients (twice when
+layer), so the bound holds for what is released, not for a formula's estimate of it; where the gradients are
+materialised a second time, each example's scaled norm is measured again before anything is released. The
+arithmetic is fp32 (fp64 past 2²² grid units per clip bound), whose rounding the margin in Δ covers, and the
+rounded integers are summed exactly (chunks of rows exactly in the working dtype, the chunks in int64). The cost is materialising the per-example gradients (twice when
 they do not fit ``KEEP_BYTES``), which the fast path avoids.
 """
 
@@ -164,9 +164,10 @@ def _round_and_sum(
     units); ``bound``: the largest |coordinate| a scaled example within the grid's bound can have;
     ``again``: ``g`` was materialised a second time, so its scaled norms are measured (else they are the
     norm pass's own values, within the bound by construction: zeros are returned); ``clean``: the norm
-    pass found every value finite. Rows of dropped examples (scale 0) and any non-finite value become exact zeros; the integers
-    are summed in fp64, exact below 2⁵³, whatever the order."""
-    total = torch.zeros(g.shape[1:], dtype=torch.float64, device=g.device)
+    pass found every value finite. Rows of dropped examples (scale 0) and any non-finite value become exact zeros; each
+    chunk of rows is summed exactly in ``work`` and the chunks' sums in int64, exact whatever the order (the caller's
+    capacity check keeps the total below 2⁶³)."""
+    total = torch.zeros(g.shape[1:], dtype=torch.int64, device=g.device)
     squares = []
     start = 0
     work = torch.float64 if g.dtype == torch.float64 else exact
@@ -184,6 +185,6 @@ def _round_and_sum(
             squares.append(torch.zeros(rows, dtype=torch.float64, device=v.device))
         torch.round_(v)
         for chunk in v.split(step):
-            total += chunk.sum(0).double()
+            total += chunk.sum(0).to(torch.int64)
         start += rows
-    return total.to(torch.int64), torch.cat(squares)
+    return total, torch.cat(squares)

@@ -111,8 +111,9 @@ class CKSSampler:
 
     def _tail(self) -> float:
         """β: the probability, under the exact pmf and under this sampler alike (3× covers both), of a value
-        outside the bulk: 2·P[N(0, σ²) ≥ 10σ − 1] (CKS's tail bound), plus the 2⁻¹²⁰ the thresholds leave."""
-        z = math.sqrt(2 * BULK_EXPONENT) - 1 / self.scale
+        outside the bulk, which ends at h = σ²/t + 10σ: P[|X| > h] ≤ erfc((h − 1)/(σ√2)) (the lattice sum is at
+        most the integral and the normaliser at least σ√(2π)), plus the 2⁻¹²⁰ the thresholds leave."""
+        z = (self.shift + math.sqrt(2 * BULK_EXPONENT) * self.scale - 1) / self.scale
         return 3 * math.erfc(z / math.sqrt(2)) + 2.0**-120
 
     def candidates(self, count: int) -> int:

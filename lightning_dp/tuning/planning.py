@@ -114,8 +114,9 @@ def _plan_trial(cli: Any, score: Score) -> TrialPlan:
         loader = cli.model.train_dataloader()
     num_samples, batch_size = len(loader.dataset), loader.batch_size
     sampler = Poisson()
+    sampler.public_size = engine.sampler.public_size  # dataset_size=: q and the steps read the declared N
     sampler.bind(num_samples, batch_size)
-    num_batches = max(1, math.ceil(num_samples / batch_size))
+    num_batches = sampler.batches_per_epoch(num_samples, batch_size)
     steps = strategy.planned_steps(trainer, num_batches)
     if engine.noise.is_set or engine.target_epsilon is None:
         sigma = engine.noise.noise_multiplier(0)

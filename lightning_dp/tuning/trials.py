@@ -66,6 +66,9 @@ def run_lightning_trial(run: TrialRun) -> TrialOutcome:
     else:
         loader = datamodule.val_dataloader()
     correct, n = count_correct(cli.model, loader)
+    declared = cli.trainer.strategy.engine.sampler.public_size
+    if run.score.source == "private_train" and declared is not None:
+        n = declared  # dataset_size=: the score's divisor is the declared public size, not the real N
     ledger = cli.trainer.strategy.ledger
     return TrialOutcome(correct, n, ledger.rdp, tuple(ledger.orders), checkpoint)
 
