@@ -41,7 +41,11 @@ class FullPrecision:
 
 def runs_in_full_precision(plugin: Any) -> bool:
     """Whether the passes can run in fp32 for this plugin: Lightning's own mixed, half and fp32 plugins
-    (a plugin that replaces layers or shards them, such as bitsandbytes or FSDP, keeps its own precision)."""
+    (a plugin that replaces layers or shards them, such as bitsandbytes or FSDP, keeps its own precision).
+    A plain ``Precision`` labelled reduced is one whose parameters something else casts (``dp_fsdp`` under a
+    ``MixedPrecisionPolicy``: FSDP2 gathers bf16 parameters whatever the passes upcast), so it keeps its own."""
+    if type(plugin) is Precision and any(r in str(plugin.precision) for r in ("16", "bf16")):
+        return False
     return type(plugin) in (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
 
