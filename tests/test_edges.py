@@ -270,6 +270,7 @@ def test_the_mixing_refusal_names_the_cause_and_the_fix_without_private_statisti
     assert "·C in total" not in message
     assert "rounding explains" in message
     assert not re.search(r"\d\.\d+%|\d+\.\d+·C|of them", message)
+    assert not re.search(r"(example|user) \d", message)  # no position: it bounds the batch's size
     assert "isolate_examples=True" in message
     assert "per_example_token_loss" in message
 

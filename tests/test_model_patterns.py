@@ -32,11 +32,16 @@ C = 0.05
 # -- the reference and the checks --------------------------------------------------------------------------
 
 
-def _alone(module: LightningModule, dataset: TensorDataset) -> list[list[Tensor]]:
-    """Each example's gradient of the trainable parameters, from the model's training_step on it alone."""
+def _alone(module: LightningModule, dataset: TensorDataset, callbacks: Any = ()) -> list[list[Tensor]]:
+    """Each example's gradient of the trainable parameters, from the model's training_step on it alone
+    (after what the fit's ``BaseFinetuning`` callbacks do before the first epoch)."""
     reference = copy.deepcopy(module)
     reference.train()
     reference.on_train_epoch_start()
+    for callback in callbacks:
+        if isinstance(callback, BaseFinetuning):
+            callback.freeze_before_training(reference)
+            callback.finetune_function(reference, 0, None)
     params = [p for p in reference.parameters() if p.requires_grad]
     grads = []
     for i in range(len(dataset)):
@@ -54,7 +59,7 @@ def _clipped(grads: list[Tensor], bound: float) -> list[Tensor]:
 
 def assert_exact(module: LightningModule, dataset: TensorDataset, neighbour: Any, **fit: Any) -> None:
     """Released clipped sums equal the per-example reference (C = ∞ and C); one example moves them ≤ C."""
-    alone = _alone(module, dataset)
+    alone = _alone(module, dataset, fit.get("trainer", {}).get("callbacks", ()))
     dtype = next(module.parameters()).dtype
     released = {}
     for bound in (math.inf, C):
@@ -147,11 +152,21 @@ class KeptInEval(Patterned):
 
 
 class FrozenByCallback(BaseFinetuning):
+    """``freeze(..., train_bn=False)``: the weights frozen, the layer left in train mode (and
+    ``track_running_stats=False``), so on the batch's statistics until something calls ``eval()``."""
+
     def freeze_before_training(self, pl_module: LightningModule) -> None:
         self.freeze(pl_module.net[1], train_bn=False)
 
     def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: Any) -> None:
         del pl_module, epoch, optimizer
+
+
+class EvalByCallback(FrozenByCallback):
+    """The documented recipe: frozen by ``freeze`` and put in eval mode at each epoch start."""
+
+    def finetune_function(self, pl_module: LightningModule, epoch: int, optimizer: Any) -> None:
+        pl_module.net[1].eval()
 
 
 class BackToTrain(FrozenBatchNorm):
@@ -293,7 +308,11 @@ EXACT = {
     "frozen-batchnorm": (FrozenBatchNorm, data, {}),
     "batchnorm-affine-in-eval": (lambda: FrozenBatchNorm(affine=True), data, {}),
     "batchnorm2d-train-override": (KeptInEval, data, {}),
-    "batchnorm-base-finetuning": (FrozenBatchNorm, data, {"trainer": {"callbacks": [FrozenByCallback()]}}),
+    "batchnorm-base-finetuning": (
+        lambda: TrainModeBatchNorm(),
+        data,
+        {"trainer": {"callbacks": [EvalByCallback()]}},
+    ),
     "temperature-margin-cosine-head": (Temperature, data, {}),
     "kendall-log-vars-weight-penalty": (Kendall, data, {}),
     "tied-projection": (Tokens, token_data, {}),
@@ -337,6 +356,15 @@ class TrainModeBatchNorm(FrozenBatchNorm):
 
 def test_batchnorm_on_the_batch_statistics_is_refused_before_the_first_release():
     assert_refused(TrainModeBatchNorm(), "net.1", "eval mode", "on_train_epoch_start")
+
+
+def test_batchnorm_frozen_by_base_finetuning_alone_is_refused_naming_eval_mode():
+    """``freeze(..., train_bn=False)`` leaves the layer on the batch's statistics: refused, not trained."""
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    trainer = make_trainer(strategy, max_steps=3, callbacks=[FrozenByCallback()])
+    with pytest.raises(DPConfigurationError, match=r"finetune_function calls layer\.eval"):
+        trainer.fit(TrainModeBatchNorm())
+    assert strategy.engine.ledger.steps == 0
 
 
 def test_batchnorm_back_in_train_mode_is_refused_at_that_step():

@@ -208,7 +208,6 @@ class MixingResult:
     """The move rounding explains, in units of C (:func:`move_tolerance`)."""
     worst_change: float = 0.0
     """The largest relative change of a kept example's gradient norm (the per-example test)."""
-    worst_example: int = 0
     tolerance: float = 1.0
     """The per-example test's relative tolerance."""
     buffers: tuple[str, ...] = ()
@@ -967,7 +966,7 @@ class MixingCheck:
         kept_full, kept_changed = compared.kept_full, compared.kept_changed
         a, b = reading.norms_a[kept_full], reading.norms_b[kept_changed]
         magnitudes = reading.magnitudes[kept_full]
-        worst, worst_position = _worst_norm_change(a, b, c, magnitudes)
+        worst, _ = _worst_norm_change(a, b, c, magnitudes)
         clipped = (reading.factors[kept_full] * magnitudes).where(torch.isfinite(a), 0.0)
         rho = example_rounding(str(precision.precision), device)
         items = compared.items
@@ -979,7 +978,6 @@ class MixingCheck:
             reading.move / (c if math.isfinite(c) and c > 0 else 1.0),
             move_tolerance(clipped, c, rho, terms),
             worst,
-            kept_full[worst_position],
             relative_tolerance(str(precision.precision), device),
             buffers,
             noun,
@@ -1239,20 +1237,20 @@ def _describe(
 
 
 def _what_moved(result: MixingResult) -> str:
-    """Which test failed, by cause, without the measured values (a move in C and a change of a gradient
-    norm are statistics of the private gradients, which the report leaves out); the position of the kept
-    item whose gradient changed most, for debugging."""
+    """Which test failed, by cause, without the measured values or the position of any example (a move in C,
+    a change of a gradient norm and which row moved most are statistics of the private data; the position
+    also bounds the batch's size, which the report leaves out)."""
     noun = result.unit
     moved = result.move > result.move_tolerance
-    item = f"{noun} {result.worst_example}'s gradient norm changed by more than {result.tolerance:.0%}"
+    item = f"a kept {noun}'s gradient norm changed by more than {result.tolerance:.0%}"
     if moved and result.worst_change > result.tolerance:
         return f"the clipped gradients of the other {noun}s moved by more than rounding explains, and {item}"
     if moved:
-        return (
-            f"the clipped gradients of the other {noun}s moved by more than rounding explains (the kept "
-            f"{noun} whose gradient norm changed most: {noun} {result.worst_example})"
-        )
-    return f"the other {noun}s' gradients moved: {item}"
+        return f"the clipped gradients of the other {noun}s moved by more than rounding explains"
+    return (
+        f"the other {noun}s' gradients moved: a kept {noun}'s gradient norm changed by more than "
+        f"{result.tolerance:.0%}"
+    )
 
 
 def _kept_sums(run: _Pass, weights: list[Tensor], kept: list[int], count: int) -> list[list[Tensor]]:

@@ -22,7 +22,8 @@ def batch_statistics_message(names: list[str]) -> str:
         "the running statistics it updates are saved with the model without noise. This step releases "
         "nothing. Freeze them in eval mode, so that they normalise with their running statistics (an "
         "affine map of each example alone): layer.eval() in on_train_epoch_start (Lightning sets every "
-        "module to train mode before each epoch), a BaseFinetuning callback (freeze(..., train_bn=False)) "
+        "module to train mode before each epoch), a BaseFinetuning callback whose finetune_function calls "
+        "layer.eval() (freeze(..., train_bn=False) alone stops their weights but leaves them in train mode), "
         "or a train() override that keeps them in eval; their affine weights may keep training. Or replace "
         "them with GroupNorm, or pass DPStrategy(on_batchnorm='replace')."
     )
