@@ -144,22 +144,25 @@ def refusal_sites() -> list[tuple[str, str, list[str]]]:
     sites = []
     for path, tree in trees.items():
         rel = path.relative_to(ROOT).as_posix()
-        for function in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
-            for call in ast.walk(function):
-                name = getattr(call, "func", None)
-                name = getattr(name, "id", None) or getattr(name, "attr", None)
-                if not isinstance(call, ast.Call) or name not in RAISED or len(call.args) <= RAISED[name]:
-                    continue
-                message = call.args[RAISED[name]]
-                text = _rendered(message)
-                if text is not None:
-                    texts = [text]
-                elif isinstance(message, ast.Call):
-                    called = getattr(message.func, "id", None) or getattr(message.func, "attr", None)
-                    texts = [t for helper in helpers.get(str(called), []) for t in _literals(helper)]
-                else:
-                    texts = []
-                sites.append((f"{rel}:{call.lineno}", f"{rel}::{function.name}", texts))
+        owner: dict[ast.AST, str] = {}  # each call's innermost function (ast.walk visits outer ones first)
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                owner.update({node: function.name for node in ast.walk(function)})
+        for call in ast.walk(tree):
+            name = getattr(call, "func", None)
+            name = getattr(name, "id", None) or getattr(name, "attr", None)
+            if not isinstance(call, ast.Call) or name not in RAISED or len(call.args) <= RAISED[name]:
+                continue
+            message = call.args[RAISED[name]]
+            text = _rendered(message)
+            if text is not None:
+                texts = [text]
+            elif isinstance(message, ast.Call):
+                called = getattr(message.func, "id", None) or getattr(message.func, "attr", None)
+                texts = [t for helper in helpers.get(str(called), []) for t in _literals(helper)]
+            else:
+                texts = []
+            sites.append((f"{rel}:{call.lineno}", f"{rel}::{owner.get(call, '<module>')}", texts))
     return sites
 
 
