@@ -101,6 +101,8 @@ TROUBLESHOOTING: dict[str, str] = {
     "parameters-without-per-example-gradient": "received a gradient but no",
     "layer-calls-of-different-batch-sizes": "is used by layer calls that see",
     "training-set-too-large": "examples, more than the 2**62 a",
+    "batch-with-packed-sequence": "The batch holds a PackedSequence:",
+    "batch-with-nested-tensor": "The batch holds a nested tensor:",
     "loader-not-a-dataloader": "The train dataloader must be",
     "iterable-dataset": "The train dataset is an IterableDataset: Poisson",
     "loader-with-own-sampler": "The train DataLoader has its own",
