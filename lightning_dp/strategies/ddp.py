@@ -107,6 +107,25 @@ def refuse_together(check: Callable[[], None], device: torch.device) -> None:
     raise DPConfigurationError(f"Rank {rank} refused this step before its release: {message}")
 
 
+def distributed(strategy: DPStrategyBase) -> bool:
+    """Whether the strategy runs on several processes with a process group up (else nothing to agree)."""
+    return strategy.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def refuse_on_every_rank(strategy: DPStrategyBase, check: Callable[[], None]) -> None:
+    """``check``, and on several processes every rank refuses if one does (:func:`refuse_together`)."""
+    if not distributed(strategy):
+        check()
+        return
+    refuse_together(check, strategy.root_device)
+
+
+def ranks_agree(strategy: DPStrategyBase, fields: dict[str, Any]) -> None:
+    """On several processes, refuse a run whose ranks differ on ``fields`` or on :func:`rank_agreement`."""
+    if distributed(strategy):
+        check_ranks_agree({**fields, **rank_agreement(strategy)}, strategy.world_size)
+
+
 def rank_agreement(strategy: DPStrategyBase) -> dict[str, Any]:
     """What every rank of a distributed strategy must share to price one run: δ, the target, C, the
     batch-size meaning, the data settings and every slot's public settings."""
@@ -194,17 +213,12 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
 
     @override
     def _refuse_together(self, check: Callable[[], None]) -> None:
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            check()
-            return
-        refuse_together(check, self.root_device)
+        refuse_on_every_rank(self, check)
 
     @override
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
         """Every rank must price the same run: the given fields, δ, the target, C and the slots."""
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        check_ranks_agree({**fields, **rank_agreement(self)}, self.world_size)
+        ranks_agree(self, fields)
 
     @override
     def configure_ddp(self) -> None:

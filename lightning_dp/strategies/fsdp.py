@@ -47,7 +47,7 @@ from lightning_dp.slots import Clipping, Step
 from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.checkpoints import CHECKPOINT_KEY, _rank_dp_state, gather_dp_state
 from lightning_dp.strategies.config import PrivacyConfig, takes_privacy_options
-from lightning_dp.strategies.ddp import all_reduce_sum, check_ranks_agree, rank_agreement, refuse_together
+from lightning_dp.strategies.ddp import all_reduce_sum, ranks_agree, refuse_on_every_rank, refuse_together
 from lightning_dp.strategies.lockstep import Lockstep
 from lightning_dp.strategies.optim import DPOptimizer
 from lightning_dp.strategies.refusals import refuse_laplace_shares
@@ -460,16 +460,11 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
             with lockstep.window():  # a check's dry passes: every rank answers them (and their gradients go)
                 check()
 
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            in_step()
-            return
-        refuse_together(in_step, self.root_device)
+        refuse_on_every_rank(self, in_step)
 
     @override
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        check_ranks_agree({**fields, **rank_agreement(self)}, self.world_size)
+        ranks_agree(self, fields)
 
     @override
     def save_checkpoint(
