@@ -104,7 +104,8 @@ def _user_form(users: dict[str, Any], options: Mapping[str, Any], owner: str) ->
         value = unit if name == "privacy_unit" else users.get(name)
         if value is not None and value not in values:
             raise DPConfigurationError(
-                f"{owner}: {name} must be {values[0]!r} or {values[1]!r}, got {value!r}."
+                f"{owner}: {name} must be {values[0]!r} or {values[1]!r}, got {value!r} (a deprecated keyword: "
+                "pass sampler=UserPoisson(...) instead)."
             )
     sampler = options.get("sampler")
     if sampler is not None and sampler.unit == "user" and users:
