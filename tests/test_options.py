@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import warnings
 from pathlib import Path
 
@@ -88,6 +89,13 @@ def test_user_sampler_and_old_user_keywords_build_the_same_run(batch, tmp_path):
     assert old.privacy_unit == new.privacy_unit
     assert new.privacy_unit is not None
     assert new.privacy_unit.num_units == batch
+    reports = [
+        json.loads(next((tmp_path / name).rglob("privacy_report.json")).read_text())
+        for name in ("old", "new")
+    ]
+    unit = ("privacy_unit", "unit_key", "examples_per_unit", "unit_selection", "unit_reduction", "statement")
+    assert [{k: r[k] for k in unit} for r in reports] == [{k: reports[0][k] for k in unit}] * 2
+    assert reports[1]["unit_key"] == "<Tensor>"  # the sampler's key (the report read only the old keyword)
 
 
 def test_user_bound_and_old_keywords_build_the_same_example_level_run():
