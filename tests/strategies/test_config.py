@@ -37,11 +37,12 @@ def test_each_strategy_takes_every_privacy_option_with_the_configs_default_and_t
     signature = _privacy_signature(cls)
     assert list(signature) == list(PrivacyConfig.parameters())
     hints = typing.get_type_hints(PrivacyConfig)
-    defaults = dataclasses.asdict(PrivacyConfig(target_epsilon=None, noise_multiplier=1.0))
+    fields = {f.name: f for f in dataclasses.fields(PrivacyConfig)}
     for name, parameter in signature.items():
-        expected = {"target_epsilon": None, "noise_multiplier": None}.get(name, defaults[name])
-        default = parameter.default
-        assert (dataclasses.asdict(default) if name == "checks" else default) == expected, name
+        factory = fields[name].default_factory
+        assert parameter.default == (fields[name].default if factory is dataclasses.MISSING else factory()), (
+            name
+        )
         assert parameter.annotation == hints[name], name
         assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, name
 
