@@ -60,8 +60,8 @@ def strategy_for(run: str, epsilon: float, seed: int) -> DPStrategy:
         )
         return DPStrategy(target_epsilon=epsilon, delta=DELTA, sampler=sampler, seed=seed)
     if run == "user":
-        return DPStrategy(target_epsilon=epsilon, delta=DELTA, privacy_unit="user", user_key="user_id",
-                          examples_per_user=K, users_per_step=USERS_PER_STEP, seed=seed)  # fmt: skip
+        users = UserPoisson(user_key="user_id", examples_per_user=K, users_per_step=USERS_PER_STEP, seed=seed)
+        return DPStrategy(target_epsilon=epsilon, delta=DELTA, sampler=users, seed=seed)
     return DPStrategy(target_epsilon=epsilon, delta=DELTA, seed=seed)
 
 

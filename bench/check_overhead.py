@@ -31,17 +31,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from bench._harness import cpu_name, trainer_kwargs
-from lightning_dp import DPStrategy
+from lightning_dp import Checks, DPStrategy
 from lightning_dp.checks import RunChecks
 from lightning_dp.per_example.capture import GradientCapture
 
 UNTRACED = "untraced"
 
 SETTINGS: dict[str, dict[str, Any]] = {
-    "off": {"check_sensitivity": False},
+    "off": {"checks": Checks(sensitivity=False)},
     "default (sampled, 5 %)": {},
-    "every step": {"check_sensitivity": "every_step"},
-    "isolate_examples": {"isolate_examples": True, "check_sensitivity": False},
+    "every step": {"checks": Checks(sensitivity="every_step")},
+    "isolate_examples": {"checks": Checks(isolate_examples=True, sensitivity=False)},
     "default, untraced": {UNTRACED: True},
 }
 """``UNTRACED``: the default with the step's tensor operations not traced (issue #46's ``per_example.uses``),

@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from lightning_dp import DPDDPStrategy, DPFSDPStrategy
+    from lightning_dp import Checks, DPDDPStrategy, DPFSDPStrategy
 
     warnings.filterwarnings("ignore")
     size = json.loads(args.size)
@@ -177,9 +177,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     if args.worker == "plain-fsdp":
         strategy: Any = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     elif args.worker == "dp-ddp":
-        strategy = DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, check_sensitivity=False)
+        strategy = DPDDPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, checks=Checks(sensitivity=False))
     else:
-        strategy = DPFSDPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, check_sensitivity=False)
+        strategy = DPFSDPStrategy(noise_multiplier=1.0, max_grad_norm=1.0, checks=Checks(sensitivity=False))
     measure = Measure()
     trainer = Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=args.devices, max_steps=args.warmup + args.steps,

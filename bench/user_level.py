@@ -39,14 +39,14 @@ ELS_SIGMA = 24.6484375  # spec Table E3: MoG PLD user-level ε ≈ 2.998 at k = 
 
 
 def strategy_for(run: str, seed: int) -> Any:
-    from lightning_dp import DPStrategy
+    from lightning_dp import DPStrategy, UserBound, UserPoisson
 
     if run == "ULS":
-        return DPStrategy(target_epsilon=3.0, delta=DELTA, privacy_unit="user", user_key="user_id",
-                          examples_per_user=K, users_per_step=13, seed=seed)  # fmt: skip
+        users = UserPoisson(user_key="user_id", examples_per_user=K, users_per_step=13, seed=seed)
+        return DPStrategy(target_epsilon=3.0, delta=DELTA, sampler=users, seed=seed)
     if run == "ELS":
-        return DPStrategy(noise_multiplier=ELS_SIGMA, delta=DELTA, user_key="user_id", max_examples_per_user=K,
-                          seed=seed)  # fmt: skip
+        bound = UserBound(user_key="user_id", max_examples_per_user=K)
+        return DPStrategy(noise_multiplier=ELS_SIGMA, delta=DELTA, user_bound=bound, seed=seed)
     return DPStrategy(target_epsilon=3.0, delta=DELTA, seed=seed)
 
 

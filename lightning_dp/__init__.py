@@ -19,7 +19,15 @@ from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson, UserP
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
 from lightning_dp.steps.line_search import LineSearch
-from lightning_dp.strategies import DPDDPStrategy, DPFSDPStrategy, DPStrategy, PrivacyConfig, register
+from lightning_dp.strategies import (
+    Checks,
+    DPDDPStrategy,
+    DPFSDPStrategy,
+    DPStrategy,
+    PrivacyConfig,
+    UserBound,
+    register,
+)
 from lightning_dp.tuning import tune
 from lightning_dp.version import __version__
 
@@ -33,6 +41,7 @@ __all__ = [
     "AuditResult",
     "AutoClipping",
     "BandMF",
+    "Checks",
     "Clipping",
     "ConstantNoise",
     "CyclicPoisson",
@@ -58,6 +67,7 @@ __all__ = [
     "Sampler",
     "Step",
     "StepContext",
+    "UserBound",
     "UserPoisson",
     "__version__",
     "audit",

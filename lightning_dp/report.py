@@ -181,7 +181,7 @@ def unit_fields(strategy: Any, epsilon: float) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "privacy_unit": unit.kind,
         "adjacency": unit.adjacency,
-        "unit_key": _key_name(getattr(config, "user_key", None)),
+        "unit_key": _key_name(_user_key(sampler, config)),
         "num_units": unit.num_units,
         "sample_rate": sampler.sample_rate,
         "expected_batch_size": sampler.expected_batch_size,
@@ -210,6 +210,13 @@ def unit_fields(strategy: Any, epsilon: float) -> dict[str, Any]:
         statement += f". {NO_USER_LEVEL_GUARANTEE}"
     fields["statement"] = statement
     return fields
+
+
+def _user_key(sampler: Any, config: Any) -> Any:
+    """Where the run reads each example's user: the user sampler's key, else the example-level bound's."""
+    if sampler.unit == "user":
+        return getattr(sampler, "user_key", None)
+    return getattr(getattr(config, "user_bound", None), "user_key", None)
 
 
 def _key_name(key: Any) -> str | None:

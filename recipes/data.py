@@ -174,7 +174,7 @@ class DigitsDataModule(_SplitDataModule):
 
 class UserTensorDataset(TensorDataset):
     """A ``TensorDataset`` whose examples carry a user id: ``user_id[i]`` owns example i
-    (``DPStrategy(privacy_unit="user", user_key="user_id")`` reads the attribute)."""
+    (``DPStrategy(sampler=UserPoisson(user_key="user_id", ...))`` reads the attribute)."""
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], user_id: torch.Tensor) -> None:
         super().__init__(*tensors)

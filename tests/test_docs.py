@@ -322,8 +322,9 @@ LIGHTNING_ARGUMENTS = {
     "cluster_environment",
 }
 """Lightning's own strategy arguments, passed through unchanged."""
-SHARES_DPSTRATEGY_ARGUMENTS = {"DPDDPStrategy", "PrivacyConfig"}
-"""Classes whose privacy arguments are DPStrategy's, documented once there (their docstrings say so)."""
+SHARES_PRIVACY_OPTIONS = {"DPStrategy", "DPDDPStrategy", "DPFSDPStrategy"}
+"""Strategies whose privacy options are PrivacyConfig's fields, documented once there (their signatures are
+generated from it); the deprecated keywords they still take are documented by their new form."""
 
 
 def test_public_api_docstrings_document_every_argument():
@@ -355,7 +356,11 @@ def test_public_api_docstrings_document_every_argument():
         def griffe_object(value, loaded=loaded, package=package):
             return loaded[f"{value.__module__.removeprefix(package.__name__ + '.')}.{value.__name__}"]
 
-        shared = documented(griffe_object(lightning_dp.DPStrategy)) if package is lightning_dp else set()
+        shared = set()
+        if package is lightning_dp:
+            from lightning_dp.strategies import deprecated
+
+            shared = documented(griffe_object(lightning_dp.PrivacyConfig)) | set(deprecated.KEYWORDS)
         for name in package.__all__:
             value = getattr(package, name)
             if not (inspect.isclass(value) or inspect.isfunction(value)):
@@ -368,7 +373,7 @@ def test_public_api_docstrings_document_every_argument():
                 parameters = inspect.signature(value).parameters.values()
                 arguments = [p.name for p in parameters if p.name not in ("self", "cls")]
             known = documented(griffe_object(value)) | LIGHTNING_ARGUMENTS
-            if name in SHARES_DPSTRATEGY_ARGUMENTS:
+            if name in SHARES_PRIVACY_OPTIONS:
                 known |= shared
             if absent := [a for a in arguments if a not in known]:
                 missing[f"{package.__name__}.{name}"] = absent

@@ -1,7 +1,8 @@
 """The Lightning strategies: ``DPStrategy`` (one device), ``DPDDPStrategy`` (Lightning's DDP) and
 ``DPFSDPStrategy`` (FSDP2-sharded parameters on Lightning's ModelParallelStrategy).
 
-All take the same privacy arguments (:class:`PrivacyConfig`) and share the hooks of
+All take the same privacy options (:class:`PrivacyConfig`, with the option objects :class:`Checks` and
+:class:`UserBound`) and share the hooks of
 :class:`DPStrategyBase`; the modules beside them hold what the hooks call (refusals, loaders,
 checkpoints, routing, the norm pass, the optimizer proxy).
 """
@@ -10,6 +11,7 @@ from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.config import PrivacyConfig
 from lightning_dp.strategies.ddp import DPDDPStrategy
 from lightning_dp.strategies.fsdp import DPFSDPStrategy
+from lightning_dp.strategies.options import Checks, UserBound
 from lightning_dp.strategies.single_device import DPStrategy
 
 
@@ -26,4 +28,13 @@ def register() -> None:
             cls.register_strategies(StrategyRegistry)
 
 
-__all__ = ["DPDDPStrategy", "DPFSDPStrategy", "DPStrategy", "DPStrategyBase", "PrivacyConfig", "register"]
+__all__ = [
+    "Checks",
+    "DPDDPStrategy",
+    "DPFSDPStrategy",
+    "DPStrategy",
+    "DPStrategyBase",
+    "PrivacyConfig",
+    "UserBound",
+    "register",
+]

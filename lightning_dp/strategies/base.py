@@ -59,17 +59,17 @@ class DPStrategyBase(Strategy):
         """Build the engine from the validated config (called by each concrete ``__init__``)."""
         self.config = config
         self.engine: PrivateStepEngine = config.build_engine()
-        self.check_sensitivity = config.check_sensitivity
         self.max_physical_batch_size = config.max_physical_batch_size
-        self.chunking = routing.Chunking(config.max_physical_batch_size, config.isolate_examples)
+        checks = config.checks
+        self.chunking = routing.Chunking(config.max_physical_batch_size, checks.isolate_examples)
         """How a sampled batch goes through training_step: whole, in chunks of whole units, or one unit
         (one example without units) per chunk with isolate_examples."""
         self.checks = RunChecks.build(
-            config.check_sensitivity,
-            config.check_overhead,
+            checks.sensitivity,
+            checks.overhead,
             config.seed,
-            config.isolate_examples,
-            tuple(config.public_buffers),
+            checks.isolate_examples,
+            tuple(checks.public_buffers),
             unit="user" if config.user_level else "example",
         )
         self.on_batchnorm: OnBatchNorm = config.on_batchnorm
@@ -216,7 +216,7 @@ class DPStrategyBase(Strategy):
         assert loader.batch_size is not None
         num_samples = len(loader.dataset)  # type: ignore[arg-type]
         logical_batch = loader.batch_size * (self.world_size if self.per_device_batch_size else 1)
-        public = self.config.data_changes == "public"
+        public = self.config.checks.data_changes == "public"
         bound = loaders.BoundData(loader.dataset, num_samples, logical_batch)
         self._bound_data = loaders.check_reloaded_data(self._bound_data, bound, public)
         sampler = self.engine.sampler

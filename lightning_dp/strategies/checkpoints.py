@@ -136,8 +136,8 @@ def _check_prior_data(engine: PrivateStepEngine, public_changes: bool) -> None:
         f"This model was trained privately before on {_units(engine.sampler, before, ' examples')}; this fit "
         f"has {_units(engine.sampler, n)}. The ledger "
         "cannot continue across a different data set: the earlier releases' q and the examples they cover "
-        "differ. Fit on the same training set, declare the change public with data_changes='public' (ε then "
-        "adds up over both), or train a fresh copy of the model."
+        "differ. Fit on the same training set, declare the change public with Checks(data_changes='public') (ε "
+        "then adds up over both), or train a fresh copy of the model."
     )
 
 

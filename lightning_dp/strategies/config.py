@@ -1,18 +1,21 @@
-"""PrivacyConfig: the privacy arguments of both strategies, validated once and turned into the engine.
+"""PrivacyConfig: the one typed definition of the privacy options every strategy takes, validated once.
 
-``DPStrategy`` and ``DPDDPStrategy`` keep flat keyword arguments (LightningCLI and jsonargparse read a
-class's signature for YAML) and hand them here in one piece, so the checks and the defaults live in one
-place; ``tests/strategies/test_config.py`` keeps the two signatures and this class in step.
+Each field is an option of :class:`~lightning_dp.DPStrategy`, :class:`~lightning_dp.DPDDPStrategy` and
+:class:`~lightning_dp.DPFSDPStrategy`: :func:`takes_privacy_options` gives each strategy's ``__init__`` the
+signature that callers, ``help()`` and jsonargparse (LightningCLI YAML) read, built from these fields, so a
+new option is added here and nowhere else. The config then validates the options and builds the engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import typing
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from lightning_dp import validation
 from lightning_dp.clipping import AutoClipping, FlatClipping
@@ -23,31 +26,68 @@ from lightning_dp.noise import ConstantNoise
 from lightning_dp.noise.discrete_gaussian import DiscreteGaussian
 from lightning_dp.per_example import GradMode
 from lightning_dp.prepare import OnBatchNorm
-from lightning_dp.sampling import Poisson, UserPoisson
+from lightning_dp.sampling import Poisson
 from lightning_dp.sampling.dpis import DPIS
-from lightning_dp.sampling.user_ids import UserKey
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 from lightning_dp.steps.dp_agd import AdaptiveGD
 from lightning_dp.steps.line_search import LineSearch
+from lightning_dp.strategies import deprecated
+from lightning_dp.strategies.options import Checks, UserBound
 from lightning_dp.strategies.refusals import refuse_with_users
 from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
 Accountant = Literal["rdp", "prv", "pld", "pure"]
-PrivacyUnitKind = Literal["example", "user"]
-"""What one neighbouring data set adds or removes: one example (default) or one user with all their examples."""
-DataChanges = Literal["refuse", "public"]
-"""What a change of the training set between epochs does: ``"refuse"`` it (the default), or price each
-epoch's N and q as they come, the user declaring that no private data chose them (``"public"``)."""
 
 
 @dataclass(frozen=True)
 class PrivacyConfig:
-    """What a private run promises and how it is built: the budget, C, the accountant and the four slots.
+    """What a private run promises and how it is built: the budget, C, the accountant, the four slots and
+    the option objects. Every strategy takes these options by keyword, with these defaults.
 
     A slot left as None is the default (Poisson sampling, flat L2 clipping, constant σ, the user's
-    optimizer); ``target_epsilon`` defaults to 3 when neither it nor a noise level is given. Each field is
-    the :class:`~lightning_dp.DPStrategy` argument of the same name, documented there.
+    optimizer); ``target_epsilon`` defaults to 3 when neither it nor a noise level is given.
+
+    Args:
+        target_epsilon: privacy budget ε. σ is calibrated so the planned steps spend at most this, and
+            training stops before a step that would exceed it. Defaults to 3 when neither it nor
+            ``noise_multiplier`` is given.
+        delta: δ of the (ε, δ) guarantee; keep it well below 1/N.
+        max_grad_norm: per-example clipping bound C, an L2 norm over all trainable parameters, in the
+            gradient's own units.
+        noise_multiplier: σ given directly (then ``target_epsilon``, if also given, is only a budget stop).
+        accountant: ``"rdp"``, ``"prv"`` or ``"pld"`` (needs ``pip install dp-accounting``); ``"pure"`` sums
+            pure ε (basic composition) for Laplace steps, on one process.
+        sampler: which examples form each batch (default :class:`~lightning_dp.Poisson`: each example
+            joins with probability q = batch_size / N); :class:`~lightning_dp.UserPoisson` samples users
+            (user-level DP, ``docs/user-level.md``).
+        clipping: how each per-example gradient is bounded (default :class:`~lightning_dp.FlatClipping`:
+            L2 norm ≤ C).
+        noise: σ of each step (default :class:`~lightning_dp.ConstantNoise`: one σ, given or calibrated).
+        step: how the private gradient moves the weights (default: the user's own optimizer).
+        on_batchnorm: ``"raise"`` or ``"replace"`` (BatchNorm → GroupNorm in place).
+        loss_reduction: whether ``training_step`` returns the batch ``"mean"`` (default) or ``"sum"``.
+        seed: makes sampling and noise reproducible; by default both are seeded from ``os.urandom``. A slot
+            given by the user draws from its own ``seed``.
+        max_physical_batch_size: split each logical batch into chunks of at most this many examples
+            (virtual batching): memory no longer limits the logical batch, q or ε. Noise is added once.
+        grad_sample_mode: ``"auto"`` (fast clipping without per-example gradients when every layer
+            supports it), ``"fast"`` (fast where supported, materialised elsewhere) or ``"materialize"``.
+        checks: the run-time checks' settings (:class:`~lightning_dp.Checks`: the mixing check and its time
+            budget, isolation, public buffers, data changes between epochs).
+        augmentation_multiplicity: K (default 1): the train ``Dataset`` is called K times per sampled
+            index (its random transforms draw K views), ``training_step`` sees the K views as consecutive
+            rows, and their gradients are averaged before the clip (De et al. 2022); ε does not change.
+        user_bound: at most k examples per user, enforced, on an example-level run
+            (:class:`~lightning_dp.UserBound`): the report adds a user-level ε by group privacy.
+        secure: secure noise (``docs/guarantees.md``): each clipped per-example gradient is rounded onto an
+            integer grid, the sum is exact in int64, and the noise is a discrete Gaussian drawn from
+            ``os.urandom`` (:class:`~lightning_dp.DiscreteGaussian`), so no floating-point sample can be
+            attacked. Priced with a bound valid for the discrete Gaussian; the noise is 0.1 % larger and the
+            per-example gradients are materialised.
+        dataset_size: N declared public (U, the number of users, under user sampling): q = batch_size / N,
+            the divisor q·N and the steps per epoch come from it, so nothing released reads the real size of
+            the training set; the report lists it as declared. Default: the real size, assumed public.
     """
 
     target_epsilon: float | None = None
@@ -64,24 +104,11 @@ class PrivacyConfig:
     seed: int | None = None
     max_physical_batch_size: int | None = None
     grad_sample_mode: GradMode = "auto"
-    check_sensitivity: bool | Literal["every_step"] = True
-    check_overhead: float = 0.05
-    isolate_examples: bool = False
-    public_buffers: Sequence[str] = ()
-    data_changes: DataChanges = "refuse"
+    checks: Checks = dataclasses.field(default_factory=Checks)
     augmentation_multiplicity: int = 1
-    """K augmented views of each example, averaged before the clip (De et al. 2022); ε unchanged."""
-    privacy_unit: PrivacyUnitKind = "example"
-    user_key: UserKey | None = None
-    examples_per_user: int | None = None
-    users_per_step: int | None = None
-    unit_selection: Literal["random", "cycle"] = "random"
-    unit_reduction: Literal["mean", "sum"] = "mean"
-    max_examples_per_user: int | None = None
+    user_bound: UserBound | None = None
     secure: bool = False
-    """Secure noise: integer sums and discrete Gaussian noise from ``os.urandom`` (``DiscreteGaussian``)."""
     dataset_size: int | None = None
-    """N (U with users) declared public: q, the divisor and the epoch length read it, never the real size."""
     owner: str = dataclasses.field(default="DPStrategy", compare=False)
     """The class named in error messages."""
     sigma_calibrated: ClassVar[bool] = False
@@ -89,18 +116,39 @@ class PrivacyConfig:
 
     @classmethod
     def parameters(cls) -> tuple[str, ...]:
-        """The privacy arguments a strategy's ``__init__`` takes (every field but ``owner``)."""
+        """The privacy options a strategy's ``__init__`` takes (every field but ``owner``)."""
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "owner")
 
     @classmethod
-    def pick(cls, arguments: Mapping[str, Any], owner: str) -> PrivacyConfig:
-        """The config from a strategy's ``__init__`` arguments (its ``locals()``); the rest are Lightning's."""
-        return cls(**{name: arguments[name] for name in cls.parameters()}, owner=owner)
+    def signature_parameters(cls) -> list[inspect.Parameter]:
+        """The options as keyword-only parameters, with their resolved types and defaults."""
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+
+        def default(name: str) -> Any:
+            factory = fields[name].default_factory
+            return fields[name].default if factory is dataclasses.MISSING else factory()
+
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        return [
+            inspect.Parameter(n, keyword, default=default(n), annotation=hints[n]) for n in cls.parameters()
+        ]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], owner: str) -> PrivacyConfig:
+        """The config from a strategy's keyword options (its ``**options``), the deprecated keywords
+        translated first; a keyword that is no option is refused as Python refuses one."""
+        unknown = [
+            name for name in options if name not in cls.parameters() and name not in deprecated.KEYWORDS
+        ]
+        if unknown:
+            raise TypeError(f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}")
+        return cls(**deprecated.translate(options, owner), owner=owner)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "public_buffers", tuple(self.public_buffers or ()))
+        _validate_option_types(self)
         _validate(self)
-        _validate_unit(self)
+        _validate_users(self)
         no_noise_given = self.noise_multiplier is None and (self.noise is None or not self.noise.is_set)
         object.__setattr__(self, "sigma_calibrated", no_noise_given)
         if self.target_epsilon is None and no_noise_given:
@@ -113,9 +161,14 @@ class PrivacyConfig:
         """Whether the run uses secure noise (``secure=True``, or a ``DiscreteGaussian`` noise slot)."""
         return self.secure or isinstance(self.noise, DiscreteGaussian)
 
+    @property
+    def user_level(self) -> bool:
+        """Whether the run's privacy unit is the user (a sampler of users, ``UserPoisson``)."""
+        return self.sampler is not None and self.sampler.unit == "user"
+
     def build_engine(self) -> PrivateStepEngine:
         """The engine with this config's slots (defaults filled in), budget and clipping bound."""
-        sampler = self.sampler if self.sampler is not None else self._default_sampler()
+        sampler = self.sampler if self.sampler is not None else Poisson(seed=self.seed)
         if self.dataset_size is not None:
             sampler.public_size = self.dataset_size
         noise, clipping = self._noise_and_clipping()
@@ -146,109 +199,52 @@ class PrivacyConfig:
         )
         return secure, GridClipping(secure.grid)
 
-    def _default_sampler(self) -> Sampler:
-        """Poisson over examples, or over users for ``privacy_unit="user"`` (the keyword form of UserPoisson)."""
-        if self.privacy_unit != "user":
-            return Poisson(seed=self.seed)
-        assert self.examples_per_user is not None
-        assert self.users_per_step is not None
-        return UserPoisson(
-            user_key=self.user_key,
-            examples_per_user=self.examples_per_user,
-            users_per_step=self.users_per_step,
-            selection=self.unit_selection,
-            reduction=self.unit_reduction,
-            max_examples_per_user=self.max_examples_per_user,
-            seed=self.seed,
-        )
 
-    @property
-    def user_level(self) -> bool:
-        """Whether the run's privacy unit is the user (the keyword form or a ``UserPoisson`` slot)."""
-        return self.privacy_unit == "user" or (self.sampler is not None and self.sampler.unit == "user")
+Init = TypeVar("Init", bound=Callable[..., None])
 
 
-_PUBLIC_KNOBS = (
-    "Each is a public hyperparameter: choose it from public knowledge, not from the private per-user counts "
-    "(k = the median examples per user is a statistic of the data, which ε does not cover; pay for a search "
-    "with lightning-dp tune)."
-)
+def takes_privacy_options(init: Init) -> Init:
+    """Give a strategy's ``__init__(self, *, <its own arguments>, **options)`` the signature callers,
+    ``help()`` and jsonargparse read: every PrivacyConfig option (typed, with its default), the deprecated
+    keywords, then the strategy's own arguments; its docstring documents the options for ``--help``."""
+    hints = typing.get_type_hints(init)
+    first, *rest = inspect.signature(init).parameters.values()
+    own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in rest if p.kind is not p.VAR_KEYWORD]
+    options = [*PrivacyConfig.signature_parameters(), *deprecated.parameters()]
+    init.__signature__ = inspect.Signature([first, *options, *own], return_annotation=None)  # type: ignore[attr-defined]
+    doc = inspect.cleandoc(PrivacyConfig.__doc__ or "")
+    init.__doc__ = "\n".join([doc, *(f"    {name}: {text}" for name, text in deprecated.help_lines())])
+    return init
 
 
-def _validate_unit(config: PrivacyConfig) -> None:
-    """The privacy-unit arguments (``docs/user-level.md``), and what user-level runs refuse in v1."""
-    owner = config.owner
-    if config.privacy_unit not in ("example", "user"):
-        raise DPConfigurationError(
-            f"{owner}: privacy_unit must be 'example' or 'user', got {config.privacy_unit!r}."
-        )
-    if config.unit_selection not in ("random", "cycle"):
-        raise DPConfigurationError(
-            f"{owner}: unit_selection must be 'random' or 'cycle', got {config.unit_selection!r}."
-        )
-    if config.unit_reduction not in ("mean", "sum"):
-        raise DPConfigurationError(
-            f"{owner}: unit_reduction must be 'mean' or 'sum', got {config.unit_reduction!r}."
-        )
-    for name in ("examples_per_user", "users_per_step", "max_examples_per_user"):
-        number(getattr(config, name), name, owner=owner, low=1, integer=True, optional=True)
-    keywords = {
-        "examples_per_user": config.examples_per_user,
-        "users_per_step": config.users_per_step,
-        "unit_selection": None if config.unit_selection == "random" else config.unit_selection,
-        "unit_reduction": None if config.unit_reduction == "mean" else config.unit_reduction,
-    }
-    given = [name for name, value in keywords.items() if value is not None]
-    if config.privacy_unit == "user" and config.sampler is not None and config.sampler.unit != "user":
-        raise DPConfigurationError(
-            f"{owner}: privacy_unit='user' samples users, but sampler={config.sampler.name} samples "
-            f"examples: {config.sampler.name} with users is not priced in this version. Leave sampler unset "
-            "(the keywords build UserPoisson), or pass sampler=UserPoisson(...)."
-        )
-    if config.sampler is not None and config.sampler.unit == "user":
-        if given or config.user_key is not None or config.max_examples_per_user is not None:
+def _validate_option_types(config: PrivacyConfig) -> None:
+    """``checks`` and ``user_bound`` are their option objects (each validated itself)."""
+    for name, kind, optional in (("checks", Checks, False), ("user_bound", UserBound, True)):
+        value = getattr(config, name)
+        if not isinstance(value, kind) and not (optional and value is None):
             raise DPConfigurationError(
-                f"{owner}: give the user sampling either as keywords (user_key, examples_per_user, users_per_step, "
-                "unit_selection, unit_reduction, max_examples_per_user) or as sampler=UserPoisson(...), not both."
+                f"{config.owner}: {name} must be a lightning_dp.{kind.__name__}(...), got {type(value).__name__}."
             )
-    elif config.privacy_unit == "user":
-        missing = [
-            name
-            for name in ("user_key", "examples_per_user", "users_per_step")
-            if getattr(config, name) is None
-        ]
-        if missing:
-            raise DPConfigurationError(
-                f"{owner}: privacy_unit='user' needs {', '.join(missing)}: user_key says whose each example is, "
-                "examples_per_user (k) bounds the rows a sampled user contributes to a step and users_per_step "
-                f"(B_u) is the expected users per step (q = B_u / U). {_PUBLIC_KNOBS}"
-            )
-    elif given:
+
+
+def _validate_users(config: PrivacyConfig) -> None:
+    """A bound belongs to an example-level run; what user-level runs refuse in v1 (``docs/user-level.md``)."""
+    if config.sampler is None or not config.user_level:
+        return
+    if config.user_bound is not None:
         raise DPConfigurationError(
-            f"{owner}: {', '.join(given)} only apply with privacy_unit='user'. Add privacy_unit='user' for "
-            "user-level DP, or remove them (for a user-level statement about an example-level run, give "
-            "user_key and max_examples_per_user)."
+            f"{config.owner}: user_bound=UserBound(...) bounds the examples of an example-level run, but "
+            f"sampler={config.sampler.name} samples users: pass max_examples_per_user=... to "
+            f"{config.sampler.name} instead."
         )
-    if config.max_examples_per_user is not None and config.user_key is None and not config.user_level:
-        raise DPConfigurationError(
-            f"{owner}: max_examples_per_user={config.max_examples_per_user} needs user_key=... (whose each "
-            "example is) to keep at most that many examples per user."
-        )
-    if config.user_level:
-        refuse_with_users(config, owner)
+    refuse_with_users(config, config.owner)
 
 
 def _validate(config: PrivacyConfig) -> None:
     """Type and range of every argument, named in the message (lightning_dp/validation.py)."""
     owner = config.owner
-    if config.check_sensitivity != "every_step":
-        validation.flag(config.check_sensitivity, "check_sensitivity", owner=owner)
-    number(config.check_overhead, "check_overhead", owner=owner, low=0, high=1, low_open=True)
-    validation.flag(config.isolate_examples, "isolate_examples", owner=owner)
-    if not all(isinstance(name, str) for name in config.public_buffers):
-        raise DPConfigurationError(f"{owner}: public_buffers must be buffer names or patterns (strings).")
     units = config.user_level or config.augmentation_multiplicity != 1
-    if config.isolate_examples and config.max_physical_batch_size not in (None, 1) and not units:
+    if config.checks.isolate_examples and config.max_physical_batch_size not in (None, 1) and not units:
         # With units, isolate_examples runs each unit alone and max_physical_batch_size bounds its rows.
         raise DPConfigurationError(
             f"{owner}: isolate_examples=True runs each example through training_step alone; "
@@ -280,10 +276,6 @@ def _validate(config: PrivacyConfig) -> None:
     if config.accountant not in ("rdp", "prv", "pld", "pure"):
         raise DPConfigurationError(
             f"accountant must be 'rdp', 'prv', 'pld' or 'pure', got {config.accountant!r}."
-        )
-    if config.data_changes not in ("refuse", "public"):
-        raise DPConfigurationError(
-            f"{owner}: data_changes must be 'refuse' or 'public', got {config.data_changes!r}."
         )
     if config.loss_reduction not in ("mean", "sum"):
         raise DPConfigurationError(f"loss_reduction must be 'mean' or 'sum', got {config.loss_reduction!r}.")

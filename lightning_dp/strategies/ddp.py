@@ -8,7 +8,7 @@ gradient (the model is not wrapped), so there is exactly one collective per step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -22,12 +22,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.per_example import GradMode
-from lightning_dp.prepare import OnBatchNorm
-from lightning_dp.sampling.user_ids import UserKey
-from lightning_dp.slots import Clipping, Noise, Sampler, Slot, Step, iter_slots
+from lightning_dp.slots import Slot, iter_slots
 from lightning_dp.strategies.base import DPStrategyBase
-from lightning_dp.strategies.config import DataChanges, PrivacyConfig, PrivacyUnitKind
+from lightning_dp.strategies.config import PrivacyConfig, takes_privacy_options
 from lightning_dp.strategies.refusals import refuse_laplace_shares
 
 
@@ -110,6 +107,25 @@ def refuse_together(check: Callable[[], None], device: torch.device) -> None:
     raise DPConfigurationError(f"Rank {rank} refused this step before its release: {message}")
 
 
+def distributed(strategy: DPStrategyBase) -> bool:
+    """Whether the strategy runs on several processes with a process group up (else nothing to agree)."""
+    return strategy.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def refuse_on_every_rank(strategy: DPStrategyBase, check: Callable[[], None]) -> None:
+    """``check``, and on several processes every rank refuses if one does (:func:`refuse_together`)."""
+    if not distributed(strategy):
+        check()
+        return
+    refuse_together(check, strategy.root_device)
+
+
+def ranks_agree(strategy: DPStrategyBase, fields: dict[str, Any]) -> None:
+    """On several processes, refuse a run whose ranks differ on ``fields`` or on :func:`rank_agreement`."""
+    if distributed(strategy):
+        check_ranks_agree({**fields, **rank_agreement(strategy)}, strategy.world_size)
+
+
 def rank_agreement(strategy: DPStrategyBase) -> dict[str, Any]:
     """What every rank of a distributed strategy must share to price one run: δ, the target, C, the
     batch-size meaning, the data settings and every slot's public settings."""
@@ -119,8 +135,9 @@ def rank_agreement(strategy: DPStrategyBase) -> dict[str, Any]:
         for key in ("target_epsilon", "delta", "max_grad_norm", "accountant", "loss_reduction")
     }
     common.update(per_device_batch_size=strategy.per_device_batch_size)
+    config = strategy.config
     common.update(
-        {key: getattr(strategy.config, key) for key in ("data_changes", "augmentation_multiplicity")}
+        data_changes=config.checks.data_changes, augmentation_multiplicity=config.augmentation_multiplicity
     )
     for name, slot in iter_slots(engine.sampler, engine.clipping, engine.noise, engine.step_slot):
         common.update({f"{name}.{key}": value for key, value in slot_settings(slot).items()})
@@ -130,7 +147,9 @@ def rank_agreement(strategy: DPStrategyBase) -> dict[str, Any]:
 class DPDDPStrategy(DPStrategyBase, DDPStrategy):
     """Differentially private DDP: ``Trainer(strategy="dp_ddp", devices=N, num_nodes=M)``.
 
-    Takes the privacy arguments of :class:`~lightning_dp.DPStrategy`. The train DataLoader's
+    Takes every privacy option of :class:`~lightning_dp.strategies.PrivacyConfig` by keyword, as
+    :class:`~lightning_dp.DPStrategy` does (``accountant="pure"`` is refused at set-up on several
+    processes: Laplace shares do not sum to Laplace noise). The train DataLoader's
     ``batch_size`` is the expected *logical* batch over all devices (q = batch_size / N), so the same
     config gives the same q, steps and ε on any number of devices, and each rank draws about
     batch_size / world_size examples a step. ``per_device_batch_size=True`` gives Lightning's
@@ -146,45 +165,17 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         start_method: how Lightning starts the processes: ``"popen"`` (default), ``"spawn"``, ``"fork"`` or
             ``"forkserver"``.
 
-    Every other argument is :class:`~lightning_dp.DPStrategy`'s, with the same meaning, default and unit;
     ``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io`` and
     ``precision_plugin`` are Lightning's.
     """
 
     strategy_name = "dp_ddp"
 
+    @takes_privacy_options
     def __init__(
         self,
-        target_epsilon: float | None = None,
-        delta: float = 1e-5,
-        max_grad_norm: float = 1.0,
-        noise_multiplier: float | None = None,
-        accountant: Literal["rdp", "prv", "pld"] = "rdp",
-        sampler: Sampler | None = None,
-        clipping: Clipping | None = None,
-        noise: Noise | None = None,
-        step: Step | None = None,
-        on_batchnorm: OnBatchNorm = "raise",
-        loss_reduction: Literal["mean", "sum"] = "mean",
-        seed: int | None = None,
+        *,
         per_device_batch_size: bool = False,
-        max_physical_batch_size: int | None = None,
-        grad_sample_mode: GradMode = "auto",
-        check_sensitivity: bool | Literal["every_step"] = True,
-        check_overhead: float = 0.05,
-        isolate_examples: bool = False,
-        public_buffers: Sequence[str] = (),
-        data_changes: DataChanges = "refuse",
-        augmentation_multiplicity: int = 1,
-        privacy_unit: PrivacyUnitKind = "example",
-        user_key: UserKey | None = None,
-        examples_per_user: int | None = None,
-        users_per_step: int | None = None,
-        unit_selection: Literal["random", "cycle"] = "random",
-        unit_reduction: Literal["mean", "sum"] = "mean",
-        max_examples_per_user: int | None = None,
-        secure: bool = False,
-        dataset_size: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -193,8 +184,9 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
         cluster_environment: Any = None,
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
+        **options: Any,
     ) -> None:
-        config = PrivacyConfig.pick(locals(), owner=type(self).__name__)
+        config = PrivacyConfig.from_options(options, owner=type(self).__name__)
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         DDPStrategy.__init__(
             self,
@@ -221,17 +213,12 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
 
     @override
     def _refuse_together(self, check: Callable[[], None]) -> None:
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            check()
-            return
-        refuse_together(check, self.root_device)
+        refuse_on_every_rank(self, check)
 
     @override
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
         """Every rank must price the same run: the given fields, δ, the target, C and the slots."""
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        check_ranks_agree({**fields, **rank_agreement(self)}, self.world_size)
+        ranks_agree(self, fields)
 
     @override
     def configure_ddp(self) -> None:

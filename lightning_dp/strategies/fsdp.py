@@ -46,8 +46,8 @@ from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import Clipping, Step
 from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.checkpoints import CHECKPOINT_KEY, _rank_dp_state, gather_dp_state
-from lightning_dp.strategies.config import PrivacyConfig
-from lightning_dp.strategies.ddp import all_reduce_sum, check_ranks_agree, rank_agreement, refuse_together
+from lightning_dp.strategies.config import PrivacyConfig, takes_privacy_options
+from lightning_dp.strategies.ddp import all_reduce_sum, ranks_agree, refuse_on_every_rank, refuse_together
 from lightning_dp.strategies.lockstep import Lockstep
 from lightning_dp.strategies.optim import DPOptimizer
 from lightning_dp.strategies.refusals import refuse_laplace_shares
@@ -324,21 +324,24 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
             checkpoint; default True), else rank 0 saves the full weights to one file.
         process_group_backend: the torch.distributed backend (default: NCCL on GPUs, gloo on CPU).
         timeout: how long a collective may wait before it fails.
-        **privacy: the privacy arguments of :class:`~lightning_dp.DPStrategy`
-            (:class:`~lightning_dp.strategies.PrivacyConfig`), with the same meaning, default and unit.
+
+    Every privacy option of :class:`~lightning_dp.strategies.PrivacyConfig` is taken by keyword, as by
+    :class:`~lightning_dp.DPStrategy`.
     """
 
     strategy_name = "dp_fsdp"
 
+    @takes_privacy_options
     def __init__(
         self,
+        *,
         per_device_batch_size: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
-        **privacy: Any,
+        **options: Any,
     ) -> None:
-        config = PrivacyConfig(**privacy, owner=type(self).__name__)
+        config = PrivacyConfig.from_options(options, owner=type(self).__name__)
         ModelParallelStrategy.__init__(
             self,
             data_parallel_size="auto",
@@ -457,16 +460,11 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
             with lockstep.window():  # a check's dry passes: every rank answers them (and their gradients go)
                 check()
 
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            in_step()
-            return
-        refuse_together(in_step, self.root_device)
+        refuse_on_every_rank(self, in_step)
 
     @override
     def _check_ranks_agree(self, fields: dict[str, Any]) -> None:
-        if self.world_size <= 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        check_ranks_agree({**fields, **rank_agreement(self)}, self.world_size)
+        ranks_agree(self, fields)
 
     @override
     def save_checkpoint(

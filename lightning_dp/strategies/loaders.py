@@ -212,7 +212,7 @@ def check_reloaded_data(bound: BoundData | None, now: BoundData, public: bool) -
         "be read from the training data without noise (a curriculum that picks examples by their loss), and "
         "the ledger does not price that choice. Return the same data set every epoch (the same object, or one "
         "with the same contents), or, if no private data decides the change (a fixed, public schedule), pass "
-        "DPStrategy(data_changes='public'): each epoch's N and q are then priced as they are."
+        "DPStrategy(checks=Checks(data_changes='public')): each epoch's N and q are then priced as they are."
     )
 
 

@@ -297,7 +297,7 @@ def refuse_with_users(config: Any, owner: str) -> None:
                     "default slot (FlatClipping, ConstantNoise, the optimizer, or HeavyBall/Nesterov steps), or "
                     "train at the example level."
                 )
-    if config.data_changes == "public":
+    if config.checks.data_changes == "public":
         raise DPConfigurationError(
             f"{owner}: data_changes='public' cannot be used with user-level DP in this version: the number of users "
             "U, and so q = users_per_step / U, would change between epochs. Keep the training set fixed "

@@ -33,16 +33,16 @@ class BoundedData:
     def of(self, config: PrivacyConfig, dataset: Any, user_level: bool) -> Any:
         """``dataset`` itself, or its bounded subset for example-level runs that declare a bound (user-level
         runs cap inside ``UserPoisson``, over the same choice)."""
-        if config.max_examples_per_user is None or user_level:
+        option = config.user_bound
+        if option is None or user_level:
             self.dataset = dataset
             return dataset
-        key = self.user_key if self.user_key is not None else config.user_key
-        assert key is not None  # PrivacyConfig refuses a bound without user_key
-        bound = ContributionBound(key, config.max_examples_per_user, config.seed)
+        key = self.user_key if self.user_key is not None else option.user_key
+        bound = ContributionBound(key, option.max_examples_per_user, config.seed)
         bounded = bound.apply(dataset, owner=config.owner)  # the ids are read again, by content
         assert bound.users is not None
         changed = self._users is not None and not same_users(self._users, bound.users)
-        if changed and config.data_changes != "public":
+        if changed and config.checks.data_changes != "public":
             raise DPConfigurationError(changed_users_message(config.owner))
         if self._users is None or changed or dataset is not self._source:
             self._bounded, self._source, self._users = bounded, dataset, bound.users
@@ -51,10 +51,12 @@ class BoundedData:
 
 
 def user_key_of(strategy: Any) -> UserKey | None:
-    """Where the run reads each example's user: the ``UserPoisson`` slot's key, else the strategy's
-    ``user_key`` (None: the run has no users)."""
-    sampler = strategy.engine.sampler
-    return sampler.user_key if isinstance(sampler, UserPoisson) else strategy.config.user_key
+    """Where the run reads each example's user: the ``UserPoisson`` slot's key, else the ``UserBound``'s
+    (None: the run has no users)."""
+    sampler, option = strategy.engine.sampler, strategy.config.user_bound
+    if isinstance(sampler, UserPoisson):
+        return sampler.user_key
+    return option.user_key if option is not None else None
 
 
 @contextmanager
@@ -85,7 +87,7 @@ def privacy_unit_of(config: PrivacyConfig, engine: PrivateStepEngine) -> Privacy
         examples_per_user=getattr(sampler, "examples_per_user", None) if user else None,
         max_examples_per_user=getattr(sampler, "max_examples_per_user", None)
         if user
-        else config.max_examples_per_user,
+        else (config.user_bound.max_examples_per_user if config.user_bound is not None else None),
         augmentation_multiplicity=int(getattr(config, "augmentation_multiplicity", 1) or 1),
     )
 

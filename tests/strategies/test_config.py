@@ -1,4 +1,4 @@
-"""PrivacyConfig: one set of privacy arguments, validated once, shared by both strategies."""
+"""PrivacyConfig: one set of privacy options, validated once, shared by every strategy."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_dp import (
     DPConfigurationError,
     DPDDPStrategy,
+    DPFSDPStrategy,
     DPStrategy,
     FixedSize,
     MultiStageNesterov,
@@ -19,7 +20,10 @@ from lightning_dp import (
     PrivacyConfig,
 )
 from lightning_dp.clipping import L1Clipping
+from lightning_dp.strategies import deprecated
 from lightning_dp.strategies.config import DEFAULT_TARGET_EPSILON
+
+STRATEGIES = [DPStrategy, DPDDPStrategy, DPFSDPStrategy]
 
 
 def _privacy_signature(cls: type) -> dict[str, inspect.Parameter]:
@@ -27,29 +31,30 @@ def _privacy_signature(cls: type) -> dict[str, inspect.Parameter]:
     return {name: parameters[name] for name in PrivacyConfig.parameters() if name in parameters}
 
 
-@pytest.mark.parametrize("cls", [DPStrategy, DPDDPStrategy])
-def test_each_strategy_takes_every_privacy_argument_with_the_configs_default(cls):
-    """A new PrivacyConfig field that a strategy forgets (or a default that drifts) fails here."""
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_each_strategy_takes_every_privacy_option_with_the_configs_default_and_type(cls):
+    """The signature callers and jsonargparse read is PrivacyConfig's, generated (one definition)."""
     signature = _privacy_signature(cls)
     assert list(signature) == list(PrivacyConfig.parameters())
+    hints = typing.get_type_hints(PrivacyConfig)
     fields = {f.name: f for f in dataclasses.fields(PrivacyConfig)}
     for name, parameter in signature.items():
-        assert parameter.default == fields[name].default, name
-        assert parameter.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+        factory = fields[name].default_factory
+        assert parameter.default == (fields[name].default if factory is dataclasses.MISSING else factory()), (
+            name
+        )
+        assert parameter.annotation == hints[name], name
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, name
 
 
-def test_both_strategies_list_the_same_privacy_parameters_and_types():
-    single, ddp = _privacy_signature(DPStrategy), _privacy_signature(DPDDPStrategy)
-    assert list(single) == list(ddp)
-    hints_single = typing.get_type_hints(DPStrategy.__init__)
-    hints_ddp = typing.get_type_hints(DPDDPStrategy.__init__)
-    for name in single:
-        if name == "accountant":  # DDP leaves out "pure": Laplace shares do not sum to Laplace noise
-            assert set(typing.get_args(hints_ddp[name])) == set(typing.get_args(hints_single[name])) - {
-                "pure"
-            }
-            continue
-        assert hints_single[name] == hints_ddp[name], name
+@pytest.mark.parametrize("cls", STRATEGIES)
+def test_each_strategy_still_lists_the_deprecated_keywords_and_refuses_a_typo(cls):
+    """YAML with the old keywords still parses (they default to None: not given); a misspelt option fails
+    as a Python call does, naming it."""
+    parameters = inspect.signature(cls.__init__).parameters
+    assert all(parameters[name].default is None for name in deprecated.KEYWORDS)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'target_epsilom'"):
+        cls(target_epsilom=3.0)
 
 
 def test_the_strategy_keeps_the_validated_config():
