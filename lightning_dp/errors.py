@@ -11,6 +11,10 @@ class DPConfigurationError(MisconfigurationException):
     """A Trainer, model or strategy setting that would break the privacy guarantee."""
 
 
+class BatchDimensionError(DPConfigurationError):
+    """A layer's dimension 0 is not the batch the sampler drew: its "per-example" gradients are not."""
+
+
 def quote_error(error: BaseException) -> str:
     """``Type: first line of the message`` (at most 300 characters), for a refusal that quotes the user's
     own exception on a batch the checks made; its numbers become ``…``: a shape or an index there can be the
