@@ -26,17 +26,16 @@ def check_batch_dimension(
     name = next((n for n, m in layers if m is module), "") or "<root>"
     sizes = [n for m, n in calls if m is module]
     if len(sizes) > 1 and sum(sizes) == expected:
-        shown = sizes if len(sizes) <= 8 else [*sizes[:8], "..."]
-        raise BatchDimensionError(
-            f"Layer {name!r} ({type(module).__name__}) was called on parts of the batch (dimension 0 of its "
-            f"calls: {shown}, together the {expected} examples) instead of once on the whole batch: "
-            "per-example clipping takes the rows of one call as the batch's examples, and parts of a batch "
-            "cannot be matched to the examples they hold. Likely cause: manual gradient accumulation "
-            "(manual_backward once per part of a batch, then one optimizer step): call manual_backward once "
-            "on the whole batch's loss, or let DPStrategy(max_physical_batch_size=...) split the batch under "
-            "automatic optimization; or a forward that calls the layer on rows whose examples cannot be "
-            "traced (taken through a reshape, h[i].view(1, -1)): take them as slices, h[i:i+1] (traced, "
-            "exact), or call the layer once on the whole batch (fc(h))."
+        raise BatchDimensionError(  # the calls' sizes are the batch's: the message names none of them
+            f"Layer {name!r} ({type(module).__name__}) was called on parts of the batch (several calls whose "
+            "rows together are the batch's examples) instead of once on the whole batch: per-example "
+            "clipping takes the rows of one call as the batch's examples, and parts of a batch cannot be "
+            "matched to the examples they hold. Likely cause: manual gradient accumulation (manual_backward "
+            "once per part of a batch, then one optimizer step): call manual_backward once on the whole "
+            "batch's loss, or let DPStrategy(max_physical_batch_size=...) split the batch under automatic "
+            "optimization; or a forward that calls the layer on rows whose examples cannot be traced (taken "
+            "through a reshape, h[i].view(1, -1)): take them as slices, h[i:i+1] (traced, exact), or call "
+            "the layer once on the whole batch (fc(h))."
         )
     raise BatchDimensionError(
         f"Layer {name!r} ({type(module).__name__}) has {'fewer' if size < expected else 'more'} rows on its "

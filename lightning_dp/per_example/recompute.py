@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.errors import DPConfigurationError, quote_error
 from lightning_dp.per_example import broadcast, vmap
 from lightning_dp.per_example.materialized import direct_params
 from lightning_dp.per_example.precision import ieee_fp32
@@ -224,7 +224,7 @@ class Recompute:
             raise DPConfigurationError(
                 f"The per-example gradients of the parameters {owned}, held by {name!r} "
                 f"({type(module).__name__}) itself{why}, need its forward recomputed per example, which "
-                f"failed ({str(error)[:200]}; with plain autograd: {str(looped)[:200]}). Hold each such "
+                f"failed ({quote_error(error)}; with plain autograd: {quote_error(looped)}). Hold each such "
                 "parameter in a small nn.Module of its own that applies it to the tensor it meets "
                 "(return x + self.offset): that layer alone is recomputed per example, exactly; or, for a "
                 "parameter of leading dimension 1, give it the rank of that tensor (shape (1, 1) for a "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TinyModule, make_trainer
 from torch import nn
 
+from lightning_dp import DPStrategy
 from lightning_dp.errors import DPConfigurationError
-from lightning_dp.per_example import GradientCapture
+from lightning_dp.per_example import GradientCapture, vmap
 
 
 class _Offset(nn.Module):
@@ -72,3 +74,30 @@ def test_a_recomputed_layer_that_writes_its_buffers_is_refused_and_leaves_no_tra
         out.sum().backward()
     torch.testing.assert_close(model.mean, written)
     capture.remove()
+
+
+class _OffsetModel(TinyModule):
+    """A container's own [1, 3] parameter used out of line with the batch: recomputed per example."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__(n=4 * batch, d=3, classes=3, batch_size=batch)
+        self.net = nn.Sequential(_Offset(aligned=False))
+
+
+@pytest.mark.parametrize("batch", [8, 1024])
+def test_a_recomputation_that_fails_both_ways_is_refused_quoting_no_size(
+    batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(*args: object) -> None:
+        grads = args[4]
+        raise RuntimeError(f"shape [{grads[0].shape[0]}, 3] is invalid")  # type: ignore[index]
+
+    monkeypatch.setattr(vmap, "per_example_grads", failing)
+    monkeypatch.setattr(vmap, "looped_per_example_grads", failing)
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0)
+    with pytest.raises(
+        DPConfigurationError, match="need its forward recomputed per example, which failed"
+    ) as refusal:
+        make_trainer(strategy, max_steps=1).fit(_OffsetModel(batch))
+    assert "RuntimeError: shape […, …] is invalid" in str(refusal.value)
+    assert strategy.engine.ledger.steps == 0
