@@ -10,10 +10,12 @@ from lightning_dp.audit import AuditResult, audit
 from lightning_dp.batches import EmptyBatch
 from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.checks import checking
+from lightning_dp.checks.capture import CaptureObligations
 from lightning_dp.clipping import AdaCliP, AutoClipping, FlatClipping, L1Clipping, QuantileClipping
 from lightning_dp.errors import DPConfigurationError
 from lightning_dp.losses import per_example_token_loss
 from lightning_dp.noise import BLT, BandMF, ConstantNoise, DiscreteGaussian, NoiseDividing
+from lightning_dp.per_example.observations import install_checks
 from lightning_dp.prepare import load_from_checkpoint, replace_batchnorm
 from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson, UserPoisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
@@ -31,6 +33,7 @@ from lightning_dp.strategies import (
 from lightning_dp.tuning import tune
 from lightning_dp.version import __version__
 
+install_checks(CaptureObligations())  # the run-time obligations every per-example capture is held to
 register()
 
 __all__ = [

@@ -17,9 +17,8 @@ from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLe
 from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.batches import UnitInfo
 from lightning_dp.compatibility import check_mechanisms
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.per_example import BatchDimensionError, GradientCapture, GradMode, PerExampleGradients
-from lightning_dp.per_example.capture import missed_use_message
+from lightning_dp.errors import BatchDimensionError, DPConfigurationError
+from lightning_dp.per_example import GradientCapture, GradMode, PerExampleGradients
 from lightning_dp.per_example.gradients import SumSink
 from lightning_dp.per_example.recurrent import SWAPS
 from lightning_dp.release import AllReduce, ReleaseHook, Releases
@@ -608,7 +607,8 @@ class PrivateStepEngine:
             assert self.grads is not None
             self.grads.clear()
             self._partial, self._partial_batch = None, 0
-            raise DPConfigurationError(missed_use_message([n for n, _ in gaps], max(e for _, e in gaps)))
+            message = self.grads.checks.missed_use_message([n for n, _ in gaps], max(e for _, e in gaps))
+            raise DPConfigurationError(message)
 
     def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Let the step slot move the weights with the private gradient of the pending step."""

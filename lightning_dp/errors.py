@@ -90,13 +90,14 @@ TROUBLESHOOTING: dict[str, str] = {
     "parameter-written-in-probe": "were written in place during the first",
     "buffer-read-across-isolated-examples": "with isolate_examples=True: the",
     "recomputed-layer-writes-buffers": "in its forward, and its per-example gradients",
+    "recompute-failed": "need its forward recomputed per example, which",
     "trainable-set-changed": "The trainable parameters changed after",
     "every-layer-frozen": "No parameter is trainable: every",
     "lazy-layer-not-initialised": "are not initialised yet (a lazy",
     "manual-backward-on-part-of-batch": "manual_backward ran on part of",
     "isolate-examples-with-physical-batch": "isolate_examples=True runs each example through training_step",
     "public-buffers-not-strings": "public_buffers must be buffer names",
-    "per-example-gradients-do-not-add-up": "The per-example gradients of the parameters",
+    "per-example-gradients-do-not-add-up": "do not add up to their ordinary gradient",
     "sparse-adam": "SparseAdam steps only sparse gradients,",
     "layer-without-exact-gradients": "has no exact per-example gradients.",
     "lstm-proj-size": "nn.LSTM with proj_size > 0",
@@ -147,6 +148,7 @@ TROUBLESHOOTING: dict[str, str] = {
     "two-backward-passes": "Two backward passes before one",
     "second-backward-freed-inputs": "A second backward through the",
     "gradients-freed-after-sum": "were freed after the step's clipped",
+    "capture-without-checks": "No run-time checks are installed for per-example gradients",
     "privacy-callback-without-dp-strategy": "PrivacyCallback needs a DP strategy",
     "prv-discretisation-too-large": "PRV discretisation needs ~",
     "monitor-on-training-metric": "watches a metric logged during training:",
@@ -316,6 +318,10 @@ class DPConfigurationError(MisconfigurationException):
         if args and isinstance(args[0], str):
             args = (with_troubleshooting_link(args[0]), *args[1:])
         super().__init__(*args)
+
+
+class BatchDimensionError(DPConfigurationError):
+    """A layer's dimension 0 is not the batch the sampler drew: its "per-example" gradients are not."""
 
 
 def quote_error(error: BaseException) -> str:

@@ -69,7 +69,7 @@ def check_stateful_layers(module: nn.Module) -> None:
     """Refuse trainable layers known to keep running statistics of the batch (saved with the model
     unprotected). Any other buffer written during training is caught by the run-time checks
     (``lightning_dp.checks.state``): refused between steps, verified against the batch in the forward."""
-    from lightning_dp.per_example.capture import trainable_layers
+    from lightning_dp.per_example.layers import trainable_layers
 
     for name, layer in trainable_layers(module):
         if isinstance(layer, _InstanceNorm) and layer.track_running_stats:
@@ -174,7 +174,7 @@ def prepare_module(module: nn.Module, on_batchnorm: OnBatchNorm = "raise") -> li
 
     BatchNorm is kept under ``on_batchnorm="raise"``: frozen in eval mode (set at any time before a step, by
     the user or a ``BaseFinetuning`` callback) it is an affine map of each example alone; every step that
-    calls it with the batch's statistics is refused before its release (:func:`~lightning_dp.per_example.batchnorm.batch_statistics_message`).
+    calls it with the batch's statistics is refused before its release (:func:`~lightning_dp.checks.batch_rows.batch_statistics_message`).
     Parameters on the LightningModule itself are covered by their uses (``per_example.capture``)."""
     notes = materialize_lazy_layers(module)
     if on_batchnorm == "replace" and batchnorm_layers(module):

@@ -104,7 +104,9 @@ RAISED = {"DPConfigurationError": 0, "BatchDimensionError": 0, "ArgumentError": 
 """The refusals, and where their message is among the call's arguments."""
 FORWARDED = {
     "lightning_dp/validation.py::_fail": "the messages of number() and flag(): the argument-* entries",
-    "lightning_dp/per_example/capture.py::collect": "the tracer's refusals (per_example/uses.py)",
+    "lightning_dp/checks/capture.py::_mixed_or_untraced": "the tracer's refusals (per_example/uses.py)",
+    "lightning_dp/checks/capture.py::collected": "coverage.missed_use_message(): per-example-gradients-do-not-add-up",
+    "lightning_dp/engine.py::_check_consistency": "checks.missed_use_message(): per-example-gradients-do-not-add-up",
     "lightning_dp/checks/mixing.py::run": "self.refusal(...) and a note: sensitivity-check-failed",
     "lightning_dp/strategies/base.py::load_checkpoint": "unreadable_checkpoint(): checkpoint-damaged & co.",
     "lightning_dp/strategies/base.py::_bind_sampler": "a sampler's ValueError from bind(): the data entries",

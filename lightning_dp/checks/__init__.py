@@ -15,9 +15,15 @@ hooks only call these methods; ``docs/guarantees.md`` has the table):
 * **each release** (:meth:`RunChecks.before_release`): no parameter was written during the step; buffers
   the forward wrote are ones a check showed to be independent of the batch (else the next step is checked).
 * **after each optimizer step** (:meth:`RunChecks.after_step`): the state later writes are measured from.
+* **each step's per-example gradients, before they are used** (:class:`~lightning_dp.checks.capture.
+  CaptureObligations`, at set-up too): every trainable parameter has a per-example path and its whole
+  gradient comes through it (``coverage``); every layer call's rows are the batch's examples, once, in order,
+  unmixed (``batch_rows``). The capture's hooks, floors below, observe; they are handed these checks
+  (``per_example.observations``), which the package installs at import.
 
-Set-up and release checks that belong to the engine (parameter coverage, the batch dimension, one release
-per batch, the budget) are in ``engine.py``; resume checks in ``strategies/checkpoints.py``.
+The engine's own release checks (one release per sampled batch, the per-example rows against the sampler's
+draw, the budget, sequence-first layers at set-up) are in ``engine.py``; resume checks in
+``strategies/checkpoints.py``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -14,16 +15,41 @@ def uses_batch_statistics(layer: nn.Module) -> bool:
     return layer.training or (layer.running_mean is None and layer.running_var is None)
 
 
-def batch_statistics_message(names: list[str]) -> str:
-    """The refusal for BatchNorm layers called with the batch's statistics during a private step."""
-    return (
-        f"The BatchNorm layers {names} normalised this step's batch with its own statistics (train mode, or "
-        "track_running_stats=False): each example's output depends on the other examples of the batch, and "
-        "the running statistics it updates are saved with the model without noise. This step releases "
-        "nothing. Freeze them in eval mode, so that they normalise with their running statistics (an "
-        "affine map of each example alone): layer.eval() in on_train_epoch_start (Lightning sets every "
-        "module to train mode before each epoch), a BaseFinetuning callback whose finetune_function calls "
-        "layer.eval() (freeze(..., train_bn=False) alone stops their weights but leaves them in train mode), "
-        "or a train() override that keeps them in eval; their affine weights may keep training. Or replace "
-        "them with GroupNorm, or pass DPStrategy(on_batchnorm='replace')."
-    )
+def _stat_versions(layer: nn.Module) -> tuple[int, ...]:
+    """In-place versions of a BatchNorm's running statistics (an update bumps them)."""
+    return tuple(b._version for b in layer.buffers(recurse=False))
+
+
+class BatchNormCalls:
+    """The BatchNorm calls of a private step: which used the batch's statistics or moved their running ones."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.names: dict[nn.Module, str] = {
+            m: name for name, m in root.named_modules() if isinstance(m, _BatchNorm)
+        }
+        self.normalised: dict[nn.Module, tuple[int, ...]] = {}
+        """BatchNorm layers called since the last ``take``, with their running statistics' versions then."""
+        self.batch_statistics: list[str] = []
+        """BatchNorm layers called with the batch's own statistics since the last ``take``."""
+
+    def note(self, module: nn.Module) -> None:
+        """A BatchNorm call (its pre-hook, while the capture records): in a private step, with the batch's
+        statistics it mixes the examples; frozen in eval mode its running statistics must stay as they are."""
+        if not (self.root.training and torch.is_grad_enabled()):
+            return
+        if uses_batch_statistics(module):
+            self.batch_statistics.append(self.names[module])
+        self.normalised.setdefault(module, _stat_versions(module))
+
+    def take(self) -> list[str]:
+        """The layers that mixed this step's examples (batch statistics, or running statistics moved), once
+        each, and a fresh start."""
+        names = list(dict.fromkeys(self.batch_statistics))
+        names += [self.names[m] for m, v in self.normalised.items() if _stat_versions(m) != v]
+        self.batch_statistics, self.normalised = [], {}
+        return list(dict.fromkeys(names))
+
+    def forget(self) -> None:
+        """A new forward starts (``expect_batch``): nothing noted yet."""
+        self.batch_statistics, self.normalised = [], {}

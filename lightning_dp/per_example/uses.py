@@ -529,19 +529,6 @@ def _to_examples(per_row: Tensor, rows: Tensor, batch: int) -> Tensor:
     return out.index_add_(0, rows.to(per_row.device)[keep], per_row[keep])
 
 
-def time_major_message(names: list[str]) -> str:
-    """The refusal for layers called on a tensor whose batch was moved to dimension 1."""
-    return (
-        f"The layers {names} are called on a time-major tensor: its batch is on dimension 1 (a "
-        "transpose(0, 1), .t() or permute of the batch, the [time, batch, ...] layout batch_first=False "
-        "layers use), so their dimension 0 holds time steps, which per-example clipping would take for "
-        "examples. This step releases nothing. Keep the batch on dimension 0 up to every trainable layer: "
-        "feed [batch, time, ...] tensors, build nn.LSTM/GRU/RNN/MultiheadAttention/Transformer* with "
-        "batch_first=True (a batch_first=False one is also handled exactly, fed the time-major tensor "
-        "directly), and transpose back before a Linear or Embedding."
-    )
-
-
 def unmatched_message(label: str, error: str = "") -> str:
     """The refusal for a parameter use whose per-example gradient cannot be traced to the examples."""
     failed = f" (recomputing it per row failed: {error})" if error else ""

@@ -32,8 +32,7 @@ from lightning_dp.callbacks import PrivacyCallback
 from lightning_dp.checkpointing import atomic_save, is_local_path, unreadable_checkpoint
 from lightning_dp.checks import RunChecks
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.per_example import BatchDimensionError
+from lightning_dp.errors import BatchDimensionError, DPConfigurationError
 from lightning_dp.per_example.capture import tracing
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.prepare import OnBatchNorm, prepare_module

@@ -16,8 +16,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.per_example import BatchDimensionError
+from lightning_dp.errors import BatchDimensionError, DPConfigurationError
 from lightning_dp.prepare import check_train_sampler
 from lightning_dp.rng import SEEDED_RUN_WARNING
 from lightning_dp.slots import Slot
