@@ -9,27 +9,26 @@ recomputes a tensor's last values, the bernoulli kernel depends on the CPU, a se
 another offset).
 
 :class:`RowDraws` records pass A's draws and replays them in pass B, row by row. Each call of a torch
-random function (:data:`RANDOM_FUNCTIONS`) is recorded with what it drew: the output of a function whose
-values do not depend on its inputs' values (``rand``, ``randn_like``, the in-place fills, ...), the scaled
-mask of a dropout (drawn as the dropout of ones, the same draw the dropout itself makes), the output of an
-elementwise draw whose law is a tensor (``bernoulli(p)``, ``poisson(rates)``), or, for any other random
-function, the generator state it drew from. Pass B gets the recorded values, each kept row its own
-row's (``row_map``: the pass A row of each pass B row), and the global generators are left where pass A left
-them after each call. Draws this cannot give row by row are reported, never guessed: pass A drawing from
-the global generators outside these functions (a recurrent layer's built-in dropout) or pass B calling them
-otherwise makes :attr:`aligned` false, and the check then replaces units instead of removing one.
+random function (:data:`RANDOM_FUNCTIONS`) is recorded with what it drew (its output; for a dropout, its
+scaled mask, drawn as the dropout of ones, the same draw the dropout itself makes) and the generator state
+it drew from. Pass B gets the recorded values of a fill (a function whose values depend on no input's values:
+``rand``, ``randn_like``, the in-place fills, ...) or a mask, each kept row its own row's (``row_map``: the
+pass A row of each pass B row); an elementwise draw of a tensor law (``bernoulli(p)``, ``normal(mean, std)``,
+``poisson(rates)``) is made again from pass A's state, the replaced rows from their own law, and its kept
+rows given pass A's values; any other is made again from pass A's state. The global generators are left
+where pass A left them after each call. Draws this cannot give row by row are reported, never guessed: pass
+A drawing from the global generators outside these functions (a recurrent layer's built-in dropout), pass B
+calling them otherwise, or a draw made again over fewer rows that does not come out as pass A's, makes
+:attr:`aligned` false, and the check then replaces units instead of removing one.
 
 A replayed value carries pass A's law: a dropout's ``p``, a fill's mean, std or bounds
 (``normal_(0, float(x.std()))``, ``randint(0, len(x), ...)``), a bernoulli's probabilities. So each draw's
 law is recorded too (:func:`_law`: the arguments that set what it draws, not its sizes nor the tensor it
-fills), and pass B's is compared with it: a scalar law must be the same exactly (a constant is), a tensor
-law the same on every kept row up to rounding. A call whose law differs is named in :attr:`RowDraws.moved`
-and the check refuses it: that law is computed from the batch (a statistic of it, or its size), and
-replaying pass A's values would hide how the kept rows depend on the others. An elementwise draw is made
-again from pass A's generator state (the replaced rows from their own law), its kept rows then given pass
-A's values, unless it carries a gradient (``normal(mean, std)`` of a model's outputs: drawn again only,
-which keeps its rows with every row in place and makes a removal unaligned). A permutation of the batch's rows (``randperm`` of its size) is
-replayed as pass A's order of the kept rows.
+fills or transforms), and pass B's is compared with it while every draw before it was pass A's: a scalar law
+exactly (a constant is the same), a tensor law on every kept row up to rounding. A call whose law differs is
+named in :attr:`RowDraws.moved`, and the check refuses it: that law is computed from the batch (a statistic
+of it, or its size), and replaying pass A's values would hide how the kept rows depend on the others. A
+permutation of the batch's rows (``randperm`` of its size) is replayed as pass A's order of the kept rows.
 """
 
 from __future__ import annotations
@@ -190,7 +189,7 @@ class RowDraws(TorchFunctionMode):
         if draw is None or draw.func is not func or draw.kind != kind:
             self.aligned = False
             return func(*args, **kwargs)
-        if self._law_moved(draw, _law(func, kind, args, kwargs)):
+        if self.aligned and self._law_moved(draw, _law(func, kind, args, kwargs)):
             name = resolve_name(func) or getattr(func, "__name__", repr(func))
             self.moved += [name] if name not in self.moved else []
         self._set(draw.before)
@@ -204,16 +203,10 @@ class RowDraws(TorchFunctionMode):
             if kind == "fill" and draw.values is not None:
                 return self._fill(func, draw.values, args, kwargs)
             out = func(*args, **kwargs)  # the same generator state: the same draws where shapes agree
-            # pass A's values on the kept rows, unless they would cut a gradient (a normal's mean)
-            if (
-                kind == "law"
-                and draw.values is not None
-                and self._batched(draw.values, out)
-                and not out.requires_grad
-            ):
+            if kind == "law" and draw.values is not None and self._batched(draw.values, out):
                 return self._kept_values(out, draw.values, getattr(func, "__name__", "").endswith("_"))
-            if self._map is not None and _rows(out) == self._small:
-                self.aligned = False
+            if self._map is not None and not _same_values(out, draw.values):
+                self.aligned = False  # drawn again over other rows: not pass A's draws, row by row
             return out
         finally:
             self._set(draw.after)
@@ -269,13 +262,16 @@ class RowDraws(TorchFunctionMode):
 
     def _kept_values(self, out: Tensor, recorded: Tensor, inplace: bool) -> Tensor:
         """An elementwise draw made again (the replaced rows drawn from their own law) with pass A's values
-        on the kept rows, whose law is pass A's (compared before)."""
+        on the kept rows, whose law is pass A's (compared before). Its graph is kept: these draws have zero
+        derivatives (torch's), so nothing flows through the values swapped in."""
         mine, theirs = self._kept_rows(out.device)
-        values = recorded.to(out.device).index_select(0, theirs).to(out.dtype)
+        merged = out.detach().index_copy(
+            0, mine, recorded.to(out.device).index_select(0, theirs).to(out.dtype)
+        )
         if inplace:
-            with torch.no_grad():
-                return out.index_copy_(0, mine, values)
-        return out.index_copy(0, mine, values)
+            out.data.copy_(merged)  # the in-place draw's output is the user's tensor
+            return out
+        return out + (merged - out).detach() if out.requires_grad else merged
 
     def _fill(
         self, func: Callable[..., Any], recorded: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -397,9 +393,7 @@ def _draw(
         mask = func(*ones_args, **ones_kwargs)  # the dropout's own draw, on ones: its scaled mask
         return (data.mul_(mask) if inplace else data * mask), mask.detach()
     out = func(*args, **kwargs)
-    if kind in ("fill", "law") and isinstance(out, Tensor):
-        return out, out.detach().clone()
-    return out, None
+    return out, out.detach().clone() if isinstance(out, Tensor) else None
 
 
 def _mask_input(
@@ -443,5 +437,13 @@ def _fill_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     return func(*args, **meta).shape
 
 
-def _rows(value: Any) -> int | None:
-    return value.shape[0] if isinstance(value, Tensor) and value.dim() else None
+def _same_values(value: Any, recorded: Tensor | None) -> bool:
+    """Whether a call drawn again gave pass A's tensor (same shape, same values)."""
+    return (
+        isinstance(value, Tensor)
+        and recorded is not None
+        and value.shape == recorded.shape
+        and bool(
+            ((value == recorded.to(value.device)) | (value.isnan() & recorded.to(value.device).isnan())).all()
+        )
+    )
