@@ -252,6 +252,17 @@ def _sorted_time_major(
     )
 
 
+def _distinct_items_only(items):  # a padding collate with a position field that refuses repeated items
+    if len({id(item) for item in items}) < len(items):
+        raise ValueError("repeated item")
+    return _padded_dict(items)
+
+
+def test_a_collate_that_cannot_take_repeated_items_is_refused_by_name_when_a_field_needs_the_third_collate():
+    with pytest.raises(DPConfigurationError, match="raised ValueError when lightning-dp collated copies"):
+        fit(DictNet(rows_of(SMALL), collate=_distinct_items_only), users_dp(), steps=1)
+
+
 def test_a_sorting_collate_is_refused_when_its_sorted_field_is_time_major():
     with pytest.raises(DPConfigurationError, match="does not keep each item in its place"):
         fit(TimeMajor(rows_of(SMALL), collate=_sorted_time_major), users_dp(), steps=1)
