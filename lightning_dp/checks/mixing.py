@@ -16,7 +16,9 @@ the same global random state and module state as the real step:
   integer (label-like) column, and a random half of the others. One is removed and the others replaced
   by copies of kept examples (the batch's size and its content both move, so a dependence on either
   shows). Pass A's random draws are replayed row by row in pass B (``row_draws``), so a kept example gets
-  its own dropout masks however many rows the batch has; where a draw cannot be replayed so (Python's
+  its own dropout masks however many rows the batch has, and each draw's law (a dropout's p, a noise's
+  std) must be pass A's, or the step is refused by the function's name (:meth:`MixingCheck.draw_law_refusal`):
+  a replayed value would hide a law computed from the batch; where a draw cannot be replayed so (Python's
   ``random``, NumPy, a layer's built-in dropout), every changed example is replaced (same shapes, so every
   draw is the same for the others).
 
