@@ -281,6 +281,14 @@ def test_a_collate_that_keeps_its_items_in_place_trains(collate):
     assert len(strategy.checks.mixing.checked_steps) >= 2
 
 
+def test_at_1024_users_a_padding_collate_with_a_position_field_trains_and_a_sort_with_ids_in_order_is_refused():
+    data = rows_of([1 + u % 2 for u in range(2048)])
+    strategy = fit(DictNet(data, collate=_padded_dict), users_dp(1024, k=2), steps=1)
+    assert strategy.engine.steps == 1
+    with pytest.raises(DPConfigurationError, match="does not keep each item in its place"):
+        fit(TupleNet(data, collate=_sorted_ids_in_fetch_order), users_dp(1024, k=2), steps=1)
+
+
 def test_augmented_views_keep_their_example_through_the_collate_and_order_is_free_without_units():
     class Views(Dataset):
         def __len__(self):
