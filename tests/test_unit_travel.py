@@ -154,6 +154,26 @@ def _duplicated(items):
     return default_collate([items[0], *items])
 
 
+class TupleNet(UserNet):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(tuple(batch[:3]), batch_idx)
+
+
+def _by_key(items):
+    return sorted(range(len(items)), key=lambda i: float(items[i][0][0]))
+
+
+def _sorted_ids_in_fetch_order(items):  # the data sorted, the user ids left in the items' order
+    x, y, user = default_collate(items)
+    order = torch.tensor(_by_key(items))
+    return x[order], y[order], user
+
+
+def _sorted_with_fetch_order_field(items):  # sorted items, and a constant-length field built in fetch order
+    x, y, user = default_collate([items[i] for i in _by_key(items)])
+    return x, y, user, torch.stack([item[0][:2].abs() for item in items])
+
+
 @pytest.mark.parametrize(
     ("collate", "match"),
     [
@@ -162,11 +182,13 @@ def _duplicated(items):
         (_reversed, "does not keep each item in its place"),
         (_dropped, "another number of rows"),
         (_duplicated, "another number of rows"),
+        (_sorted_ids_in_fetch_order, "does not keep each item in its place"),
+        (_sorted_with_fetch_order_field, "does not keep each item in its place"),
     ],
 )
 def test_a_collate_that_reorders_drops_or_duplicates_items_is_refused_by_name(collate, match):
     with pytest.raises(DPConfigurationError, match=match) as refusal:
-        fit(UserNet(rows_of(SMALL), collate=collate), users_dp(), steps=1)
+        fit(TupleNet(rows_of(SMALL), collate=collate), users_dp(), steps=1)
     assert f"collate_fn {collate.__name__}" in str(refusal.value)
     assert "enforce_sorted=False" in str(refusal.value)
 
@@ -187,19 +209,84 @@ def _randomly_masked(items):  # a masked-model collator: a random mask drawn ove
     return x * (torch.rand(x.shape) > 0.15), y, user
 
 
+def _with_constant(items):  # a tuple with a field that is the same for every item
+    x, y, user = default_collate(items)
+    return x, y, user, torch.ones(len(items), 2)
+
+
+def _padding_like_hf(items):  # DataCollatorWithPadding's dict: padded ids, their mask, labels, type ids
+    ids = [(item[0][: 3 + int(item[1])] * 10).long().abs() for item in items]
+    return {
+        "input_ids": nn.utils.rnn.pad_sequence(ids, batch_first=True),
+        "attention_mask": nn.utils.rnn.pad_sequence([torch.ones_like(i) for i in ids], batch_first=True),
+        "token_type_ids": torch.zeros(len(items), max(len(i) for i in ids), dtype=torch.long),
+        "labels": torch.stack([item[1] for item in items]),
+        "x": torch.stack([item[0] for item in items]),
+        "user": torch.stack([item[2] for item in items]),
+    }
+
+
 class DictNet(UserNet):
     def training_step(self, batch, batch_idx):
-        return super().training_step((batch["x"], batch["y"], batch["user"]), batch_idx)
+        return super().training_step(
+            (batch["x"], batch.get("y", batch.get("labels")), batch["user"]), batch_idx
+        )
+
+
+class TimeMajor(UserNet):
+    """Its collate puts the features time-major ([6, B], as pad_sequence(batch_first=False)) after the labels."""
+
+    def training_step(self, batch, batch_idx):
+        y, user, x = batch
+        return super().training_step((x.T, y, user), batch_idx)
+
+
+def _sorted_time_major(
+    items,
+):  # the features sorted (for pack_padded_sequence), time-major; the rest in order
+    x = torch.stack([items[i][0] for i in _by_key(items)])
+    return (
+        torch.stack([item[1] for item in items]),
+        torch.stack([item[2] for item in items]),
+        x.T.contiguous(),
+    )
+
+
+def _distinct_items_only(items):  # a padding collate with a position field that refuses repeated items
+    if len({id(item) for item in items}) < len(items):
+        raise ValueError("repeated item")
+    return _padded_dict(items)
+
+
+def test_a_collate_that_cannot_take_repeated_items_is_refused_by_name_when_a_field_needs_the_third_collate():
+    with pytest.raises(DPConfigurationError, match="raised ValueError when lightning-dp collated copies"):
+        fit(DictNet(rows_of(SMALL), collate=_distinct_items_only), users_dp(), steps=1)
+
+
+def test_a_sorting_collate_is_refused_when_its_sorted_field_is_time_major():
+    with pytest.raises(DPConfigurationError, match="does not keep each item in its place"):
+        fit(TimeMajor(rows_of(SMALL), collate=_sorted_time_major), users_dp(), steps=1)
 
 
 @pytest.mark.parametrize(
-    "collate", [None, _padded_dict, _randomly_masked], ids=["default", "padded", "masked"]
+    "collate",
+    [None, _padded_dict, _randomly_masked, _with_constant, _padding_like_hf],
+    ids=["default", "padded", "masked", "constant field", "hf-like padding"],
 )
 def test_a_collate_that_keeps_its_items_in_place_trains(collate):
-    module = (DictNet if collate is _padded_dict else UserNet)(rows_of(SMALL), collate=collate)
+    net = DictNet if collate in (_padded_dict, _padding_like_hf) else TupleNet
+    module = net(rows_of(SMALL), collate=collate)
     strategy = fit(module, users_dp(check_sensitivity="every_step"), steps=3)
     assert strategy.engine.steps == 3
     assert len(strategy.checks.mixing.checked_steps) >= 2
+
+
+def test_at_1024_users_a_padding_collate_with_a_position_field_trains_and_a_sort_with_ids_in_order_is_refused():
+    data = rows_of([1 + u % 2 for u in range(2048)])
+    strategy = fit(DictNet(data, collate=_padded_dict), users_dp(1024, k=2), steps=1)
+    assert strategy.engine.steps == 1
+    with pytest.raises(DPConfigurationError, match="does not keep each item in its place"):
+        fit(TupleNet(data, collate=_sorted_ids_in_fetch_order), users_dp(1024, k=2), steps=1)
 
 
 def test_augmented_views_keep_their_example_through_the_collate_and_order_is_free_without_units():

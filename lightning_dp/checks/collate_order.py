@@ -13,6 +13,15 @@ batch's rows in that order; a row count other than the items', or a per-example 
 as a permutation of the first batch's rows but not in that order, is refused, by name, with the fix. A field
 the collate draws at random (a masked-language-model collator's masks) is not a permutation of the other's
 rows: it is no evidence either way, and the fields it does not draw show the order.
+
+A field that comes back the same, row for row, whatever the items' order is either not built from the items
+(a ``torch.arange`` of positions, a constant-length buffer) or placed by their content: a sort gives every
+order the same rows. One such field in a batch whose other fields follow the fetch order (an index or an id
+field built in fetch order, beside the sorted data) would have the engine group sorted rows by fetch
+positions. So the batch is collated a third time, from copies of one item: a field the same there too is
+not built from the items; any other is refused. A per-example field is a tensor with the batch on
+dimension 0, a list of one value per item, or a tensor with the batch on dimension 1 only (time-major,
+``pad_sequence(batch_first=False)``).
 """
 
 from __future__ import annotations
@@ -60,9 +69,60 @@ def collate_in_order(
         raise DPConfigurationError(unreorderable_message(collate_fn, error)) from error
     finally:
         rng.restore(after)
-    if not _holds_rows(moved, rows) or _reordered(batch, moved, order, rows):
+    refused, same = _reordered(batch, moved, order, rows)
+    if refused or not _holds_rows(moved, rows):
+        raise DPConfigurationError(order_message(collate_fn))
+    if same and _built_from_items(collate_fn, items, batch, same, rng, (before, after)):
         raise DPConfigurationError(order_message(collate_fn))
     return batch
+
+
+def _built_from_items(
+    collate_fn: Callable[[list[Any]], Any],
+    items: list[Any],
+    batch: Any,
+    same: list[int],
+    rng: GlobalRNG,
+    states: tuple[tuple[Any, ...], tuple[Any, ...]],
+) -> bool:
+    """Whether a field at positions ``same`` (the same in every order) changes when every item is a copy of
+    the first: it is built from the items, so it was placed by their content (``states``: the global random
+    state before the first collate, restored for this one, and after it, restored after)."""
+    rows = len(items)
+    rng.restore(states[0])
+    try:
+        copies = collate_fn([items[0]] * rows)
+    except Exception as error:
+        raise DPConfigurationError(uncopyable_message(collate_fn, error)) from error
+    finally:
+        rng.restore(states[1])
+    first, third = _fields(batch, rows), _fields(copies, rows)
+    if len(first) != len(third):
+        return True
+    return any(not _same_field(first[i], third[i], rows) for i in same)
+
+
+def _fields(batch: Any, rows: int) -> list[torch.Tensor | list[Any]]:
+    """The per-example fields of ``batch``: :func:`per_example_fields`, then every tensor with the batch on
+    dimension 1 only (time-major), its rows first."""
+    found = per_example_fields(batch, rows)
+    apply_to_collection(
+        batch,
+        torch.Tensor,
+        lambda t: (
+            found.append(t.transpose(0, 1)) if t.dim() > 1 and t.shape[0] != rows == t.shape[1] else None
+        ),
+    )
+    return found
+
+
+def _same_field(a: torch.Tensor | list[Any], b: torch.Tensor | list[Any], rows: int) -> bool:
+    """Whether two per-example fields hold the same rows in the same places."""
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        return False
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
+        return False
+    return _field_hashes(a, rows) == _field_hashes(b, rows)
 
 
 def unit_order(units: UnitInfo, probe: random.Random) -> list[int]:
@@ -93,30 +153,31 @@ def _holds_rows(batch: Any, rows: int) -> bool:
     return any(found)
 
 
-def _reordered(batch: Any, moved: Any, order: list[int], rows: int) -> bool:
+def _reordered(batch: Any, moved: Any, order: list[int], rows: int) -> tuple[bool, list[int]]:
     """Whether a per-example field of ``moved`` (collated in ``order``) holds the rows of ``batch``'s, but
-    not in ``order``: the collate placed its items by their content, or at random, not by position. A
-    field the same in both batches, row for row, is read by position (a ``torch.arange`` the collate adds)
-    where another field shows the items kept in order; where none does, it is the sorted batch."""
-    first, second = per_example_fields(batch, rows), per_example_fields(moved, rows)
+    not in ``order`` (the collate placed its items by their content, or at random, not by position), or no
+    field shows the items in ``order`` while one is the same in both batches (the sorted batch); and the
+    positions of the fields (:func:`_fields`) the same in both, row for row, which a sort gives too."""
+    first, second = _fields(batch, rows), _fields(moved, rows)
     if len(first) != len(second):
-        return True
-    reordered = same = kept = 0
-    for a, b in zip(first, second, strict=True):
+        return True, []
+    reordered = kept = 0
+    same: list[int] = []
+    for position, (a, b) in enumerate(zip(first, second, strict=True)):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            return True
+            return True, []
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
-            return True
+            return True, []
         real, probe = _field_hashes(a, rows), _field_hashes(b, rows)
         if len(set(real)) == 1:
             continue  # a constant field follows any order
         if all(probe[j] == real[i] for j, i in enumerate(order)):
             kept += 1
         elif probe == real:
-            same += 1
+            same.append(position)
         elif sorted(real) == sorted(probe):
             reordered += 1
-    return reordered > 0 or (same > 0 and kept == 0)
+    return reordered > 0 or (bool(same) and kept == 0), same
 
 
 def _name(collate_fn: Callable[..., Any]) -> str:
@@ -143,6 +204,16 @@ def count_message(collate_fn: Callable[..., Any]) -> str:
         "duplicates or merges items (sequence packing, filtering). Each row's privacy unit is known by the "
         "position of the item it comes from, so the rows cannot be grouped by unit. Nothing was released. "
         f"{_FIX}"
+    )
+
+
+def uncopyable_message(collate_fn: Callable[..., Any], error: BaseException) -> str:
+    """The refusal for a collate that fails on copies of one of its items (the exception's type only: its
+    text may hold the batch's shapes)."""
+    return (
+        f"{_name(collate_fn)} raised {type(error).__name__} when lightning-dp collated copies of one of its "
+        "items, to check that a field that comes back the same in any order of the items is not placed by "
+        "their content (a sort). Nothing was released. Let the collate_fn take repeated items. " + _FIX
     )
 
 

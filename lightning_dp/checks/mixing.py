@@ -16,7 +16,9 @@ the same global random state and module state as the real step:
   integer (label-like) column, and a random half of the others. One is removed and the others replaced
   by copies of kept examples (the batch's size and its content both move, so a dependence on either
   shows). Pass A's random draws are replayed row by row in pass B (``row_draws``), so a kept example gets
-  its own dropout masks however many rows the batch has; where a draw cannot be replayed so (Python's
+  its own dropout masks however many rows the batch has, and each draw's law (a dropout's p, a noise's
+  std) must be pass A's, or the step is refused by the function's name (:meth:`MixingCheck.draw_law_refusal`):
+  a replayed value would hide a law computed from the batch; where a draw cannot be replayed so (Python's
   ``random``, NumPy, a layer's built-in dropout), every changed example is replaced (same shapes, so every
   draw is the same for the others).
 
@@ -339,6 +341,8 @@ class _Compared:
     """Pass A's kept clipped sum under each reading."""
     log: DrawLog
     """Pass A's random draws, which every later pass replays row by row."""
+    moved_draws: tuple[str, ...] = ()
+    """The random functions pass B called with another law than pass A (``RowDraws.moved``)."""
 
 
 def _written_differently(full: _Pass, other: _Pass) -> tuple[str, ...]:
@@ -769,6 +773,8 @@ class MixingCheck:
             )
             if compared is None:
                 return None
+            if compared.moved_draws:
+                raise DPConfigurationError(self.draw_law_refusal(compared.moved_draws, noun, engine.steps))
             buffers = _written_differently(compared.full, compared.other)
             after = [
                 n
@@ -827,7 +833,8 @@ class MixingCheck:
         after, index = items.without(list(compared.changed))
         gone = set(items.rows_of(compared.changed))
         row_map = [r for r in range(items.rows) if r not in gone]
-        draws = RowDraws(items.rows, compared.log, row_map, device)
+        rounding = example_rounding(str(precision.precision), device)
+        draws = RowDraws(items.rows, compared.log, row_map, device, rounding)
         try:
             run = self._pass(
                 engine, module, remove_rows(batch, tuple(sorted(gone)), items.rows), batch_idx, precision,
@@ -835,7 +842,7 @@ class MixingCheck:
             )  # fmt: skip
         except Exception:  # the step cannot run on so small a batch: the public reading is not shown
             return False
-        if run is None or not draws.aligned:
+        if run is None or not draws.aligned or draws.moved:
             return False
         reading = compared.readings["public"]
         kept = [index[i] for i in kept_full]
@@ -892,11 +899,17 @@ class MixingCheck:
         removed_rows = items.rows_of(plan.removed)
         row_map = [i for i in range(rows) if i not in set(removed_rows)]
 
+        moved: list[str] = []  # random functions whose law moved, in either try (removal or replacement)
+        rounding = example_rounding(str(precision.precision), device)
+
         def run(b: Any, n: int, kept: list[int]) -> _Pass | None:
-            rerun = RowDraws(rows, draws.log, row_map if n != rows else None, device)
-            out = self._pass(
-                engine, module, b, batch_idx, precision, n, state, values, plan.units_after(n), False, rerun
-            )
+            rerun = RowDraws(rows, draws.log, row_map if n != rows else None, device, rounding, kept)
+            try:
+                out = self._pass(
+                    engine, module, b, batch_idx, precision, n, state, values, plan.units_after(n), False, rerun
+                )  # fmt: skip
+            finally:
+                moved.extend(name for name in rerun.moved if name not in moved)
             if n != rows and not rerun.aligned:
                 raise _UnalignedDrawsError  # the removal's draws differ from pass A's: replace instead
             return out
@@ -920,8 +933,9 @@ class MixingCheck:
         replaced = tuple(i for i in changed if i not in removed)
         sums = dict(zip(readings, full_sums, strict=True))
         return _Compared(
-            full, other, items, changed, kept_full, kept_changed, removed, replaced, readings, sums, draws.log
-        )
+            full, other, items, changed, kept_full, kept_changed, removed, replaced, readings, sums, draws.log,
+            tuple(moved),
+        )  # fmt: skip
 
     def _plan(
         self,
@@ -1177,6 +1191,25 @@ class MixingCheck:
             "loss_reduction='mean': return the mean. To train such a model unchanged, pass "
             f"DPStrategy(isolate_examples=True): {isolate}. See docs/writing-a-loss.md. Only if the model "
             "is verified otherwise (the neighbour test), DPStrategy(check_sensitivity=False) turns the check off."
+        )
+
+    def draw_law_refusal(self, functions: tuple[str, ...], noun: str, releases_before: int) -> str:
+        """The refusal for a random draw whose law (a dropout's p, a fill's mean, std or bounds) pass B gave
+        other arguments than pass A: it is computed from the batch (names the functions, no statistic)."""
+        return (
+            f"Sensitivity check failed on step {releases_before} (a real sampled batch): "
+            f"{', '.join(functions)} drew with other arguments (a dropout's p, a mean, a std, a probability, "
+            f"bounds) when other {noun}s of the batch were removed or replaced, so the law of that random "
+            f"draw is computed from the batch (a batch statistic, or the batch's size). Each {noun}'s random "
+            f"numbers then depend on the other {noun}s, so one {noun} can move the released sum by more than "
+            "max_grad_norm and the reported ε does not hold. This step releases nothing. "
+            f"{self.coverage(releases_before)} Draw with constants (a fixed p, std or bound, or one set by "
+            f"the step or the epoch), or from each {noun}'s own values: a standard draw scaled per row "
+            "(x + torch.randn_like(x) * x.std(dim=1, keepdim=True)), or per-row tensors of parameters "
+            "(torch.bernoulli(p_rows), torch.normal(mean_rows, std_rows)). To train such a model unchanged, "
+            f"pass DPStrategy(isolate_examples=True): each {noun} then runs through training_step alone. "
+            "Only if the model is verified otherwise (the neighbour test), DPStrategy(check_sensitivity=False) "
+            "turns the check off."
         )
 
     def coverage(self, releases_before: int) -> str:

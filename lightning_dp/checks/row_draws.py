@@ -9,14 +9,26 @@ recomputes a tensor's last values, the bernoulli kernel depends on the CPU, a se
 another offset).
 
 :class:`RowDraws` records pass A's draws and replays them in pass B, row by row. Each call of a torch
-random function (:data:`RANDOM_FUNCTIONS`) is recorded with what it drew: the output of a function whose
-values do not depend on its inputs' values (``rand``, ``randn_like``, the in-place fills, ...), the scaled
-mask of a dropout (drawn as the dropout of ones, the same draw the dropout itself makes), or, for any other
-random function, the generator state it drew from. Pass B gets the recorded values, each kept row its own
-row's (``row_map``: the pass A row of each pass B row), and the global generators are left where pass A left
-them after each call. Draws this cannot give row by row are reported, never guessed: pass A drawing from
-the global generators outside these functions (a recurrent layer's built-in dropout) or pass B calling them
-otherwise makes :attr:`aligned` false, and the check then replaces units instead of removing one.
+random function (:data:`RANDOM_FUNCTIONS`) is recorded with what it drew (its output; for a dropout, its
+scaled mask, drawn as the dropout of ones, the same draw the dropout itself makes) and the generator state
+it drew from. Pass B gets the recorded values of a fill (a function whose values depend on no input's values:
+``rand``, ``randn_like``, the in-place fills, ...) or a mask, each kept row its own row's (``row_map``: the
+pass A row of each pass B row); an elementwise draw of a tensor law (``bernoulli(p)``, ``normal(mean, std)``,
+``poisson(rates)``) is made again from pass A's state, the replaced rows from their own law, and its kept
+rows given pass A's values; any other is made again from pass A's state. The global generators are left
+where pass A left them after each call. Draws this cannot give row by row are reported, never guessed: pass
+A drawing from the global generators outside these functions (a recurrent layer's built-in dropout), pass B
+calling them otherwise, or a draw made again over fewer rows that does not come out as pass A's, makes
+:attr:`aligned` false, and the check then replaces units instead of removing one.
+
+A replayed value carries pass A's law: a dropout's ``p``, a fill's mean, std or bounds
+(``normal_(0, float(x.std()))``, ``randint(0, len(x), ...)``), a bernoulli's probabilities. So each draw's
+law is recorded too (:func:`_law`: the arguments that set what it draws, not its sizes nor the tensor it
+fills or transforms), and pass B's is compared with it while every draw before it was pass A's: a scalar law
+exactly (a constant is the same), a tensor law on every kept row up to rounding. A call whose law differs is
+named in :attr:`RowDraws.moved`, and the check refuses it: that law is computed from the batch (a statistic
+of it, or its size), and replaying pass A's values would hide how the kept rows depend on the others. A
+permutation of the batch's rows (``randperm`` of its size) is replayed as pass A's order of the kept rows.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, resolve_name
 
 
 def _functions(owner: Any, names: str) -> frozenset[Callable[..., Any]]:
@@ -50,8 +62,15 @@ _OTHERS = (
 )
 RANDOM_FUNCTIONS: frozenset[Callable[..., Any]] = _MASKS | _FILLS | _OTHERS
 """The torch functions that draw random numbers, as a ``TorchFunctionMode`` sees them."""
+_LAWS = _functions(torch, "bernoulli normal poisson") | _functions(Tensor, "bernoulli bernoulli_")
+"""Elementwise draws whose law may be given by tensors (probabilities, means, stds, rates): each output
+entry is drawn from the law's entry at its place, so a row's draws follow that row's law."""
+_DATA_FIRST = _functions(
+    torch, "alpha_dropout feature_alpha_dropout native_dropout rrelu rrelu_"
+) | _functions(F, "alpha_dropout feature_alpha_dropout rrelu gumbel_softmax")
+"""Random functions whose first argument is the data they transform, not their law."""
 
-Kind = Literal["mask", "fill", "other"]
+Kind = Literal["mask", "fill", "law", "other"]
 
 
 @dataclass
@@ -64,6 +83,8 @@ class Draw:
     values: Tensor | None
     before: tuple[Tensor, list[Tensor]]
     after: tuple[Tensor, list[Tensor]]
+    law: tuple[Any, ...] = ()
+    """The arguments that set what it draws (:func:`_law`)."""
 
 
 @dataclass
@@ -75,7 +96,9 @@ class DrawLog:
 
 class RowDraws(TorchFunctionMode):
     """While active, pass A's random calls are recorded (``log`` None), or replayed row by row (``log``: pass
-    A's; ``row_map``: the pass A row of each row of this pass, None when it has pass A's rows)."""
+    A's; ``row_map``: the pass A row of each row of this pass, None when it has pass A's rows; ``kept``: this
+    pass's rows that are pass A's, not replaced, None for all; ``rounding``: the passes' relative rounding,
+    within which a tensor law counts as the same)."""
 
     def __init__(
         self,
@@ -83,16 +106,24 @@ class RowDraws(TorchFunctionMode):
         log: DrawLog | None = None,
         row_map: list[int] | None = None,
         device: torch.device | None = None,
+        rounding: float = 2.0**-13,
+        kept: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.rows = rows
+        self.rounding = rounding
+        """How much a tensor law's entry may differ, relatively, between the passes (their rounding)."""
         self.replaying = log is not None
         self.log = log if log is not None else DrawLog()
         self.aligned = True
         """Recording: every draw went through a known random function. Replaying: every call matched."""
+        self.moved: list[str] = []
+        """Replaying: the random functions called with another law than in pass A (by name, once each)."""
         self.cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
         self._map = None if row_map is None else torch.tensor(row_map, dtype=torch.long)
         self._small = rows if row_map is None else len(row_map)
+        self._kept = torch.arange(self._small) if kept is None else torch.tensor(kept, dtype=torch.long)
+        """This pass's rows whose law must be pass A's (the others were replaced)."""
         self._index = 0
         self._last: tuple[Tensor, list[Tensor]] | None = None
 
@@ -145,7 +176,7 @@ class RowDraws(TorchFunctionMode):
         before = self._state()
         out, values = _draw(func, kind, args, kwargs)
         self._last = self._state()
-        self.log.draws.append(Draw(func, kind, values, before, self._last))
+        self.log.draws.append(Draw(func, kind, values, before, self._last, _law(func, kind, args, kwargs)))
         return out
 
     def _replay(
@@ -158,28 +189,109 @@ class RowDraws(TorchFunctionMode):
         if draw is None or draw.func is not func or draw.kind != kind:
             self.aligned = False
             return func(*args, **kwargs)
+        if self.aligned and self._law_moved(draw, _law(func, kind, args, kwargs)):
+            name = resolve_name(func) or getattr(func, "__name__", repr(func))
+            self.moved += [name] if name not in self.moved else []
         self._set(draw.before)
         try:
-            if kind == "other" or draw.values is None:
-                out = func(*args, **kwargs)  # the same generator state: the same draws where shapes agree
-                if self._map is not None and _rows(out) == self._small:
-                    self.aligned = False
-                return out
-            if kind == "mask":
+            if kind == "mask" and draw.values is not None:
                 data, inplace = _mask_input(func, args, kwargs)
                 mask = self._rows_of(draw.values, data.shape)
                 if mask is None:
                     return func(*args, **kwargs)
                 return data.mul_(mask) if inplace else data * mask
-            values = self._rows_of(draw.values, _fill_shape(func, args, kwargs))
-            if values is None:
-                return func(*args, **kwargs)
-            if getattr(func, "__name__", "").endswith("_"):
-                with torch.no_grad():
-                    return args[0].copy_(values)
-            return values.clone()
+            if kind == "fill" and draw.values is not None:
+                return self._fill(func, draw.values, args, kwargs)
+            out = func(*args, **kwargs)  # the same generator state: the same draws where shapes agree
+            if kind == "law" and draw.values is not None and self._batched(draw.values, out):
+                return self._kept_values(out, draw.values, getattr(func, "__name__", "").endswith("_"))
+            if self._map is not None and not _same_values(out, draw.values):
+                self.aligned = False  # drawn again over other rows: not pass A's draws, row by row
+            return out
         finally:
             self._set(draw.after)
+
+    def _law_moved(self, draw: Draw, law: tuple[Any, ...]) -> bool:
+        """Whether this call's law differs from pass A's: a scalar exactly (NaN is NaN), a tensor on the
+        kept rows beyond rounding."""
+        if len(draw.law) != len(law):
+            return True
+        for a, b in zip(draw.law, law, strict=True):
+            if isinstance(a, Tensor) and isinstance(b, Tensor):
+                if not self._close_rows(a, b):
+                    return True
+            elif isinstance(a, Tensor) or isinstance(b, Tensor) or not (a == b or (a != a and b != b)):
+                return True
+        return False
+
+    def _close_rows(self, a: Tensor, b: Tensor) -> bool:
+        """Whether ``b`` (this pass's) holds ``a``'s (pass A's) values on the kept rows, up to rounding: within
+        ``rounding`` of the larger entry or of its row's largest (a near-zero entry rounds like the sums it
+        comes from). A tensor whose shapes tell no rows apart is compared whole; shapes that tell neither are
+        not compared (the call is then drawn again, unaligned)."""
+        batched = self._batched(a, b)
+        if not batched and a.shape != b.shape:
+            return True
+        b = b.detach().to(a.device)
+        if batched:
+            mine, theirs = self._kept_rows(a.device)
+            a, b = a.index_select(0, theirs), b.index_select(0, mine)
+        if not a.is_floating_point():
+            return torch.equal(a, b.to(a.dtype))
+        rows = a.shape[0] if a.dim() else 1
+        x, y = a.double().reshape(rows, -1), b.double().reshape(rows, -1)
+        scale = torch.maximum(x.abs(), y.abs()).nan_to_num(0.0, 0.0, 0.0)
+        scale = torch.maximum(scale, scale.amax(1, keepdim=True)) if scale.numel() else scale
+        near = ((x - y).abs() <= self.rounding * scale) | (x == y) | (x.isnan() & y.isnan())
+        return bool(near.all())
+
+    def _batched(self, recorded: Tensor, now: Any) -> bool:
+        """Whether ``recorded`` (pass A's) and ``now`` (this pass's) have the batch's rows on dimension 0."""
+        return (
+            isinstance(now, Tensor)
+            and recorded.dim() > 0
+            and now.dim() > 0
+            and (recorded.shape[0], now.shape[0]) == (self.rows, self._small)
+            and recorded.shape[1:] == now.shape[1:]
+        )
+
+    def _kept_rows(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The kept rows: in this pass, and in pass A."""
+        mine = self._kept.to(device)
+        return mine, mine if self._map is None else self._map.to(device).index_select(0, mine)
+
+    def _kept_values(self, out: Tensor, recorded: Tensor, inplace: bool) -> Tensor:
+        """An elementwise draw made again (the replaced rows drawn from their own law) with pass A's values
+        on the kept rows, whose law is pass A's (compared before). Its graph is kept: these draws have zero
+        derivatives (torch's), so nothing flows through the values swapped in."""
+        mine, theirs = self._kept_rows(out.device)
+        merged = out.detach().index_copy(
+            0, mine, recorded.to(out.device).index_select(0, theirs).to(out.dtype)
+        )
+        if inplace:
+            out.data.copy_(merged)  # the in-place draw's output is the user's tensor
+            return out
+        return out + (merged - out).detach() if out.requires_grad else merged
+
+    def _fill(
+        self, func: Callable[..., Any], recorded: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Tensor:
+        """A fill's pass A values for this call (a permutation of the batch's rows: pass A's order of the
+        kept rows); drawn afresh, and not aligned, where they do not fit."""
+        shape = _fill_shape(func, args, kwargs)
+        if (
+            func is torch.randperm
+            and self._map is not None
+            and self._batched(recorded, torch.empty(shape, device="meta"))
+        ):
+            return _kept_order(recorded, self._map)
+        values = self._rows_of(recorded, shape)
+        if values is None:
+            return func(*args, **kwargs)
+        if getattr(func, "__name__", "").endswith("_"):
+            with torch.no_grad():
+                return args[0].copy_(values)
+        return values.clone()
 
     def _rows_of(self, values: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor | None:
         """``values`` (pass A's) for a tensor of ``shape``: as they are, or the rows of this pass's rows
@@ -193,6 +305,64 @@ class RowDraws(TorchFunctionMode):
         return None
 
 
+def _kept_order(permutation: Tensor, row_map: Tensor) -> Tensor:
+    """Pass A's permutation of its rows, restricted to the kept rows (numbered as in pass B): the order
+    pass A put them in, which is a uniform permutation of the kept rows as a fresh draw would be."""
+    position = torch.empty_like(permutation)
+    position[permutation] = torch.arange(len(permutation), dtype=permutation.dtype, device=permutation.device)
+    return position.index_select(0, row_map.to(permutation.device)).argsort().to(permutation.dtype)
+
+
+_SIZED = _functions(torch, "rand randn randperm")
+"""Fills whose positional arguments are all sizes."""
+_BOOKKEEPING = frozenset(
+    {"size", "generator", "out", "dtype", "layout", "device", "pin_memory", "requires_grad", "memory_format"}
+)
+"""Keyword arguments that say where and in what a draw is made, not what it draws."""
+
+
+def _law(
+    func: Callable[..., Any], kind: Kind, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The arguments that set what a call draws: a dropout's ``p``; a fill's means, stds, probabilities and
+    bounds; an elementwise draw's tensors of them too (copied). Not sizes, nor the tensor a call fills,
+    transforms or reads the shape of, nor where the draw is made."""
+    if kind == "mask":
+        return (_plain(kwargs.get("p", args[1] if len(args) > 1 else 0.5)),)
+    first = bool(args) and isinstance(args[0], Tensor)
+    skip = func in _SIZED or (first and _reads_first(func, kind, args, kwargs))
+    positional = () if func in _SIZED else args[1:] if skip else args
+    named = [kwargs[k] for k in sorted(kwargs) if k not in _BOOKKEEPING and not (skip and k == "input")]
+    law: list[Any] = []
+    for value in (*positional, *named):
+        value = _plain(value)
+        if isinstance(value, Tensor):
+            if kind == "law":
+                law.append(value.detach().clone())
+        elif not isinstance(value, tuple | list | torch.Size):
+            law.append(value)
+    return tuple(law)
+
+
+def _reads_first(func: Callable[..., Any], kind: Kind, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call's first tensor is what it fills, transforms or takes the shape of, not its law."""
+    inplace = getattr(func, "__name__", "").endswith("_")
+    return kind == "fill" or inplace or func in _DATA_FIRST or _scalar_law(func, args, kwargs)
+
+
+def _scalar_law(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """``bernoulli(x, p)`` with a number ``p``: ``x`` gives only the shape."""
+    p = kwargs.get("p", args[1] if len(args) > 1 else None)
+    return func in (torch.bernoulli, Tensor.bernoulli) and p is not None and not isinstance(p, Tensor)
+
+
+def _plain(value: Any) -> Any:
+    """A law's argument as a plain value (a zero-dimensional tensor as its number)."""
+    if isinstance(value, Tensor) and value.numel() == 1 and value.dim() == 0:
+        return value.detach().item()
+    return value
+
+
 def _kind(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Kind:
     if func in _MASKS:
         return "mask"
@@ -204,8 +374,9 @@ def _kind(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
             and func not in _LIKE
             and not getattr(func, "__name__", "").endswith("_")
         )
-        return "other" if tensors or by_input else "fill"
-    return "other"
+        if not (tensors or by_input):
+            return "fill"
+    return "law" if func in _LAWS else "other"
 
 
 _LIKE = _functions(torch, "rand_like randn_like randint_like")
@@ -222,9 +393,7 @@ def _draw(
         mask = func(*ones_args, **ones_kwargs)  # the dropout's own draw, on ones: its scaled mask
         return (data.mul_(mask) if inplace else data * mask), mask.detach()
     out = func(*args, **kwargs)
-    if kind == "fill" and isinstance(out, Tensor):
-        return out, out.detach().clone()
-    return out, None
+    return out, out.detach().clone() if isinstance(out, Tensor) else None
 
 
 def _mask_input(
@@ -268,5 +437,13 @@ def _fill_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     return func(*args, **meta).shape
 
 
-def _rows(value: Any) -> int | None:
-    return value.shape[0] if isinstance(value, Tensor) and value.dim() else None
+def _same_values(value: Any, recorded: Tensor | None) -> bool:
+    """Whether a call drawn again gave pass A's tensor (same shape, same values)."""
+    return (
+        isinstance(value, Tensor)
+        and recorded is not None
+        and value.shape == recorded.shape
+        and bool(
+            ((value == recorded.to(value.device)) | (value.isnan() & recorded.to(value.device).isnan())).all()
+        )
+    )
