@@ -65,7 +65,15 @@ def dump(out: Path, name: str, strategy: Any, **extra: Any) -> None:
     (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
 
 
-DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK")
+DISTRIBUTED_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GLOBAL_RANK",
+)
 """What an in-process fit leaves in ``os.environ`` (Lightning sets MASTER_PORT when it picks one, and its
 store may still hold that port): a worker inherits none of it, so it picks its own port."""
 

@@ -499,6 +499,7 @@ def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
         DPIS,
         AdaCliP,
         AdaptiveGD,
+        Checks,
         ConstantNoise,
         DPDDPStrategy,
         FixedSize,
@@ -507,8 +508,8 @@ def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
         Nesterov,
         NoiseDividing,
         PrivacyCallback,
+        UserPoisson,
     )
-    from lightning_dp import Checks, UserPoisson
     from lightning_dp.steps.dp_accelerated import MultiStageNesterov
     from lightning_dp.strategies.deprecated import KEYWORDS
     from lightning_dp.strategies.options import UserBound
