@@ -25,7 +25,9 @@ from lightning_dp.accounting import (
     rho_from_epsilon,
     zcdp_rho,
 )
-from lightning_dp.accounting.zcdp import gaussian_std_for_rho, laplace_rdp, pure_dp_rdp
+from lightning_dp.accounting.laplace_mechanism import laplace_rdp
+from lightning_dp.accounting.pure_dp import pure_dp_rdp
+from lightning_dp.accounting.zcdp import gaussian_std_for_rho
 
 ORDERS = (1.5, 2.0, 3.0, 5.0, 10.0, 32.0, 100.0, 500.0)
 

@@ -37,7 +37,7 @@ from lightning_dp.accounting import (
     repeat_and_select_rdp,
 )
 from lightning_dp.accounting.repeat_select import threshold_rdp
-from lightning_dp.tuning import (
+from lightning_dp.commands.tuning import (
     Score,
     TrialOutcome,
     TrialRun,
@@ -46,7 +46,7 @@ from lightning_dp.tuning import (
     plan,
     tune,
 )
-from lightning_dp.tuning.planning import TrialPlan
+from lightning_dp.commands.tuning.planning import TrialPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = ["--config", str(ROOT / "configs" / "digits_dpsgd.yaml")]
@@ -536,7 +536,7 @@ def test_search_refusals(change: dict[str, Any], message: str) -> None:
 
 def test_a_declared_dataset_size_fixes_the_trials_rate_and_steps() -> None:
     """dataset_size=: the tuner plans q = B/N_pub and ⌈N_pub/B⌉ steps an epoch, never the real N (1257)."""
-    from lightning_dp.tuning.planning import plan_from_args
+    from lightning_dp.commands.tuning.planning import plan_from_args
 
     real = plan_from_args(DIGITS, Score("public"))
     for declared in (600, 5000):
@@ -550,8 +550,8 @@ def test_a_declared_dataset_size_fixes_the_trials_rate_and_steps() -> None:
 def test_monitor_callbacks_and_prv_are_refused_and_cli_plan_only(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from lightning_dp.cli import main
-    from lightning_dp.tuning.planning import plan_from_args
+    from lightning_dp.commands.cli import main
+    from lightning_dp.commands.tuning.planning import plan_from_args
 
     args = [*DIGITS, "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val_acc"]
     with pytest.raises(DPConfigurationError, match="monitor a metric of private data"):
