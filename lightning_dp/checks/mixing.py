@@ -89,6 +89,13 @@ from lightning_dp.checks.pass_precision import (
     runs_in_full_precision,
     upcast_batch,
 )
+from lightning_dp.checks.precision_path import (
+    OpTrace,
+    PathReference,
+    TracedPrecision,
+    computes_in_reduced_precision,
+    path_message,
+)
 from lightning_dp.checks.row_draws import DrawLog, RowDraws
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
 from lightning_dp.checks.user_step import ModuleState, dry_training_step, hook_note
@@ -718,14 +725,16 @@ class MixingCheck:
         unit: str = "example",
     ) -> MixingResult | None:
         """:meth:`_measure` with the passes in IEEE fp32 (``checks/pass_precision.py``), so that reduced
-        precision does not widen what the check lets pass; in the run's own precision where the step cannot
-        run in fp32 (it raised there), with a warning."""
+        precision does not widen what the check lets pass, and then pass A in the run's own reduced precision,
+        which must compute what the fp32 one did (``checks/precision_path.py``); in the run's own precision
+        where the step cannot run in fp32 (it raised there), with a warning."""
         if not runs_in_full_precision(precision):
             return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+        path = PathReference(str(precision.precision)) if computes_in_reduced_precision(precision) else None
         try:
             with full_precision(module, precision) as plugin:
-                return self._measure(
-                    engine, module, upcast_batch(batch), batch_idx, plugin, device, units, unit
+                result = self._measure(
+                    engine, module, upcast_batch(batch), batch_idx, plugin, device, units, unit, path
                 )
         except DPConfigurationError:
             raise
@@ -735,7 +744,10 @@ class MixingCheck:
                     _precision_fallback_message(str(precision.precision), error), UserWarning, stacklevel=2
                 )
             self.precision_fallback = str(precision.precision)
-        return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+            return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+        if result is not None and result.passed and path is not None and path.log is not None:
+            self._in_run_precision(engine, module, batch, batch_idx, precision, device, path)
+        return result
 
     def _measure(
         self,
@@ -747,6 +759,7 @@ class MixingCheck:
         device: torch.device,
         units: UnitInfo | None = None,
         unit: str = "example",
+        path: PathReference | None = None,
     ) -> MixingResult | None:
         grads = engine.grads
         assert grads is not None, "attach() first"
@@ -766,7 +779,7 @@ class MixingCheck:
         grouped = "" if units is None else ("rows" if noun == "user" else "augmented views")
         try:
             compared = self._compare(
-                engine, module, batch, batch_idx, precision, device, items, state, values
+                engine, module, batch, batch_idx, precision, device, items, state, values, path
             )
             if compared is None:
                 return None
@@ -863,16 +876,19 @@ class MixingCheck:
         items: _Items,
         state: ModuleState,
         values: ParameterValues,
+        path: PathReference | None = None,
     ) -> _Compared | None:
         """Pass A on the batch, pass B on the batch with changed units, and the kept units' clipped sums of
-        both under each reading of the loss's normalisation (:func:`_readings`). None: no loss to check."""
+        both under each reading of the loss's normalisation (:func:`_readings`). None: no loss to check.
+        ``path``: what pass A computed is kept there, for the pass in the run's own precision."""
         rows, units = items.rows, items.units
         draws = RowDraws(rows, device=device)  # pass A draws what the real step will, and keeps it
-        full = self._pass(
-            engine, module, batch, batch_idx, precision, rows, state, values, units, True, draws
-        )
+        first = TracedPrecision(precision, path.trace, module) if path is not None else precision
+        full = self._pass(engine, module, batch, batch_idx, first, rows, state, values, units, True, draws)
         if full is None:
             return None
+        if path is not None:
+            path.log = draws.log  # the run's precision replays them
         # Random draws (dropout) that RowDraws replays row by row still allow a removal; any other draw
         # (Python's random, NumPy, a layer's own dropout) keeps every shape: the changed units are replaced.
         other_draws = _other_streams_moved(state)
@@ -923,6 +939,40 @@ class MixingCheck:
         return _Compared(
             full, other, items, changed, kept_full, kept_changed, removed, replaced, readings, sums, draws.log
         )
+
+    def _in_run_precision(
+        self,
+        engine: PrivateStepEngine,
+        module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        precision: Any,
+        device: torch.device,
+        path: PathReference,
+    ) -> None:
+        """The forward of pass A again, in the run's own precision (the batch as the step gets it, pass A's
+        random draws): it must make the torch operations the fp32 pass A made (``checks/precision_path.py``).
+        Raises where it does not; puts everything back as :meth:`_measure` does."""
+        grads = engine.grads
+        assert grads is not None
+        rows = batch_length(batch)
+        state = ModuleState.save(module, device)
+        values = ParameterValues.take(module)
+        hint = grads._batch_hint
+        trace = OpTrace()
+        try:
+            grads.expect_batch(rows)
+            with torch.enable_grad(), RowDraws(rows or 0, path.log, None, device):
+                dry = dry_training_step(
+                    module, batch, batch_idx, TracedPrecision(precision, trace, module), forward_only=True
+                )
+            if (dry.loss is None and module.automatic_optimization) or not trace.same(path.trace):
+                raise DPConfigurationError(path_message(path.precision))
+        finally:
+            state.restore()
+            values.restore()
+            grads.clear()
+            grads.expect_batch(hint)
 
     def _plan(
         self,

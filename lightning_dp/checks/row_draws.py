@@ -170,14 +170,16 @@ class RowDraws(TorchFunctionMode):
                 mask = self._rows_of(draw.values, data.shape)
                 if mask is None:
                     return func(*args, **kwargs)
+                mask = mask.to(data.dtype)  # a pass in another precision (bf16) gets its own dtype's mask
                 return data.mul_(mask) if inplace else data * mask
-            values = self._rows_of(draw.values, _fill_shape(func, args, kwargs))
+            shape, dtype = _fill_shape(func, args, kwargs)
+            values = self._rows_of(draw.values, shape)
             if values is None:
                 return func(*args, **kwargs)
             if getattr(func, "__name__", "").endswith("_"):
                 with torch.no_grad():
                     return args[0].copy_(values)
-            return values.clone()
+            return values.to(dtype, copy=True)
         finally:
             self._set(draw.after)
 
@@ -258,14 +260,18 @@ def _with_input(
     return (), {**kwargs, "input": data}
 
 
-def _fill_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Size:
-    """The shape a fill's output has in this pass (found without drawing: on the meta device)."""
+def _fill_shape(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype a fill's output has in this pass (found without drawing: on the meta device), so
+    that a pass in another precision (a bf16 default dtype) gets values of its own dtype."""
     if args and isinstance(args[0], Tensor):
-        return args[0].shape
+        return args[0].shape, kwargs.get("dtype") or args[0].dtype
     meta = {**kwargs, "device": "meta"}
     meta.pop("generator", None)
     meta.pop("out", None)
-    return func(*args, **meta).shape
+    out = func(*args, **meta)
+    return out.shape, out.dtype
 
 
 def _rows(value: Any) -> int | None:
