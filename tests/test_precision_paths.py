@@ -7,11 +7,16 @@ would break; each control (ordinary code that reads no other example) trains.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import grad_norm
 from test_edges import Classifier, data, fit, refused
 from torch import Tensor, nn
 
@@ -123,3 +128,191 @@ class WithDropout(Classifier):
 @pytest.mark.parametrize("model", [Classifier, CastsToSelfDtype, UpcastsInReducedPrecision, WithDropout])
 def test_ordinary_models_train_in_reduced_precision(model, b, precision):
     assert fit(model(), data(b), b, max_steps=1, precision=precision).checks.mixing.checked_steps == [0]
+
+
+# -- A4. hooks inside the optimizer step ---------------------------------------------------------------------
+
+STEP_HOOK = "were written inside the optimizer step by"
+
+
+class Watched(Classifier):
+    """A buffer and a frozen copy of a layer, for the hooks below to write into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros(3))
+        self.teacher = nn.Linear(8, 3).requires_grad_(False)
+
+
+class BufferFromGradient(Watched):
+    def on_after_backward(self) -> None:
+        with torch.no_grad():
+            self.seen.copy_(self.l2.bias.grad)
+
+
+class TeacherFromGradient(Watched):
+    def on_after_backward(self) -> None:
+        with torch.no_grad():
+            self.teacher.bias.copy_(self.l2.bias.grad)
+
+
+class StashedThenWritten(Watched):
+    """Keeps the non-private gradient on ``self``, writes it into the model once the release is made."""
+
+    def on_after_backward(self) -> None:
+        self.stash = self.l2.bias.grad.clone()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        with torch.no_grad():
+            self.seen.copy_(self.stash)
+
+
+class BatchKeptThenWritten(Watched):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.kept = batch[0]
+        return super().training_step(batch, batch_idx)
+
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        with torch.no_grad():
+            self.seen.copy_(self.kept.mean(0)[:3])
+
+
+class LossWritten(Watched):
+    def on_before_backward(self, loss: Tensor) -> None:
+        with torch.no_grad():
+            self.seen.fill_(float(loss))
+
+
+class StepFromGradientNorm(Watched):
+    """Sets the learning rate from the non-private gradient's norm."""
+
+    def on_after_backward(self) -> None:
+        norm = float(torch.cat([p.grad.flatten() for p in self.parameters() if p.grad is not None]).norm())
+        self.trainer.optimizers[0].param_groups[0]["lr"] = 0.1 / (1.0 + norm)
+
+
+class CopiesGradient(Callback):
+    """A callback's own module, written from the non-private gradient."""
+
+    def __init__(self) -> None:
+        self.copy = nn.Linear(8, 3)
+
+    def on_after_backward(self, trainer: Any, module: Any) -> None:
+        with torch.no_grad():
+            self.copy.bias.copy_(module.l2.bias.grad)
+
+
+class BufferFromGradientByCallback(Callback):
+    def on_after_backward(self, trainer: Any, module: Any) -> None:
+        with torch.no_grad():
+            module.seen.copy_(module.l2.bias.grad)
+
+
+@pytest.mark.parametrize(
+    ("model", "callback", "written"),
+    [
+        (BufferFromGradient, None, "seen"),
+        (TeacherFromGradient, None, "teacher.bias"),
+        (StashedThenWritten, None, "StashedThenWritten.stash"),
+        (BatchKeptThenWritten, None, "seen"),
+        (LossWritten, None, "seen"),
+        (StepFromGradientNorm, None, "optimizer 0 group 0 lr"),
+        (Watched, CopiesGradient, "CopiesGradient.copy.bias"),
+        (Watched, BufferFromGradientByCallback, "seen"),
+    ],
+)
+def test_a_step_hook_that_writes_private_data_is_refused_before_the_first_release(model, callback, written):
+    callbacks = [callback()] if callback is not None else []
+    message = refused(model(), data(24), 24, STEP_HOOK, callbacks=callbacks)
+    assert repr(written) in message
+    assert "24" not in message
+
+
+def test_what_on_after_backward_writes_is_the_gradient_without_noise():
+    """Why: with the check off, the buffer holds the batch's own gradient however much noise the release has."""
+    torch.manual_seed(0)
+    module, dataset = BufferFromGradient(), data(16)
+    x, y = dataset.tensors
+    reference = BufferFromGradient()
+    reference.load_state_dict(module.state_dict())
+    expected = torch.autograd.grad(F.cross_entropy(reference(x), y), reference.l2.bias)[0]
+    fit(module, dataset, 16, max_steps=1, dp={"noise_multiplier": 10.0, "check_sensitivity": False})
+    torch.testing.assert_close(module.seen, expected, rtol=1e-4, atol=1e-6)
+
+
+class LogsReleasedNorms(Watched):
+    """The common correct uses: the released gradient's norms logged, and kept in a buffer."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norms = grad_norm(self, norm_type=2)
+        self.log_dict(norms)
+        with torch.no_grad():
+            self.seen.fill_(float(norms["grad_2.0_norm_total"]))
+
+
+class Reads(Callback):
+    """Only reads: counts the hooks' calls and checks the gradients are finite."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_after_backward(self, trainer: Any, module: Any) -> None:
+        self.calls += 1
+        assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
+
+    def on_before_zero_grad(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize("b", [8, 1024])
+def test_hooks_that_read_or_use_the_released_gradient_train(b, tmp_path):
+    reads = Reads()
+    callbacks = [reads, LearningRateMonitor()]
+    logger = CSVLogger(tmp_path)
+    strategy = fit(
+        LogsReleasedNorms(),
+        data(2 * b),
+        b,
+        callbacks=callbacks,
+        logger=logger,
+        dp={"check_sensitivity": "every_step"},
+    )
+    assert strategy.checks.mixing.checked_steps == [0, 1]
+    assert reads.calls == 4  # the real steps' calls only: the checks' passes leave no trace
+
+
+class EMA(Callback):
+    """An EMA of the weights in a module the callback holds, updated in ``hook`` (post-processing)."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+        self.ema: nn.Module | None = None
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        self.ema = copy.deepcopy(module.l1).requires_grad_(False)
+
+    def _update(self, module: Any) -> None:
+        assert self.ema is not None
+        with torch.no_grad():
+            for e, p in zip(self.ema.parameters(), module.l1.parameters(), strict=True):
+                e.mul_(0.5).add_(0.5 * p)
+
+    def on_before_zero_grad(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        if self.hook == "on_before_zero_grad":
+            self._update(module)
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if self.hook == "on_train_batch_end":
+            self._update(module)
+
+
+@pytest.mark.parametrize("hook", ["on_before_zero_grad", "on_train_batch_end"])
+def test_an_ema_a_callback_holds_trains_as_without_the_checks(hook):
+    emas = []
+    for setting in ("every_step", False):
+        torch.manual_seed(0)
+        ema = EMA(hook)
+        fit(Classifier(), data(64), 16, max_steps=3, callbacks=[ema], dp={"check_sensitivity": setting})
+        assert ema.ema is not None
+        emas.append(ema.ema.weight.clone())
+    assert torch.equal(*emas)

@@ -98,6 +98,7 @@ from lightning_dp.checks.precision_path import (
 )
 from lightning_dp.checks.row_draws import DrawLog, RowDraws
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
+from lightning_dp.checks.step_hooks import StepHookRun, differing, step_hook_write_message, step_hooks
 from lightning_dp.checks.user_step import ModuleState, dry_training_step, hook_note
 from lightning_dp.clipping import clip_factors
 from lightning_dp.errors import DPConfigurationError
@@ -242,6 +243,8 @@ class _Pass:
     """With units: each row's certified norm (pass A only)."""
     after_step: dict[str, Tensor] = field(default_factory=dict)
     """Parameters and buffers with new values once the after-step hooks ran too (``after_step.py``)."""
+    step_hooks: dict[str, Any] = field(default_factory=dict)
+    """What the hooks inside the optimizer step wrote (``step_hooks.py``)."""
 
 
 class _UnalignedDrawsError(Exception):
@@ -361,6 +364,21 @@ def _written_differently(full: _Pass, other: _Pass) -> tuple[str, ...]:
         or name not in other.buffers
         or not torch.equal(full.buffers[name], other.buffers[name])
     )
+
+
+def _refuse_hook_writes(
+    module: LightningModule, batch_idx: int, full: _Pass, other: _Pass, buffers: tuple[str, ...]
+) -> None:
+    """Refuse what the hooks inside the optimizer step, then those after it, wrote differently in the two
+    passes (from the batch, or from its non-private gradient); what the forward wrote is ``buffers``."""
+    stepped = [n for n in differing(full.step_hooks, other.step_hooks) if n not in buffers]
+    if stepped:
+        names = [hook.name for hook in step_hooks(module)]
+        raise DPConfigurationError(step_hook_write_message(stepped, names))
+    after = [n for n in differing_writes(full.after_step, other.after_step) if n not in buffers]
+    if after:
+        hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
+        raise DPConfigurationError(after_step_write_message(after, hooks))
 
 
 def _would_switch(engine: PrivateStepEngine, results: dict[str, MixingResult]) -> bool:
@@ -783,15 +801,10 @@ class MixingCheck:
             )
             if compared is None:
                 return None
+            if path is not None:
+                path.log = compared.log  # the run's own precision replays pass A's draws
             buffers = _written_differently(compared.full, compared.other)
-            after = [
-                n
-                for n in differing_writes(compared.full.after_step, compared.other.after_step)
-                if n not in buffers
-            ]
-            if after:  # the after-step hooks wrote from the batch (what the forward wrote is `buffers`)
-                hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
-                raise DPConfigurationError(after_step_write_message(after, hooks))
+            _refuse_hook_writes(module, batch_idx, compared.full, compared.other, buffers)
             results = {
                 kind: self._result(
                     compared, reading, engine.max_grad_norm, precision, device, buffers, noun, grouped
@@ -880,15 +893,13 @@ class MixingCheck:
     ) -> _Compared | None:
         """Pass A on the batch, pass B on the batch with changed units, and the kept units' clipped sums of
         both under each reading of the loss's normalisation (:func:`_readings`). None: no loss to check.
-        ``path``: what pass A computed is kept there, for the pass in the run's own precision."""
+        ``path``: pass A's torch operations are traced there."""
         rows, units = items.rows, items.units
         draws = RowDraws(rows, device=device)  # pass A draws what the real step will, and keeps it
         first = TracedPrecision(precision, path.trace, module) if path is not None else precision
         full = self._pass(engine, module, batch, batch_idx, first, rows, state, values, units, True, draws)
         if full is None:
             return None
-        if path is not None:
-            path.log = draws.log  # the run's precision replays them
         # Random draws (dropout) that RowDraws replays row by row still allow a removal; any other draw
         # (Python's random, NumPy, a layer's own dropout) keeps every shape: the changed units are replaced.
         other_draws = _other_streams_moved(state)
@@ -1169,8 +1180,9 @@ class MixingCheck:
         grads.expect_batch(rows)
         for p in engine.params:
             p.grad = None
+        hooks = StepHookRun.of(module, state, values)  # on_after_backward & co., where Lightning runs them
         with torch.enable_grad(), draws if draws is not None else contextlib.nullcontext():
-            dry = dry_training_step(module, batch, batch_idx, precision)
+            dry = dry_training_step(module, batch, batch_idx, precision, hooks=hooks)
         if not dry.backpropagated:
             grads.clear()
             return None
@@ -1181,11 +1193,16 @@ class MixingCheck:
                 row_norms = samples.sq_norms().double().sqrt().cpu()
             samples = samples.grouped(units.unit_of_row, units.reduction, units.views)
         norms = samples.sq_norms().double().sqrt().cpu()
-        trained, frozen = values.written_by_kind()
-        written = {**state.written_buffers(), **frozen}  # frozen parameters: like buffers
+        if hooks is not None:
+            hooks.before_optimizer_step()
+            assert hooks.forward is not None
+            trained, frozen, buffers = hooks.forward  # what training_step wrote, before the hooks
+        else:
+            (trained, frozen), buffers = values.written_by_kind(), state.written_buffers()
+        written = {**buffers, **frozen}  # frozen parameters: like buffers
         after = after_step_writes(module, batch, batch_idx, dry, state, values)  # on_train_batch_end
         grads.clear()  # what a hook's own forward recorded
-        return _Pass(samples, norms, written, trained, row_norms, after)
+        return _Pass(samples, norms, written, trained, row_norms, after, hooks.writes if hooks else {})
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""

@@ -3,7 +3,8 @@
 The checks (and DPIS's norm pass) run the user's own step on a batch to read per-example gradients.
 A dry pass first re-runs, on its own batch, the per-batch hooks the user wrote (:func:`batch_hooks`: the
 transfer hooks, every callback's and the module's ``on_train_batch_start``), so a statistic a hook computes
-from the batch is one of that pass's batch, as it is one of the real batch in the real step. It detaches
+from the batch is one of that pass's batch, as it is one of the real batch in the real step (the mixing check
+also runs the hooks around its backward, ``step_hooks.py``). It detaches
 ``self.log``, and gives ``training_step`` optimizers and schedulers whose ``step`` does nothing (and, under
 manual optimization, a ``manual_backward`` that only backpropagates), so the loop's counters, the optimizer
 state, the learning rates and the ledger never see it. :class:`ModuleState` puts back what the pass
@@ -26,7 +27,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -220,19 +221,39 @@ def dry_shadows(module: LightningModule) -> dict[str, Any]:
     }
 
 
+class BackwardHooks(Protocol):
+    """The user's hooks around a backward (``checks/step_hooks.py``), run where Lightning runs them."""
+
+    def before_backward(self, loss: Tensor) -> None: ...
+
+    def after_backward(self) -> None: ...
+
+
 def dry_training_step(
-    module: LightningModule, batch: Any, batch_idx: int, precision: Any, forward_only: bool = False
+    module: LightningModule,
+    batch: Any,
+    batch_idx: int,
+    precision: Any,
+    forward_only: bool = False,
+    hooks: BackwardHooks | None = None,
 ) -> DryPass:
     """Run the user's per-batch hooks (:func:`batch_hooks`) and ``training_step`` once on ``batch`` without
     side effects on training; backpropagate its loss (automatic optimization: here, outside the precision
-    context as Lightning does; manual: ``manual_backward``), unless ``forward_only``. A hook that raises is
-    refused by name (:func:`hook_failure_message`)."""
+    context as Lightning does; manual: ``manual_backward``), unless ``forward_only``, with ``hooks`` before
+    and after each backward. A hook that raises is refused by name (:func:`hook_failure_message`)."""
     result = DryPass()
+
+    def backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        if hooks is not None:
+            hooks.before_backward(loss)
+        loss.backward(*args, **kwargs)
+        if hooks is not None:
+            hooks.after_backward()
 
     def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
         result.backward_calls += 1
         if not forward_only:
-            loss.backward(*args, **kwargs)
+            backward(loss, *args, **kwargs)
 
     shadows = dry_shadows(module)
     if not module.automatic_optimization:
@@ -247,7 +268,7 @@ def dry_training_step(
         if not module.automatic_optimization or forward_only:
             return result
         if result.loss is not None and result.loss.requires_grad:
-            result.loss.backward()
+            backward(result.loss)
             result.backward_calls = 1
     return result
 
@@ -370,8 +391,8 @@ def hook_failure_message(name: str, error: BaseException) -> str:
     return (
         f"Your {name} raised {quote_error(error)} when lightning-dp's run-time check re-ran it on a training "
         "batch (the sampled batch, or that batch with some examples removed or replaced). The check re-runs "
-        "the per-batch hooks you override on its own batch (before your training_step, and on_train_batch_end "
-        "after its backward), so that what a hook computes from the batch is seen for what it is, examples "
+        "the per-batch hooks you override on its own batch (before your training_step, the hooks inside the "
+        "optimizer step around its backward, and on_train_batch_end after it), so that what a hook computes from the batch is seen for what it is, examples "
         "mixed across the batch or written into the model. "
         "Nothing was released. Let the hook run more than once per step, on any batch of distinct or repeated "
         "examples: compute per-example transforms in the Dataset or in training_step, no statistic of the "
@@ -565,11 +586,13 @@ class PythonState:
     Containers are put back *in place* (a list the user also holds elsewhere is the same list, with its old
     items), so nothing is copied but references; tensors and arrays that are not parameters or buffers are
     copied up to :data:`TENSOR_COPY_BYTES` and written back when a pass wrote them in place; the user's own
-    generators (``torch.Generator``, ``random.Random``, NumPy's) get their states back; iterators and Python
-    generators, which cannot be copied, are replaced by a :class:`ReplayingIterator` and rewound. Further
+    generators (``torch.Generator``, ``random.Random``, NumPy's) get their states back; the parameters and
+    buffers of a module held outside the module tree (a callback's EMA copy) are copied like tensors;
+    iterators and Python generators, which cannot be copied, are replaced by a :class:`ReplayingIterator`
+    and rewound. Further
     objects (the user's callbacks and datamodule) are saved the same way. Not covered: state outside these
-    (globals, closures, files, a logger), objects of torch/Lightning/NumPy classes other than tensors, arrays
-    and generators, objects with ``__slots__``, iterators held in tuples, sets or deques, and whatever lies
+    (globals, closures, files, a logger), objects of torch/Lightning/NumPy classes other than tensors, arrays,
+    generators and modules, objects with ``__slots__``, iterators held in tuples, sets or deques, and whatever lies
     beyond :data:`MAX_OBJECTS` objects; :func:`checking` is there for those."""
 
     undo: list[Callable[[], None]] = field(default_factory=list)
@@ -665,10 +688,12 @@ class PythonState:
                 if x.dtype != object and x.nbytes <= budget[1]:
                     budget[1] -= x.nbytes
                     self.undo.append(functools.partial(_refill_array, x, x.copy()))
-            elif _walked(x):
-                self._replay(x.__dict__)
-                self.undo.append(functools.partial(_refill_dict, x.__dict__, dict(x.__dict__)))
-                children = x.__dict__.values()
+            elif _walked(x) or isinstance(x, nn.Module):  # a module outside the tree: a callback's EMA copy
+                children = [*x.parameters(), *x.buffers()] if isinstance(x, nn.Module) else []
+                if _walked(x):
+                    self._replay(x.__dict__)
+                    self.undo.append(functools.partial(_refill_dict, x.__dict__, dict(x.__dict__)))
+                    children += list(x.__dict__.values())
             inner = f"{at}[…]"
             stack.extend(
                 (c, inner) for c in children if type(c) not in _ATOM_TYPES and not isinstance(c, _ATOMS)
@@ -684,7 +709,7 @@ class PythonState:
         return any(not _same_state(read(), saved) for read, saved in self.generators)
 
     def _tensor(self, t: Tensor, where: str, budget: list[int]) -> None:
-        if t.is_sparse or t.layout != torch.strided or t.is_meta or isinstance(t, nn.Parameter):
+        if t.is_sparse or t.layout != torch.strided or t.is_meta:
             return
         size = t.numel() * t.element_size()
         if size <= budget[1]:
