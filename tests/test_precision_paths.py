@@ -81,6 +81,26 @@ def test_a_step_that_branches_on_the_precision_is_refused_before_its_first_relea
     assert "24" not in message
 
 
+class ShiftInReducedPrecision(Callback):
+    """A per-batch hook that computes the batch's mean only where the module is in bf16."""
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+        x = batch[0]
+        reduced = module.dtype != torch.float32
+        module.shift = x.mean(0) if reduced else torch.zeros(x.shape[1], dtype=x.dtype)
+
+
+class Shifted(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x - self.shift.to(x.dtype)), y)
+
+
+def test_a_per_batch_hook_that_branches_on_the_precision_is_refused():
+    callbacks = [ShiftInReducedPrecision()]
+    refused(Shifted(), data(24), 24, PATH, precision="bf16-true", callbacks=callbacks)
+
+
 def test_a_small_branch_at_a_large_batch_is_refused_too():
     refused(SmoothedInBf16(), data(1024), 1024, PATH, max_steps=1, precision="bf16-mixed")
 
@@ -123,9 +143,32 @@ class WithDropout(Classifier):
         return self.l2(self.drop(torch.relu(self.l1(x)) + 0.1 * torch.randn(x.shape[0], 8)))
 
 
+class ManualWithStepHooks(Classifier):
+    """Manual optimization, with hooks around its backward that only read (not part of the traced step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+    def on_before_backward(self, loss: Tensor) -> None:
+        self.finite = bool(torch.isfinite(loss))
+
+    def on_after_backward(self) -> None:
+        self.finite = self.finite and bool(torch.isfinite(self.l1.weight.grad).all())
+
+
+MODELS = [Classifier, CastsToSelfDtype, UpcastsInReducedPrecision, WithDropout, ManualWithStepHooks]
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 @pytest.mark.parametrize("b", [8, 1024])
-@pytest.mark.parametrize("model", [Classifier, CastsToSelfDtype, UpcastsInReducedPrecision, WithDropout])
+@pytest.mark.parametrize("model", MODELS)
 def test_ordinary_models_train_in_reduced_precision(model, b, precision):
     assert fit(model(), data(b), b, max_steps=1, precision=precision).checks.mixing.checked_steps == [0]
 

@@ -92,7 +92,6 @@ from lightning_dp.checks.pass_precision import (
 from lightning_dp.checks.precision_path import (
     OpTrace,
     PathReference,
-    TracedPrecision,
     computes_in_reduced_precision,
     path_message,
 )
@@ -896,8 +895,10 @@ class MixingCheck:
         ``path``: pass A's torch operations are traced there."""
         rows, units = items.rows, items.units
         draws = RowDraws(rows, device=device)  # pass A draws what the real step will, and keeps it
-        first = TracedPrecision(precision, path.trace, module) if path is not None else precision
-        full = self._pass(engine, module, batch, batch_idx, first, rows, state, values, units, True, draws)
+        trace = path.trace if path is not None else None
+        full = self._pass(
+            engine, module, batch, batch_idx, precision, rows, state, values, units, True, draws, trace
+        )
         if full is None:
             return None
         # Random draws (dropout) that RowDraws replays row by row still allow a removal; any other draw
@@ -974,9 +975,7 @@ class MixingCheck:
         try:
             grads.expect_batch(rows)
             with torch.enable_grad(), RowDraws(rows or 0, path.log, None, device):
-                dry = dry_training_step(
-                    module, batch, batch_idx, TracedPrecision(precision, trace, module), forward_only=True
-                )
+                dry = dry_training_step(module, batch, batch_idx, precision, forward_only=True, trace=trace)
             if (dry.loss is None and module.automatic_optimization) or not trace.same(path.trace):
                 raise DPConfigurationError(path_message(path.precision))
         finally:
@@ -1168,10 +1167,11 @@ class MixingCheck:
         units: UnitInfo | None = None,
         with_row_norms: bool = False,
         draws: RowDraws | None = None,
+        trace: OpTrace | None = None,
     ) -> _Pass | None:
         """One dry pass from the saved state: its per-example gradients and norms (per unit, grouped as the
         clipping groups them, when ``units`` is given), and what it wrote; ``draws``: the random numbers its
-        torch random calls draw (:class:`~lightning_dp.checks.row_draws.RowDraws`)."""
+        torch random calls draw (:class:`~lightning_dp.checks.row_draws.RowDraws`); ``trace``: its torch calls."""
         state.restore()
         values.restore()
         grads = engine.grads
@@ -1182,7 +1182,7 @@ class MixingCheck:
             p.grad = None
         hooks = StepHookRun.of(module, state, values)  # on_after_backward & co., where Lightning runs them
         with torch.enable_grad(), draws if draws is not None else contextlib.nullcontext():
-            dry = dry_training_step(module, batch, batch_idx, precision, hooks=hooks)
+            dry = dry_training_step(module, batch, batch_idx, precision, hooks=hooks, trace=trace)
         if not dry.backpropagated:
             grads.clear()
             return None

@@ -4,10 +4,11 @@ The mixing check computes its passes in IEEE fp32 (``pass_precision.py``), so th
 widen what it lets pass. A step that computes something else in reduced precision (it branches on
 ``x.dtype``, ``torch.is_autocast_enabled()``, ``self.dtype`` or the default dtype: a normalisation by the
 batch's mean applied only in bf16) would then be checked on a path the real step does not take. So on a
-checked batch of a run in bf16 or fp16, the forward of pass A runs once more in the run's own precision (on
-the batch as the step gets it, from the same state, with pass A's random draws) and must make the same torch
-calls as the fp32 pass A (:class:`OpTrace`: each function, its tensors' shapes and its integer, boolean and
-string arguments, in order), whatever their values: a branch is refused however small its effect.
+checked batch of a run in bf16 or fp16, the forward of pass A (the per-batch hooks and ``training_step``)
+runs once more in the run's own precision (on the batch as the step gets it, from the same state, with pass
+A's random draws) and must make the same torch calls as the fp32 pass A (:class:`OpTrace`: each function, its
+tensors' shapes and its integer, boolean and string arguments, in order), whatever their values: a branch is
+refused however small its effect.
 
 Left out of the comparison: casts, questions about a tensor (its dtype, its size), float constants (a cast to
 ``self.dtype``, a dtype's ``eps`` or ``finfo().min`` read no other example), and the calls Lightning's and
@@ -25,13 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_dp.checks.row_draws import DrawLog
 from lightning_dp.per_example.broadcast import METADATA
-from lightning_dp.per_example.capture import tracing
 
 CASTS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as"})
 """Calls that change only a tensor's dtype (or device): a path that casts in one precision only is the same
@@ -84,13 +84,24 @@ def _called_by_a_library() -> bool:
 
 
 class OpTrace(TorchFunctionMode):
-    """While active, every torch call (``__torch_function__``: the user's calls, not what a function does
-    inside) is folded into one fingerprint, with the count of calls."""
+    """While active (and not :meth:`paused`), every torch call (``__torch_function__``: the user's calls, not
+    what a function does inside) is folded into one fingerprint, with the count of calls. Enter it inside
+    the capture's tracer, so that it sees each call first and none the tracer makes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fingerprint = 0
         self.calls = 0
+        self.recording = True
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing recorded in the block (a backward, and the hooks around it)."""
+        recording, self.recording = self.recording, False
+        try:
+            yield
+        finally:
+            self.recording = recording
 
     def __torch_function__(
         self,
@@ -101,7 +112,7 @@ class OpTrace(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         name = _name(func)
-        if name not in METADATA and name not in CASTS and not _called_by_a_library():
+        if self.recording and name not in METADATA and name not in CASTS and not _called_by_a_library():
             leaves, _ = tree_flatten((args, kwargs))
             self.fingerprint = hash((self.fingerprint, name, tuple(_label(x) for x in leaves)))
             self.calls += 1
@@ -109,22 +120,6 @@ class OpTrace(TorchFunctionMode):
 
     def same(self, other: OpTrace) -> bool:
         return (self.fingerprint, self.calls) == (other.fingerprint, other.calls)
-
-
-class TracedPrecision:
-    """A precision plugin whose ``train_step_context`` also runs an :class:`OpTrace`, inside the plugin's own
-    context and the capture's tracer (so that it sees each call first, and none the tracer makes)."""
-
-    def __init__(self, plugin: Any, trace: OpTrace, module: nn.Module) -> None:
-        self.plugin = plugin
-        self.trace = trace
-        self.module = module
-        self.precision = plugin.precision
-
-    @contextlib.contextmanager
-    def train_step_context(self) -> Iterator[None]:
-        with self.plugin.train_step_context(), tracing(self.module), self.trace:
-            yield
 
 
 def computes_in_reduced_precision(plugin: Any) -> bool:

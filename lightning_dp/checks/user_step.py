@@ -71,22 +71,40 @@ def training_step_loss(
 
 
 def training_step_output(
-    module: LightningModule, batch: Any, batch_idx: int = 0, keep_python_state: bool = True
+    module: LightningModule,
+    batch: Any,
+    batch_idx: int = 0,
+    keep_python_state: bool = True,
+    trace: Trace | None = None,
 ) -> Any:
     """What ``module.training_step(batch, batch_idx)`` returns, with logging detached (see
-    :func:`training_step_loss`)."""
+    :func:`training_step_loss`); ``trace`` records its torch calls (inside the capture's tracer)."""
     saved = (
         PythonState.save(module, _optimizer_settings(module), _companions(module))
         if keep_python_state
         else None
     )
     try:
-        with _detached_logging(module), warnings.catch_warnings(), _dry(), tracing(module):
+        with _detached_logging(module), warnings.catch_warnings(), _dry(), tracing(module), _maybe(trace):
             warnings.simplefilter("ignore")
             return module.training_step(batch, batch_idx)
     finally:
         if saved is not None:
             saved.restore()
+
+
+class Trace(Protocol):
+    """A record of the torch calls user code makes (``checks/precision_path.py``'s ``OpTrace``)."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: Any) -> Any: ...
+
+    def paused(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+def _maybe(context: contextlib.AbstractContextManager[Any] | None) -> contextlib.AbstractContextManager[Any]:
+    return context if context is not None else contextlib.nullcontext()
 
 
 def _loss_of(out: Any) -> Tensor | None:
@@ -236,19 +254,22 @@ def dry_training_step(
     precision: Any,
     forward_only: bool = False,
     hooks: BackwardHooks | None = None,
+    trace: Trace | None = None,
 ) -> DryPass:
     """Run the user's per-batch hooks (:func:`batch_hooks`) and ``training_step`` once on ``batch`` without
     side effects on training; backpropagate its loss (automatic optimization: here, outside the precision
     context as Lightning does; manual: ``manual_backward``), unless ``forward_only``, with ``hooks`` before
-    and after each backward. A hook that raises is refused by name (:func:`hook_failure_message`)."""
+    and after each backward. ``trace`` records the torch calls of the batch hooks and the step (not of the
+    backward and its hooks). A hook that raises is refused by name (:func:`hook_failure_message`)."""
     result = DryPass()
 
     def backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        if hooks is not None:
-            hooks.before_backward(loss)
-        loss.backward(*args, **kwargs)
-        if hooks is not None:
-            hooks.after_backward()
+        with trace.paused() if trace is not None else contextlib.nullcontext():
+            if hooks is not None:
+                hooks.before_backward(loss)
+            loss.backward(*args, **kwargs)
+            if hooks is not None:
+                hooks.after_backward()
 
     def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
         result.backward_calls += 1
@@ -259,11 +280,11 @@ def dry_training_step(
     if not module.automatic_optimization:
         shadows["manual_backward"] = manual_backward
     with _dry(), _shadowed(module, **shadows), _detached_loggers(module):
-        with _detached_logging(module), warnings.catch_warnings():
+        with _detached_logging(module), warnings.catch_warnings(), _maybe(trace):
             warnings.simplefilter("ignore")
             run_batch_hooks(module, batch, batch_idx)
         with precision.train_step_context():
-            result.output = training_step_output(module, batch, batch_idx, keep_python_state=False)
+            result.output = training_step_output(module, batch, batch_idx, False, trace)
             result.loss = _loss_of(result.output)
         if not module.automatic_optimization or forward_only:
             return result
