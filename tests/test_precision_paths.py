@@ -8,6 +8,7 @@ would break; each control (ordinary code that reads no other example) trains.
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import pytest
@@ -234,6 +235,26 @@ class StepFromGradientNorm(Watched):
         self.trainer.optimizers[0].param_groups[0]["lr"] = 0.1 / (1.0 + norm)
 
 
+class OwnBackward(Watched):
+    """Lightning calls the module's ``backward``: the gradient it leaves is the batch's, before the noise."""
+
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        loss.backward(*args, **kwargs)
+        with torch.no_grad():
+            self.seen.copy_(self.l2.bias.grad)
+
+
+class StatisticsObject(Watched):
+    """Keeps the gradient's norm on an object of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = types.SimpleNamespace(norm=0.0)
+
+    def on_after_backward(self) -> None:
+        self.stats.norm = float(self.l2.bias.grad.norm())
+
+
 class CopiesGradient(Callback):
     """A callback's own module, written from the non-private gradient."""
 
@@ -260,6 +281,8 @@ class BufferFromGradientByCallback(Callback):
         (BatchKeptThenWritten, None, "seen"),
         (LossWritten, None, "seen"),
         (StepFromGradientNorm, None, "optimizer 0 group 0 lr"),
+        (OwnBackward, None, "seen"),
+        (StatisticsObject, None, "StatisticsObject.stats"),
         (Watched, CopiesGradient, "CopiesGradient.copy.bias"),
         (Watched, BufferFromGradientByCallback, "seen"),
     ],

@@ -1,9 +1,10 @@
 """The user's hooks inside the optimizer step, run in each of the mixing check's dry passes (issue #47).
 
 Between ``training_step`` and the optimizer step Lightning runs ``on_before_zero_grad`` (after the forward,
-with the last release's ``.grad``), ``on_before_backward`` (with the loss), ``on_after_backward`` (with the
-NON-private gradient: autograd's gradient of the batch, before clipping and noise) and
-``on_before_optimizer_step`` (with the released gradient), each a Callback's first, then the module's. What
+with the last release's ``.grad``), ``on_before_backward`` (with the loss), the module's own ``backward``
+(which the dry pass then calls for ``loss.backward()``), ``on_after_backward`` (with the NON-private
+gradient: autograd's gradient of the batch, before clipping and noise) and ``on_before_optimizer_step``
+(with the released gradient), each a Callback's first, then the module's. What
 such a hook writes from what it sees (the gradient in ``on_after_backward``, the loss, a batch
 ``training_step`` kept on ``self``) is private data with no noise wherever it goes: a buffer, a frozen copy of
 the weights, a tensor or a number on the module or on a callback (a scale the next forward reads, a learning
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,14 +44,22 @@ from lightning_dp.checks.user_step import (
     _internal_names,
     _shadowed,
     _users_hook,
+    _walked,
     dry_shadows,
     hook_failure_message,
     same_values,
 )
 from lightning_dp.errors import DPConfigurationError
 
-STAGES = ("on_before_zero_grad", "on_before_backward", "on_after_backward", "on_before_optimizer_step")
-"""The hooks Lightning runs between ``training_step`` and the optimizer step, in its order."""
+STAGES = (
+    "on_before_zero_grad",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+)
+"""The hooks Lightning runs between ``training_step`` and the optimizer step, in its order (``backward``: the
+module's own, which the dry pass calls in place of ``loss.backward()``)."""
 
 _RELEASED = frozenset({"on_before_zero_grad", "on_before_optimizer_step"})
 """The stages that see a released gradient (the last one, or this step's), not this batch's own."""
@@ -73,7 +83,7 @@ def step_hooks(module: LightningModule) -> list[StepHook]:
     callbacks = list(getattr(trainer, "callbacks", None) or []) if trainer is not None else []
     hooks: list[StepHook] = []
     for stage in STAGES:
-        for callback in callbacks:
+        for callback in callbacks if stage != "backward" else []:
             if _users_hook(callback, stage, Callback):
                 call = functools.partial(getattr(callback, stage), trainer, module)
                 hooks.append(StepHook(f"{type(callback).__name__}.{stage}", stage, call))
@@ -236,6 +246,8 @@ def _held(module: LightningModule) -> Iterator[tuple[str, Any]]:
                 yield from ((f"{where}.{n}", t) for n, t in _module_tensors(value))
             elif _watched(value):
                 yield where, value
+            elif (attributes := _attributes(value)) is not None:  # an object holding statistics
+                yield where, attributes
     trainer = module._trainer
     optimizers = (getattr(trainer, "optimizers", None) or []) if trainer is not None else []
     for i, optimizer in enumerate(optimizers):
@@ -256,6 +268,11 @@ def _module_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
 
 def _watched(value: Any) -> bool:
     return isinstance(value, Tensor | bool | int | float | list | tuple | dict)
+
+
+def _attributes(value: Any) -> dict[str, Any] | None:
+    """The attributes of an object of the user's (or a namespace) held there, read like a dict."""
+    return vars(value) if _walked(value) or isinstance(value, types.SimpleNamespace) else None
 
 
 def _identity(x: Any) -> Any:
@@ -317,5 +334,7 @@ def step_hook_write_message(names: list[str], hooks: list[str]) -> str:
         "a tensor or a number on the module or on a callback (a scale, a learning rate) or a module a callback "
         "holds is private data with no noise, so ε does not cover the model. Compute such values from the "
         "released gradient in on_before_optimizer_step (it sees the clipped, noised gradient), from the "
-        "weights, or from public data; logging there or reading is fine."
+        "weights, or from public data; logging there or reading is fine. A value that differs for another "
+        "reason (a timer, a memory reading) can be kept out of the check's passes with "
+        "`if not lightning_dp.checking()`."
     )

@@ -267,7 +267,10 @@ def dry_training_step(
         with trace.paused() if trace is not None else contextlib.nullcontext():
             if hooks is not None:
                 hooks.before_backward(loss)
-            loss.backward(*args, **kwargs)
+            if hooks is not None and _users_hook(module, "backward", LightningModule):
+                module.backward(loss, *args, **kwargs)  # your own backward, as Lightning calls it
+            else:
+                loss.backward(*args, **kwargs)
             if hooks is not None:
                 hooks.after_backward()
 
