@@ -317,7 +317,7 @@ class LogsReleasedNorms(Watched):
 
 
 class Reads(Callback):
-    """Only reads: counts the hooks' calls and checks the gradients are finite."""
+    """Counts the hooks' calls, checks the gradients are finite and clips them (the release replaces them)."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -325,6 +325,7 @@ class Reads(Callback):
     def on_after_backward(self, trainer: Any, module: Any) -> None:
         self.calls += 1
         assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
+        nn.utils.clip_grad_norm_(module.parameters(), 1.0)
 
     def on_before_zero_grad(self, trainer: Any, module: Any, optimizer: Any) -> None:
         self.calls += 1
