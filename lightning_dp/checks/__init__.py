@@ -9,7 +9,8 @@ hooks only call these methods; ``docs/guarantees.md`` has the table):
   fit, which layer calls are shared by the batch (``structure``); the batch is the sampled batch,
   unchanged by hooks (``integrity``); no buffer was written between steps (``state``); and, on the first
   batch of a fit, of every epoch, after a change the run can see (``changes``) and on randomly drawn later
-  ones, the mixing check (``mixing``) runs the user's step (and its after-step hooks, ``after_step``) on
+  ones, the mixing check (``mixing``) runs the user's step (with its hooks inside the optimizer step,
+  ``step_hooks``, and after it, ``after_step``; and in reduced precision once more, ``precision_path``) on
   this very batch (every physical chunk of it) with examples removed or replaced (whole units: a user's
   rows, an example's views).
 * **each release** (:meth:`RunChecks.before_release`): no parameter was written during the step; buffers

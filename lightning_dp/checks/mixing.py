@@ -90,8 +90,15 @@ from lightning_dp.checks.pass_precision import (
     runs_in_full_precision,
     upcast_batch,
 )
+from lightning_dp.checks.precision_path import (
+    OpTrace,
+    PathReference,
+    computes_in_reduced_precision,
+    path_message,
+)
 from lightning_dp.checks.row_draws import DrawLog, RowDraws
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
+from lightning_dp.checks.step_hooks import StepHookRun, differing, step_hook_write_message, step_hooks
 from lightning_dp.checks.user_step import ModuleState, dry_training_step, hook_note
 from lightning_dp.clipping import clip_factors
 from lightning_dp.core.batches import UnitInfo, batch_length
@@ -236,6 +243,8 @@ class _Pass:
     """With units: each row's certified norm (pass A only)."""
     after_step: dict[str, Tensor] = field(default_factory=dict)
     """Parameters and buffers with new values once the after-step hooks ran too (``after_step.py``)."""
+    step_hooks: dict[str, Any] = field(default_factory=dict)
+    """What the hooks inside the optimizer step wrote (``step_hooks.py``)."""
 
 
 class _UnalignedDrawsError(Exception):
@@ -357,6 +366,21 @@ def _written_differently(full: _Pass, other: _Pass) -> tuple[str, ...]:
         or name not in other.buffers
         or not torch.equal(full.buffers[name], other.buffers[name])
     )
+
+
+def _refuse_hook_writes(
+    module: LightningModule, batch_idx: int, full: _Pass, other: _Pass, buffers: tuple[str, ...]
+) -> None:
+    """Refuse what the hooks inside the optimizer step, then those after it, wrote differently in the two
+    passes (from the batch, or from its non-private gradient); what the forward wrote is ``buffers``."""
+    stepped = [n for n in differing(full.step_hooks, other.step_hooks) if n not in buffers]
+    if stepped:
+        names = [hook.name for hook in step_hooks(module)]
+        raise DPConfigurationError(step_hook_write_message(stepped, names))
+    after = [n for n in differing_writes(full.after_step, other.after_step) if n not in buffers]
+    if after:
+        hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
+        raise DPConfigurationError(after_step_write_message(after, hooks))
 
 
 def _would_switch(engine: PrivateStepEngine, results: dict[str, MixingResult]) -> bool:
@@ -721,14 +745,16 @@ class MixingCheck:
         unit: str = "example",
     ) -> MixingResult | None:
         """:meth:`_measure` with the passes in IEEE fp32 (``checks/pass_precision.py``), so that reduced
-        precision does not widen what the check lets pass; in the run's own precision where the step cannot
-        run in fp32 (it raised there), with a warning."""
+        precision does not widen what the check lets pass, and then pass A in the run's own reduced precision,
+        which must compute what the fp32 one did (``checks/precision_path.py``); in the run's own precision
+        where the step cannot run in fp32 (it raised there), with a warning."""
         if not runs_in_full_precision(precision):
             return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+        path = PathReference(str(precision.precision)) if computes_in_reduced_precision(precision) else None
         try:
             with full_precision(module, precision) as plugin:
-                return self._measure(
-                    engine, module, upcast_batch(batch), batch_idx, plugin, device, units, unit
+                result = self._measure(
+                    engine, module, upcast_batch(batch), batch_idx, plugin, device, units, unit, path
                 )
         except DPConfigurationError:
             raise
@@ -738,7 +764,10 @@ class MixingCheck:
                     _precision_fallback_message(str(precision.precision), error), UserWarning, stacklevel=2
                 )
             self.precision_fallback = str(precision.precision)
-        return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+            return self._measure(engine, module, batch, batch_idx, precision, device, units, unit)
+        if result is not None and result.passed and path is not None and path.log is not None:
+            self._in_run_precision(engine, module, batch, batch_idx, precision, device, path)
+        return result
 
     def _measure(
         self,
@@ -750,6 +779,7 @@ class MixingCheck:
         device: torch.device,
         units: UnitInfo | None = None,
         unit: str = "example",
+        path: PathReference | None = None,
     ) -> MixingResult | None:
         grads = engine.grads
         assert grads is not None, "attach() first"
@@ -769,21 +799,16 @@ class MixingCheck:
         grouped = "" if units is None else ("rows" if noun == "user" else "augmented views")
         try:
             compared = self._compare(
-                engine, module, batch, batch_idx, precision, device, items, state, values
+                engine, module, batch, batch_idx, precision, device, items, state, values, path
             )
             if compared is None:
                 return None
             if compared.moved_draws:
                 raise DPConfigurationError(self.draw_law_refusal(compared.moved_draws, noun, engine.steps))
+            if path is not None:
+                path.log = compared.log  # the run's own precision replays pass A's draws
             buffers = _written_differently(compared.full, compared.other)
-            after = [
-                n
-                for n in differing_writes(compared.full.after_step, compared.other.after_step)
-                if n not in buffers
-            ]
-            if after:  # the after-step hooks wrote from the batch (what the forward wrote is `buffers`)
-                hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
-                raise DPConfigurationError(after_step_write_message(after, hooks))
+            _refuse_hook_writes(module, batch_idx, compared.full, compared.other, buffers)
             results = {
                 kind: self._result(
                     compared, reading, engine.max_grad_norm, precision, device, buffers, noun, grouped
@@ -869,13 +894,16 @@ class MixingCheck:
         items: _Items,
         state: ModuleState,
         values: ParameterValues,
+        path: PathReference | None = None,
     ) -> _Compared | None:
         """Pass A on the batch, pass B on the batch with changed units, and the kept units' clipped sums of
-        both under each reading of the loss's normalisation (:func:`_readings`). None: no loss to check."""
+        both under each reading of the loss's normalisation (:func:`_readings`). None: no loss to check.
+        ``path``: pass A's torch operations are traced there."""
         rows, units = items.rows, items.units
         draws = RowDraws(rows, device=device)  # pass A draws what the real step will, and keeps it
+        trace = path.trace if path is not None else None
         full = self._pass(
-            engine, module, batch, batch_idx, precision, rows, state, values, units, True, draws
+            engine, module, batch, batch_idx, precision, rows, state, values, units, True, draws, trace
         )
         if full is None:
             return None
@@ -936,6 +964,38 @@ class MixingCheck:
             full, other, items, changed, kept_full, kept_changed, removed, replaced, readings, sums, draws.log,
             tuple(moved),
         )  # fmt: skip
+
+    def _in_run_precision(
+        self,
+        engine: PrivateStepEngine,
+        module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        precision: Any,
+        device: torch.device,
+        path: PathReference,
+    ) -> None:
+        """The forward of pass A again, in the run's own precision (the batch as the step gets it, pass A's
+        random draws): it must make the torch operations the fp32 pass A made (``checks/precision_path.py``).
+        Raises where it does not; puts everything back as :meth:`_measure` does."""
+        grads = engine.grads
+        assert grads is not None
+        rows = batch_length(batch)
+        state = ModuleState.save(module, device)
+        values = ParameterValues.take(module)
+        hint = grads._batch_hint
+        trace = OpTrace()
+        try:
+            grads.expect_batch(rows)
+            with torch.enable_grad(), RowDraws(rows or 0, path.log, None, device):
+                dry = dry_training_step(module, batch, batch_idx, precision, forward_only=True, trace=trace)
+            if (dry.loss is None and module.automatic_optimization) or not trace.same(path.trace):
+                raise DPConfigurationError(path_message(path.precision))
+        finally:
+            state.restore()
+            values.restore()
+            grads.clear()
+            grads.expect_batch(hint)
 
     def _plan(
         self,
@@ -1119,10 +1179,11 @@ class MixingCheck:
         units: UnitInfo | None = None,
         with_row_norms: bool = False,
         draws: RowDraws | None = None,
+        trace: OpTrace | None = None,
     ) -> _Pass | None:
         """One dry pass from the saved state: its per-example gradients and norms (per unit, grouped as the
         clipping groups them, when ``units`` is given), and what it wrote; ``draws``: the random numbers its
-        torch random calls draw (:class:`~lightning_dp.checks.row_draws.RowDraws`)."""
+        torch random calls draw (:class:`~lightning_dp.checks.row_draws.RowDraws`); ``trace``: its torch calls."""
         state.restore()
         values.restore()
         grads = engine.grads
@@ -1131,8 +1192,9 @@ class MixingCheck:
         grads.expect_batch(rows)
         for p in engine.params:
             p.grad = None
+        hooks = StepHookRun.of(module, state, values)  # on_after_backward & co., where Lightning runs them
         with torch.enable_grad(), draws if draws is not None else contextlib.nullcontext():
-            dry = dry_training_step(module, batch, batch_idx, precision)
+            dry = dry_training_step(module, batch, batch_idx, precision, hooks=hooks, trace=trace)
         if not dry.backpropagated:
             grads.clear()
             return None
@@ -1143,11 +1205,16 @@ class MixingCheck:
                 row_norms = samples.sq_norms().double().sqrt().cpu()
             samples = samples.grouped(units.unit_of_row, units.reduction, units.views)
         norms = samples.sq_norms().double().sqrt().cpu()
-        trained, frozen = values.written_by_kind()
-        written = {**state.written_buffers(), **frozen}  # frozen parameters: like buffers
+        if hooks is not None:
+            hooks.before_optimizer_step()
+            assert hooks.forward is not None
+            trained, frozen, buffers = hooks.forward  # what training_step wrote, before the hooks
+        else:
+            (trained, frozen), buffers = values.written_by_kind(), state.written_buffers()
+        written = {**buffers, **frozen}  # frozen parameters: like buffers
         after = after_step_writes(module, batch, batch_idx, dry, state, values)  # on_train_batch_end
         grads.clear()  # what a hook's own forward recorded
-        return _Pass(samples, norms, written, trained, row_norms, after)
+        return _Pass(samples, norms, written, trained, row_norms, after, hooks.writes if hooks else {})
 
     def refusal(self, result: MixingResult, releases_before: int) -> str:
         """The refusal: what changed, why it breaks the guarantee, the likely causes and their fixes."""

@@ -10,6 +10,8 @@ copies, the originals put back untouched) and every backend's fp32 at full preci
 (:func:`~lightning_dp.per_example.precision.ieee_fp32`): the check then measures the program's dependence, not
 the dtype's rounding. A program that cannot run so (a cast to ``torch.bfloat16`` by hand before a layer) is
 checked in the run's own precision instead, with that precision's wider allowance, and a warning says so.
+Since the passes then compute in another precision than the real step, ``precision_path.py`` verifies that the
+step makes the same operations in both.
 """
 
 from __future__ import annotations

@@ -199,6 +199,7 @@ class RowDraws(TorchFunctionMode):
                 mask = self._rows_of(draw.values, data.shape)
                 if mask is None:
                     return func(*args, **kwargs)
+                mask = mask.to(data.dtype)  # a pass in another precision (bf16) gets its own dtype's mask
                 return data.mul_(mask) if inplace else data * mask
             if kind == "fill" and draw.values is not None:
                 return self._fill(func, draw.values, args, kwargs)
@@ -278,7 +279,7 @@ class RowDraws(TorchFunctionMode):
     ) -> Tensor:
         """A fill's pass A values for this call (a permutation of the batch's rows: pass A's order of the
         kept rows); drawn afresh, and not aligned, where they do not fit."""
-        shape = _fill_shape(func, args, kwargs)
+        shape, dtype = _fill_shape(func, args, kwargs)
         if (
             func is torch.randperm
             and self._map is not None
@@ -291,7 +292,7 @@ class RowDraws(TorchFunctionMode):
         if getattr(func, "__name__", "").endswith("_"):
             with torch.no_grad():
                 return args[0].copy_(values)
-        return values.clone()
+        return values.to(dtype, copy=True)  # a pass in another precision gets its own dtype
 
     def _rows_of(self, values: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor | None:
         """``values`` (pass A's) for a tensor of ``shape``: as they are, or the rows of this pass's rows
@@ -427,14 +428,18 @@ def _with_input(
     return (), {**kwargs, "input": data}
 
 
-def _fill_shape(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Size:
-    """The shape a fill's output has in this pass (found without drawing: on the meta device)."""
+def _fill_shape(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.Size, torch.dtype]:
+    """The shape and dtype a fill's output has in this pass (found without drawing: on the meta device), so
+    that a pass in another precision (a bf16 default dtype) gets values of its own dtype."""
     if args and isinstance(args[0], Tensor):
-        return args[0].shape
+        return args[0].shape, kwargs.get("dtype") or args[0].dtype
     meta = {**kwargs, "device": "meta"}
     meta.pop("generator", None)
     meta.pop("out", None)
-    return func(*args, **meta).shape
+    out = func(*args, **meta)
+    return out.shape, out.dtype
 
 
 def _same_values(value: Any, recorded: Tensor | None) -> bool:

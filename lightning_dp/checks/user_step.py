@@ -3,7 +3,8 @@
 The checks (and DPIS's norm pass) run the user's own step on a batch to read per-example gradients.
 A dry pass first re-runs, on its own batch, the per-batch hooks the user wrote (:func:`batch_hooks`: the
 transfer hooks, every callback's and the module's ``on_train_batch_start``), so a statistic a hook computes
-from the batch is one of that pass's batch, as it is one of the real batch in the real step. It detaches
+from the batch is one of that pass's batch, as it is one of the real batch in the real step (the mixing check
+also runs the hooks around its backward, ``step_hooks.py``). It detaches
 ``self.log``, and gives ``training_step`` optimizers and schedulers whose ``step`` does nothing (and, under
 manual optimization, a ``manual_backward`` that only backpropagates), so the loop's counters, the optimizer
 state, the learning rates and the ledger never see it. :class:`ModuleState` puts back what the pass
@@ -26,7 +27,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -70,22 +71,40 @@ def training_step_loss(
 
 
 def training_step_output(
-    module: LightningModule, batch: Any, batch_idx: int = 0, keep_python_state: bool = True
+    module: LightningModule,
+    batch: Any,
+    batch_idx: int = 0,
+    keep_python_state: bool = True,
+    trace: Trace | None = None,
 ) -> Any:
     """What ``module.training_step(batch, batch_idx)`` returns, with logging detached (see
-    :func:`training_step_loss`)."""
+    :func:`training_step_loss`); ``trace`` records its torch calls (inside the capture's tracer)."""
     saved = (
         PythonState.save(module, _optimizer_settings(module), _companions(module))
         if keep_python_state
         else None
     )
     try:
-        with _detached_logging(module), warnings.catch_warnings(), _dry(), tracing(module):
+        with _detached_logging(module), warnings.catch_warnings(), _dry(), tracing(module), _maybe(trace):
             warnings.simplefilter("ignore")
             return module.training_step(batch, batch_idx)
     finally:
         if saved is not None:
             saved.restore()
+
+
+class Trace(Protocol):
+    """A record of the torch calls user code makes (``checks/precision_path.py``'s ``OpTrace``)."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: Any) -> Any: ...
+
+    def paused(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+def _maybe(context: contextlib.AbstractContextManager[Any] | None) -> contextlib.AbstractContextManager[Any]:
+    return context if context is not None else contextlib.nullcontext()
 
 
 def _loss_of(out: Any) -> Tensor | None:
@@ -220,34 +239,60 @@ def dry_shadows(module: LightningModule) -> dict[str, Any]:
     }
 
 
+class BackwardHooks(Protocol):
+    """The user's hooks around a backward (``checks/step_hooks.py``), run where Lightning runs them."""
+
+    def before_backward(self, loss: Tensor) -> None: ...
+
+    def after_backward(self) -> None: ...
+
+
 def dry_training_step(
-    module: LightningModule, batch: Any, batch_idx: int, precision: Any, forward_only: bool = False
+    module: LightningModule,
+    batch: Any,
+    batch_idx: int,
+    precision: Any,
+    forward_only: bool = False,
+    hooks: BackwardHooks | None = None,
+    trace: Trace | None = None,
 ) -> DryPass:
     """Run the user's per-batch hooks (:func:`batch_hooks`) and ``training_step`` once on ``batch`` without
     side effects on training; backpropagate its loss (automatic optimization: here, outside the precision
-    context as Lightning does; manual: ``manual_backward``), unless ``forward_only``. A hook that raises is
-    refused by name (:func:`hook_failure_message`)."""
+    context as Lightning does; manual: ``manual_backward``), unless ``forward_only``, with ``hooks`` before
+    and after each backward. ``trace`` records the torch calls of the batch hooks and the step (not of the
+    backward and its hooks). A hook that raises is refused by name (:func:`hook_failure_message`)."""
     result = DryPass()
+
+    def backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        with trace.paused() if trace is not None else contextlib.nullcontext():
+            if hooks is not None:
+                hooks.before_backward(loss)
+            if hooks is not None and _users_hook(module, "backward", LightningModule):
+                module.backward(loss, *args, **kwargs)  # your own backward, as Lightning calls it
+            else:
+                loss.backward(*args, **kwargs)
+            if hooks is not None:
+                hooks.after_backward()
 
     def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
         result.backward_calls += 1
         if not forward_only:
-            loss.backward(*args, **kwargs)
+            backward(loss, *args, **kwargs)
 
     shadows = dry_shadows(module)
     if not module.automatic_optimization:
         shadows["manual_backward"] = manual_backward
     with _dry(), _shadowed(module, **shadows), _detached_loggers(module):
-        with _detached_logging(module), warnings.catch_warnings():
+        with _detached_logging(module), warnings.catch_warnings(), _maybe(trace):
             warnings.simplefilter("ignore")
             run_batch_hooks(module, batch, batch_idx)
         with precision.train_step_context():
-            result.output = training_step_output(module, batch, batch_idx, keep_python_state=False)
+            result.output = training_step_output(module, batch, batch_idx, False, trace)
             result.loss = _loss_of(result.output)
         if not module.automatic_optimization or forward_only:
             return result
         if result.loss is not None and result.loss.requires_grad:
-            result.loss.backward()
+            backward(result.loss)
             result.backward_calls = 1
     return result
 
@@ -370,8 +415,8 @@ def hook_failure_message(name: str, error: BaseException) -> str:
     return (
         f"Your {name} raised {quote_error(error)} when lightning-dp's run-time check re-ran it on a training "
         "batch (the sampled batch, or that batch with some examples removed or replaced). The check re-runs "
-        "the per-batch hooks you override on its own batch (before your training_step, and on_train_batch_end "
-        "after its backward), so that what a hook computes from the batch is seen for what it is, examples "
+        "the per-batch hooks you override on its own batch (before your training_step, the hooks inside the "
+        "optimizer step around its backward, and on_train_batch_end after it), so that what a hook computes from the batch is seen for what it is, examples "
         "mixed across the batch or written into the model. "
         "Nothing was released. Let the hook run more than once per step, on any batch of distinct or repeated "
         "examples: compute per-example transforms in the Dataset or in training_step, no statistic of the "
@@ -565,11 +610,13 @@ class PythonState:
     Containers are put back *in place* (a list the user also holds elsewhere is the same list, with its old
     items), so nothing is copied but references; tensors and arrays that are not parameters or buffers are
     copied up to :data:`TENSOR_COPY_BYTES` and written back when a pass wrote them in place; the user's own
-    generators (``torch.Generator``, ``random.Random``, NumPy's) get their states back; iterators and Python
-    generators, which cannot be copied, are replaced by a :class:`ReplayingIterator` and rewound. Further
+    generators (``torch.Generator``, ``random.Random``, NumPy's) get their states back; the parameters and
+    buffers of a module held outside the module tree (a callback's EMA copy) are copied like tensors;
+    iterators and Python generators, which cannot be copied, are replaced by a :class:`ReplayingIterator`
+    and rewound. Further
     objects (the user's callbacks and datamodule) are saved the same way. Not covered: state outside these
-    (globals, closures, files, a logger), objects of torch/Lightning/NumPy classes other than tensors, arrays
-    and generators, objects with ``__slots__``, iterators held in tuples, sets or deques, and whatever lies
+    (globals, closures, files, a logger), objects of torch/Lightning/NumPy classes other than tensors, arrays,
+    generators and modules, objects with ``__slots__``, iterators held in tuples, sets or deques, and whatever lies
     beyond :data:`MAX_OBJECTS` objects; :func:`checking` is there for those."""
 
     undo: list[Callable[[], None]] = field(default_factory=list)
@@ -665,10 +712,12 @@ class PythonState:
                 if x.dtype != object and x.nbytes <= budget[1]:
                     budget[1] -= x.nbytes
                     self.undo.append(functools.partial(_refill_array, x, x.copy()))
-            elif _walked(x):
-                self._replay(x.__dict__)
-                self.undo.append(functools.partial(_refill_dict, x.__dict__, dict(x.__dict__)))
-                children = x.__dict__.values()
+            elif _walked(x) or isinstance(x, nn.Module):  # a module outside the tree: a callback's EMA copy
+                children = [*x.parameters(), *x.buffers()] if isinstance(x, nn.Module) else []
+                if _walked(x):
+                    self._replay(x.__dict__)
+                    self.undo.append(functools.partial(_refill_dict, x.__dict__, dict(x.__dict__)))
+                    children += list(x.__dict__.values())
             inner = f"{at}[…]"
             stack.extend(
                 (c, inner) for c in children if type(c) not in _ATOM_TYPES and not isinstance(c, _ATOMS)
@@ -684,7 +733,7 @@ class PythonState:
         return any(not _same_state(read(), saved) for read, saved in self.generators)
 
     def _tensor(self, t: Tensor, where: str, budget: list[int]) -> None:
-        if t.is_sparse or t.layout != torch.strided or t.is_meta or isinstance(t, nn.Parameter):
+        if t.is_sparse or t.layout != torch.strided or t.is_meta:
             return
         size = t.numel() * t.element_size()
         if size <= budget[1]:
