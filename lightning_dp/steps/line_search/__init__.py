@@ -51,7 +51,7 @@ from lightning_dp.steps.line_search.svt import (
     noisy_backtracking,
     svt_calibration,
 )
-from lightning_dp.steps.loss_queries import LossProbe
+from lightning_dp.steps.loss_queries import USER_LEVEL_REFUSAL, LossProbe
 from lightning_dp.validation import flag, number
 
 Accounting = Literal["safe", "paper"]
@@ -118,6 +118,8 @@ class LineSearch(Step):
     """
 
     tracks_parameters = True  # its search state follows the parameters by position
+    queries_losses = True  # the sparse-vector search over clipped per-row losses
+    refuses_user_level = USER_LEVEL_REFUSAL
 
     def __init__(
         self,
