@@ -6,11 +6,14 @@ the ledger to price what they release; a slot never touches Lightning itself.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -522,3 +525,27 @@ class Step(Slot):
 def iter_slots(*slots: Slot) -> Iterator[tuple[str, Slot]]:
     """(slot name, object) pairs in the fixed order the checkpoint uses."""
     yield from zip(("sampler", "clipping", "noise", "step"), slots, strict=True)
+
+
+Init = TypeVar("Init", bound=Callable[..., None])
+
+
+def takes_config(config_type: type[Any]) -> Callable[[Init], Init]:
+    """Give a slot's ``__init__(self, **options)`` the keyword-only signature of a config dataclass's fields
+    (typed, with their plain defaults) that callers, ``help()`` and jsonargparse (LightningCLI YAML) read, and
+    the config's docstring: the settings are listed and documented once, in the config (``init.config_type``)."""
+
+    def decorate(init: Init) -> Init:
+        hints = typing.get_type_hints(config_type)
+        first = next(iter(inspect.signature(init).parameters.values()))
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        fields = [
+            inspect.Parameter(f.name, keyword, default=f.default, annotation=hints[f.name])
+            for f in dataclasses.fields(config_type)
+        ]
+        init.__signature__ = inspect.Signature([first, *fields], return_annotation=None)  # type: ignore[attr-defined]
+        init.config_type = config_type  # type: ignore[attr-defined]
+        init.__doc__ = config_type.__doc__
+        return init
+
+    return decorate
