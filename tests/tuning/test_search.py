@@ -48,7 +48,7 @@ from lightning_dp.tuning import (
 )
 from lightning_dp.tuning.planning import TrialPlan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ["--config", str(ROOT / "configs" / "digits_dpsgd.yaml")]
 Q = 128 / 1257
 SIGMA = 2.828125
