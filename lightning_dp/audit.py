@@ -441,7 +441,7 @@ def _examples_per_canary(
         raise DPConfigurationError(
             f"examples_per_canary={examples_per_canary} makes each canary a group of {examples_per_canary} "
             "examples, but this run protects one example: its ε says nothing about groups, so the audit would "
-            "fail a correct run. Use examples_per_canary=1 here, or train (and audit) with privacy_unit='user'."
+            "fail a correct run. Use examples_per_canary=1 here, or train (and audit) at user level (sampler=UserPoisson(...))."
         )
     return examples_per_canary
 

@@ -65,9 +65,24 @@ def dump(out: Path, name: str, strategy: Any, **extra: Any) -> None:
     (out / f"{name}.rank{strategy.global_rank}.json").write_text(json.dumps(record))
 
 
+DISTRIBUTED_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GLOBAL_RANK",
+)
+"""What an in-process fit leaves in ``os.environ`` (Lightning sets MASTER_PORT when it picks one, and its
+store may still hold that port): a worker inherits none of it, so it picks its own port."""
+
+
 def worker_env(**extra: str) -> dict[str, str]:
-    """The environment of a worker: one thread, the repository on the path, plus ``extra``."""
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    """The environment of a worker: one thread, the repository on the path, no inherited rendezvous
+    (:data:`DISTRIBUTED_VARIABLES`), plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
+    return dict(env, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
 
 
 def launch(script: str, out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:

@@ -499,6 +499,7 @@ def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
         DPIS,
         AdaCliP,
         AdaptiveGD,
+        Checks,
         ConstantNoise,
         DPDDPStrategy,
         FixedSize,
@@ -507,16 +508,21 @@ def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
         Nesterov,
         NoiseDividing,
         PrivacyCallback,
+        UserPoisson,
     )
     from lightning_dp.steps.dp_accelerated import MultiStageNesterov
+    from lightning_dp.strategies.deprecated import KEYWORDS
+    from lightning_dp.strategies.options import UserBound
 
     required: dict[type, dict] = {
         AdaCliP: {"h2": 1.0},
         Nesterov: {"momentum": 0.5},
         MultiStageNesterov: {"lr": 0.1, "mu": 0.1, "L": 1.0},
+        UserBound: {"user_key": "user", "max_examples_per_user": 1},
     }
     classes = [DPStrategy, DPDDPStrategy, Poisson, FixedSize, DPIS, AdaCliP, ConstantNoise, NoiseDividing]
     classes += [HeavyBall, Nesterov, MultiStageNesterov, LineSearch, AdaptiveGD, PrivacyCallback]
+    classes += [Checks, UserPoisson, UserBound]  # the options objects; their deprecated keywords are theirs
     out = []
     for cls in classes:
         for name, parameter in inspect.signature(cls).parameters.items():
@@ -530,6 +536,8 @@ def _numeric_and_flag_arguments() -> list[tuple[type, dict, str, str]]:
             )
             if kind == "flag" and cls in (DPStrategy, DPDDPStrategy):
                 continue  # a strategy's switches are Lightning's; its numbers are all checked
+            if name in KEYWORDS and cls in (DPStrategy, DPDDPStrategy):
+                continue  # a deprecated keyword: checked as the field of Checks or UserPoisson it becomes
             if kind is not None:
                 out.append((cls, required.get(cls, {}), name, kind))
     return out

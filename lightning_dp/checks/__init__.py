@@ -176,7 +176,7 @@ class RunChecks:
                 "of a batch run through training_step one after another, so a buffer one example writes is "
                 "read by the next, and no check runs to show it does not depend on the batch. Keep buffers "
                 "constant in the forward, or, if they are computed only from the weights or the step count "
-                "(a power iteration, a counter), declare them: DPStrategy(public_buffers=[...])."
+                "(a power iteration, a counter), declare them: DPStrategy(checks=Checks(public_buffers=[...]))."
             )
         if unverified and self.mixing.enabled:
             self.mixing.due_next = True  # verify them on the next batch, before its release

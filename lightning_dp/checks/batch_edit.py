@@ -452,9 +452,9 @@ def _unrunnable_message(
         "way. Nothing was released. To make it checkable, keep each example's rows on dimension 0 of every "
         "per-example tensor (K views as [B, K, ...], flattened inside training_step, not [B*K, ...] from the "
         "collate_fn) and let the step run on any number of distinct or repeated examples. Or pass "
-        "DPStrategy(isolate_examples=True): each example then runs through training_step alone, so nothing "
+        "DPStrategy(checks=Checks(isolate_examples=True)): each example then runs through training_step alone, so nothing "
         "can mix and nothing is edited (it costs one forward and backward per example). Only for a model "
-        "verified otherwise (the neighbour test), DPStrategy(check_sensitivity=False) turns the check off, "
+        "verified otherwise (the neighbour test), DPStrategy(checks=Checks(sensitivity=False)) turns the check off, "
         "and then nothing verifies that its examples do not mix."
     )
 

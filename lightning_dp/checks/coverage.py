@@ -64,7 +64,7 @@ def second_order_message() -> str:
         "The loss differentiates a gradient of the model again (torch.autograd.grad(..., create_graph=True): "
         "a WGAN-GP gradient penalty, an input-gradient regulariser): its per-example gradients cannot be "
         "taken from one backward over the batch, whose second-order terms the layer hooks do not see. This "
-        "step releases nothing. Pass DPStrategy(isolate_examples=True): each example then runs through "
+        "step releases nothing. Pass DPStrategy(checks=Checks(isolate_examples=True)): each example then runs through "
         "training_step alone and its per-example gradient is autograd's own, exact for any loss (one forward "
         "and backward per example)."
     )

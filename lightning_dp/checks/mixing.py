@@ -1189,8 +1189,8 @@ class MixingCheck:
             "a running mean or an observer updated from the batch): normalise each example on its own "
             "(LayerNorm, GroupNorm) with constants fixed from public data; a loss summed over the batch while "
             "loss_reduction='mean': return the mean. To train such a model unchanged, pass "
-            f"DPStrategy(isolate_examples=True): {isolate}. See docs/writing-a-loss.md. Only if the model "
-            "is verified otherwise (the neighbour test), DPStrategy(check_sensitivity=False) turns the check off."
+            f"DPStrategy(checks=Checks(isolate_examples=True)): {isolate}. See docs/writing-a-loss.md. Only if the model "
+            "is verified otherwise (the neighbour test), DPStrategy(checks=Checks(sensitivity=False)) turns the check off."
         )
 
     def draw_law_refusal(self, functions: tuple[str, ...], noun: str, releases_before: int) -> str:
@@ -1207,8 +1207,8 @@ class MixingCheck:
             f"the step or the epoch), or from each {noun}'s own values: a standard draw scaled per row "
             "(x + torch.randn_like(x) * x.std(dim=1, keepdim=True)), or per-row tensors of parameters "
             "(torch.bernoulli(p_rows), torch.normal(mean_rows, std_rows)). To train such a model unchanged, "
-            f"pass DPStrategy(isolate_examples=True): each {noun} then runs through training_step alone. "
-            "Only if the model is verified otherwise (the neighbour test), DPStrategy(check_sensitivity=False) "
+            f"pass DPStrategy(checks=Checks(isolate_examples=True)): each {noun} then runs through training_step alone. "
+            "Only if the model is verified otherwise (the neighbour test), DPStrategy(checks=Checks(sensitivity=False)) "
             "turns the check off."
         )
 

@@ -180,7 +180,7 @@ class StateWatch:
                 "steps' gradients, so ε does not cover it. Compute such statistics from public data, keep "
                 "them out of the model, or, if the buffers are computed only from the weights, the step count "
                 "or public constants (an EMA of the weights, a counter), declare them: "
-                "DPStrategy(public_buffers=[...names or patterns...])."
+                "DPStrategy(checks=Checks(public_buffers=[...names or patterns...]))."
             )
 
     def at_entry(self) -> None:

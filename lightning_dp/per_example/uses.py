@@ -539,7 +539,7 @@ def unmatched_message(label: str, error: str = "") -> str:
         "(a temperature or weight multiplying the batch's mean loss), so its per-example gradient is unknown. "
         "This step releases nothing. Apply the parameter to per-example values: keep the batch on dimension 0 "
         "and multiply per-example losses before the mean ((w * F.cross_entropy(out, y, reduction='none'))"
-        ".mean()); or pass DPStrategy(isolate_examples=True), which runs each example alone (exact for any "
+        ".mean()); or pass DPStrategy(checks=Checks(isolate_examples=True)), which runs each example alone (exact for any "
         "use, one forward per example)."
     )
 
