@@ -26,7 +26,7 @@ from _harness import trainer_kwargs
 from lightning.pytorch import Trainer
 
 from lightning_dp import AdaCliP, ConstantNoise, DPStrategy
-from lightning_dp.audit import audit
+from lightning_dp.commands.audit import audit
 from recipes import DigitsDataModule, ImageClassifier
 
 MECHANISMS = {

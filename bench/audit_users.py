@@ -38,7 +38,7 @@ from lightning.pytorch import Trainer
 
 from lightning_dp import DPStrategy, PrivacyCallback, UserPoisson
 from lightning_dp.accounting import PoissonGaussian
-from lightning_dp.audit import audit
+from lightning_dp.commands.audit import audit
 from recipes import DigitsDataModule, ImageClassifier
 
 STEPS, DELTA, K, USERS_PER_STEP = 300, 1e-5, 10, 13

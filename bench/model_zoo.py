@@ -63,7 +63,7 @@ from bench.step_time import (
     run_step,
     schedule,
 )
-from lightning_dp.prepare import replace_batchnorm
+from lightning_dp.run.prepare import replace_batchnorm
 from tests.per_example.zoo import ZOO, ZooModel
 
 Batch = tuple[Tensor, ...]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bench.wide_resnet import wide_resnet
-from lightning_dp.losses import per_example_token_loss
+from lightning_dp.core.losses import per_example_token_loss
 from recipes.models import mlp, tramer_boneh_cnn
 
 Batch = tuple[Tensor, ...]

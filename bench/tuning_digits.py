@@ -36,7 +36,7 @@ QUIET = ["--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=
 
 def test_accuracy(model: Any, datamodule: Any) -> float:
     """Accuracy of ``model`` on the digits test split (held out from training and from the tuner's score)."""
-    from lightning_dp.tuning.trials import count_correct
+    from lightning_dp.commands.tuning.trials import count_correct
 
     datamodule.setup("test")
     correct, n = count_correct(model, datamodule.test_dataloader())
@@ -45,7 +45,7 @@ def test_accuracy(model: Any, datamodule: Any) -> float:
 
 def fit(args: list[str], directory: Path) -> tuple[Any, Any]:
     """One ordinary DPStrategy fit of the base config plus ``args``; returns (model, datamodule)."""
-    from lightning_dp.tuning.planning import instantiate_cli
+    from lightning_dp.commands.tuning.planning import instantiate_cli
 
     cli = instantiate_cli(
         [*BASE, *QUIET, *args, "--trainer.logger=false", f"--trainer.default_root_dir={directory}"]
@@ -100,9 +100,9 @@ def naive_sigma(trials: int, q: float, steps: int, score_sigma: float, target: f
 
 def run_naive(seed: int, trials: int, sigma: float, directory: Path, search: Path) -> float:
     """``trials`` public trials from the same space at σ, noisy validation score, best released."""
-    from lightning_dp.tuning import load_search
-    from lightning_dp.tuning.planning import override_args
-    from lightning_dp.tuning.trials import count_correct
+    from lightning_dp.commands.tuning import load_search
+    from lightning_dp.commands.tuning.planning import override_args
+    from lightning_dp.commands.tuning.trials import count_correct
 
     spec = load_search(search)
     rng = np.random.default_rng(10_000 + seed)
@@ -131,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    from lightning_dp.tuning import load_search, plan
+    from lightning_dp.commands.tuning import load_search, plan
 
     spec = load_search(args.search)
     tuning_plan = plan([*BASE], spec)

@@ -15,14 +15,12 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLedger
 from lightning_dp.accounting.budget import affordable_after
-from lightning_dp.batches import UnitInfo
-from lightning_dp.compatibility import check_mechanisms
-from lightning_dp.errors import BatchDimensionError, DPConfigurationError
+from lightning_dp.core.batches import UnitInfo
+from lightning_dp.core.errors import BatchDimensionError, DPConfigurationError
+from lightning_dp.core.rng import make_generator, without_generator_states
 from lightning_dp.per_example import GradientCapture, GradMode, PerExampleGradients
 from lightning_dp.per_example.gradients import SumSink
 from lightning_dp.per_example.recurrent import SWAPS
-from lightning_dp.release import AllReduce, ReleaseHook, Releases
-from lightning_dp.rng import make_generator, without_generator_states
 from lightning_dp.slots import (
     NOISE_SLICE,
     Clipping,
@@ -33,6 +31,8 @@ from lightning_dp.slots import (
     StepSetup,
     iter_slots,
 )
+from lightning_dp.slots.compatibility import check_mechanisms
+from lightning_dp.slots.release import AllReduce, ReleaseHook, Releases
 
 
 def refuse_sequence_first(root: nn.Module) -> None:
@@ -648,7 +648,7 @@ class PrivateStepEngine:
 
     def _noise_generator_state(self) -> Tensor | None:
         """The noise generator's state as of the last release (before any draws made ahead for the next);
-        None in an unseeded run (:func:`~lightning_dp.rng.saved_state`)."""
+        None in an unseeded run (:func:`~lightning_dp.core.rng.saved_state`)."""
         if self.generator is None or self.seed is None:
             return None
         before = self.releases.prefetch.state_before(self.generator)

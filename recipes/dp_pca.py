@@ -18,10 +18,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dp.accounting import Gaussian, PrivacyEvent, PrivacyLedger
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.rng import make_generator
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
-from lightning_dp.rng import make_generator
 from lightning_dp.slots import Sampler
 from recipes.classifier import ImageClassifier
 from recipes.models import mlp

@@ -217,7 +217,7 @@ for name, (args, fit) in RUNS.items():
 
 # 13. Secure noise (issue #50): at σ = 0 the int64 sums of the two ranks add up to the single-process
 # integers exactly; at σ = 2 each rank adds a discrete Gaussian share of σΔ/√2, the sum's std is σΔ.
-from lightning_dp.release import ReleaseHook  # noqa: E402
+from lightning_dp.slots.release import ReleaseHook  # noqa: E402
 
 
 class Released(ReleaseHook):

@@ -23,7 +23,7 @@ from conftest import TinyModule
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import lightning_dp.checkpointing
+import lightning_dp.run.checkpointing
 from lightning_dp import DPDDPStrategy, DPStrategy
 
 OUT, ARGS = _worker.start()
@@ -80,7 +80,7 @@ def hang_in_write(at: int) -> None:
             time.sleep(300)
         f.write(data)
 
-    lightning_dp.checkpointing.torch = types.SimpleNamespace(save=save)  # type: ignore[attr-defined]
+    lightning_dp.run.checkpointing.torch = types.SimpleNamespace(save=save)  # type: ignore[attr-defined]
 
 
 def trainer(strategy, every: int, devices: int, **kwargs) -> Trainer:
@@ -112,7 +112,7 @@ elif MODE == "ddp_kill":
     module.kill_step = int(ARGS[1])
     trainer(DPDDPStrategy(noise_multiplier=SIGMA, seed=0), every=2, devices=2).fit(module)
 elif MODE == "ddp_resume":
-    from lightning_dp.checkpointing import latest_valid_checkpoint
+    from lightning_dp.run.checkpointing import latest_valid_checkpoint
 
     path = latest_valid_checkpoint(OUT / "ckpt")
     t = trainer(DPDDPStrategy(noise_multiplier=SIGMA, seed=0), every=2, devices=2, callbacks=[Record()])

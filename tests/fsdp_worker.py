@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from lightning_dp import DPConfigurationError, DPFSDPStrategy
-from lightning_dp.release import ReleaseHook
+from lightning_dp.slots.release import ReleaseHook
 
 OUT, _ = _worker.start()
 TIMEOUT = timedelta(seconds=60)  # the process group's: a dead peer fails a collective within it

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from lightning_dp import DPStrategy, per_example_token_loss
-from lightning_dp.release import ReleaseHook
 from lightning_dp.slots import StepContext
+from lightning_dp.slots.release import ReleaseHook
 
 MOVE_RTOL = 1e-3
 """Rounding allowance: the kept examples' contributions are computed in batches of n and n − 1 rows

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_dp.release import Releases
+from lightning_dp.slots.release import Releases
 
 CPU_STATE_BYTES = torch.Generator().get_state().numel()
 CUDA_STATE_BYTES = 16  # Philox: seed and offset

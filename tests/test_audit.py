@@ -19,7 +19,7 @@ from audits import audit_trainer, dropped_noise
 from scipy import stats
 
 from lightning_dp import DPIS, AdaCliP, DPStrategy, HeavyBall, LineSearch
-from lightning_dp.audit import audit, default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
+from lightning_dp.commands.audit import audit, default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
 from recipes import DigitsDataModule, ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_canaries_on_model_coordinates_see_the_missing_noise_through_real_gradie
 
 
 def test_cli_audit_exits_1_when_the_noise_is_missing(tmp_path, capsys):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     args = ["audit", "--config", str(ROOT / "configs" / "digits_dpsgd.yaml"), "--trainer.max_epochs", "4"]
     args += ["--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]

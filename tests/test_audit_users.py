@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy, PrivacyCallback, UserPoisson
 from lightning_dp.accounting import PoissonGaussian, compute_epsilon
-from lightning_dp.audit import audit, make_input_canaries
-from lightning_dp.batches import IndicesWithInfo, UnitInfo
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.commands.audit import audit, make_input_canaries
+from lightning_dp.core.batches import IndicesWithInfo, UnitInfo
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.sampling.user_ids import UserIds, resolve_user_ids, with_new_users
 from recipes import DigitsDataModule, ImageClassifier
 
@@ -269,7 +269,7 @@ def test_canary_users_need_a_user_level_run(tiny, tmp_path):
 
 
 def test_cli_audit_says_per_user(tmp_path, capsys):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     args = ["audit", "--config", str(ROOT / "configs" / "digits_users.yaml"), "--trainer.max_epochs", "4"]
     args += ["--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.enable_progress_bar", "false"]

@@ -551,7 +551,7 @@ ARGUMENTS = _numeric_and_flag_arguments()
 )
 def test_every_numeric_argument_refuses_a_string_naming_itself(cls, required, name, kind):
     """'3' for a number (or 'no' for a switch) is refused at construction with the class and argument named."""
-    from lightning_dp.validation import ArgumentError
+    from lightning_dp.core.validation import ArgumentError
 
     value = "no" if kind == "flag" else "3"
     with pytest.raises(ArgumentError, match=f"^{cls.__name__}: {name} must be ") as info:

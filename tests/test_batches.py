@@ -1,4 +1,4 @@
-"""``lightning_dp/batches.py``: a batch whose tensors have no row per example (a ``PackedSequence`` from the
+"""``lightning_dp/core/batches.py``: a batch whose tensors have no row per example (a ``PackedSequence`` from the
 collate_fn, a nested tensor) is refused by name before any release; packing inside the step trains."""
 
 from __future__ import annotations

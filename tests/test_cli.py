@@ -21,7 +21,7 @@ def test_digits_config_trains_privately_to_90_percent(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "lightning_dp.cli",
+        "lightning_dp.commands.cli",
         "fit",
         "--config",
         str(ROOT / "configs" / "digits_dpsgd.yaml"),
@@ -47,7 +47,7 @@ def test_digits_config_trains_privately_to_90_percent(tmp_path):
 
 @requires_data(*MNIST_FILES)
 def test_mnist_config_runs_a_few_private_steps(tmp_path, monkeypatch):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     monkeypatch.setenv("LIGHTNING_DP_CACHE", str(tmp_path / "cache"))
     main(
@@ -84,7 +84,7 @@ def test_mnist_config_runs_a_few_private_steps(tmp_path, monkeypatch):
 
 
 def test_registry_name_dp_works_from_the_cli(tmp_path):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     main(
         [

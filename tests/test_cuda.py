@@ -43,7 +43,7 @@ from lightning_dp.per_example import GradientCapture
 from lightning_dp.per_example.kernels import is_supported, linear
 from lightning_dp.per_example.kernels.certified import GUARD_FRACTION
 from lightning_dp.per_example.kernels.conv_autotune import force_conv_method
-from lightning_dp.prepare import replace_batchnorm
+from lightning_dp.run.prepare import replace_batchnorm
 from tests.per_example.test_certified import (
     BOUND,
     FAMILIES,

@@ -82,7 +82,7 @@ def test_cli_on_two_processes_matches_single_process_epsilon(tmp_path):
         cmd = [
             sys.executable,
             "-m",
-            "lightning_dp.cli",
+            "lightning_dp.commands.cli",
             "fit",
             *common,
             "--trainer.logger.init_args.save_dir",

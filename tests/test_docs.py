@@ -446,7 +446,7 @@ def test_report_page_documents_every_field(in_tmp):
 
 def test_cli_config_in_getting_started_trains(in_tmp):
     """The YAML a user copies from getting-started.md runs under `lightning-dp fit` (1 epoch here)."""
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     blocks = parse_blocks(DOCS / "getting-started.md")
     configs = [b for b in blocks if b.lang == "yaml" and b.marker == "<!-- cli-config -->"]

@@ -1,7 +1,7 @@
 """docs/troubleshooting.md has one entry per message, and each refusal names its entry.
 
 The page keeps its groups as level-2 headings; every message is a level-3 heading whose title is a short id
-(``accumulate-grad-batches``), which is also its anchor. ``lightning_dp.errors.TROUBLESHOOTING`` maps each
+(``accumulate-grad-batches``), which is also its anchor. ``lightning_dp.core.errors.TROUBLESHOOTING`` maps each
 id to a fragment of the message that no other message holds, and a ``DPConfigurationError`` ends with the
 link to the entry whose fragment comes first in its text. These tests keep the three in step: the page,
 the index and the messages the code raises. docs/guarantees.md's table of run-time checks has one short
@@ -21,7 +21,7 @@ from conftest import TinyModule, make_trainer
 from test_docs import DOCS, ROOT, _source_strings, anchors, github_slug, parse_blocks
 
 from lightning_dp import DPConfigurationError, DPStrategy
-from lightning_dp.errors import TROUBLESHOOTING, troubleshooting_entry
+from lightning_dp.core.errors import TROUBLESHOOTING, troubleshooting_entry
 
 PAGE = DOCS / "troubleshooting.md"
 ID = re.compile(r"^[a-z]+(?:-[a-z]+)*$")
@@ -73,7 +73,9 @@ def test_the_index_in_errors_holds_every_entry_of_the_page_and_nothing_else():
     """An entry without a quoted message is one of Lightning's or PyTorch's, or a symptom: not indexed."""
     missing = sorted(set(QUOTED) - set(TROUBLESHOOTING))
     stale = sorted(set(TROUBLESHOOTING) - set(QUOTED))
-    assert not missing, f"entries of troubleshooting.md not in lightning_dp.errors.TROUBLESHOOTING: {missing}"
+    assert not missing, (
+        f"entries of troubleshooting.md not in lightning_dp.core.errors.TROUBLESHOOTING: {missing}"
+    )
     assert not stale, f"TROUBLESHOOTING names entries troubleshooting.md does not have: {stale}"
     assert list(TROUBLESHOOTING) == [t for t in ENTRIES if t in TROUBLESHOOTING], "keep the page's order"
 
@@ -103,7 +105,7 @@ def test_each_quoted_message_finds_its_own_entry():
 RAISED = {"DPConfigurationError": 0, "BatchDimensionError": 0, "ArgumentError": 0}
 """The refusals, and where their message is among the call's arguments."""
 FORWARDED = {
-    "lightning_dp/validation.py::_fail": "the messages of number() and flag(): the argument-* entries",
+    "lightning_dp/core/validation.py::_fail": "the messages of number() and flag(): the argument-* entries",
     "lightning_dp/checks/capture.py::_mixed_or_untraced": "the tracer's refusals (per_example/uses.py)",
     "lightning_dp/checks/capture.py::collected": "coverage.missed_use_message(): per-example-gradients-do-not-add-up",
     "lightning_dp/engine.py::_check_consistency": "checks.missed_use_message(): per-example-gradients-do-not-add-up",
@@ -111,7 +113,7 @@ FORWARDED = {
     "lightning_dp/strategies/base.py::load_checkpoint": "unreadable_checkpoint(): checkpoint-damaged & co.",
     "lightning_dp/strategies/base.py::_bind_sampler": "a sampler's ValueError from bind(): the data entries",
     "lightning_dp/strategies/checkpoints.py::restore_dp_state": "a slot's ValueError from load_state_dict",
-    "lightning_dp/tuning/space.py::load_search": "Repetitions' ValueError: the tune-repetitions-* entries",
+    "lightning_dp/commands/tuning/space.py::load_search": "Repetitions' ValueError: the tune-repetitions-* entries",
 }
 """Raise sites that pass on a message made elsewhere (``function``: where it is made), checked there."""
 
@@ -180,7 +182,7 @@ def test_every_refusal_raised_in_lightning_dp_has_an_entry():
                 unknown.append(f"{where}: {' | '.join(texts)[:120]!r}")
     assert not unknown, (
         "refusals with no entry in docs/troubleshooting.md: add a ### entry quoting the message and its "
-        f"fragment to lightning_dp.errors.TROUBLESHOOTING: {unknown}"
+        f"fragment to lightning_dp.core.errors.TROUBLESHOOTING: {unknown}"
     )
     assert forwarded == set(FORWARDED), (
         f"FORWARDED lists sites that no longer forward: {set(FORWARDED) - forwarded}"

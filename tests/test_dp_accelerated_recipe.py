@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dp.cli import main
+from lightning_dp.commands.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,8 +20,10 @@ from lightning_dp.accounting.amplification import (
     pure_dp_amplified,
     rdp_to_dp_prop1,
 )
+from lightning_dp.accounting.laplace_mechanism import laplace_rdp
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
-from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, laplace_rdp, pure_dp_rdp
+from lightning_dp.accounting.pure_dp import pure_dp_rdp
+from lightning_dp.accounting.svt import GaussianSVT, LaplaceSVT
 from lightning_dp.steps.line_search import PAPER_ETA0, LineSearch, eta0_for_clip
 from lightning_dp.steps.line_search.advice import warn_if_capped_by_eta0
 from lightning_dp.steps.line_search.cheb import angle_ema, cheb_decision, reset_eta0, shrink_clips
@@ -577,7 +579,7 @@ def test_paper_accounting_uses_paper_rules():
 def test_mnist_line_search_config_from_yaml(tmp_path, monkeypatch):
     import json
 
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     monkeypatch.setenv("LIGHTNING_DP_CACHE", str(tmp_path / "cache"))
     config = Path(__file__).resolve().parents[1] / "configs" / "mnist_line_search.yaml"

@@ -10,7 +10,7 @@ from conftest import make_trainer
 
 from lightning_dp import AdaCliP, DPStrategy
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyLedger, calibrate_noise
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from recipes import DigitsDataModule
 from recipes.dp_pca import ComposedNoise, DPPCAClassifier, dp_pca_projection
 
@@ -59,7 +59,7 @@ CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("adaclip_mnist_
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.stem)
 def test_adaclip_mnist_configs_instantiate(config):
     """Every Table 1/2 config parses and builds its model, data module and DP strategy (no training)."""
-    from lightning_dp.cli import DPLightningCLI
+    from lightning_dp.commands.cli import DPLightningCLI
 
     cli = DPLightningCLI(args=["--config", str(config)], run=False, auto_configure_optimizers=False)
     strategy = cli.trainer.strategy

@@ -35,14 +35,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
 from lightning_dp import BandMF, CyclicPoisson, DPConfigurationError, DPStrategy
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
-from lightning_dp.checkpointing import (
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.run.checkpointing import (
     PARTIAL_SUFFIX,
     atomic_save,
     checkpoint_problem,
     latest_valid_checkpoint,
 )
-from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.release import Releases
+from lightning_dp.slots.release import Releases
 from lightning_dp.strategies import checkpoints
 
 SIGMA, MAX_STEPS, N, BATCH = 1.0, 16, 128, 16  # as in fault_worker.py
@@ -77,7 +77,7 @@ def test_interrupted_atomic_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
         f.write(b"PK\x03\x04 half a checkpoint")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("lightning_dp.checkpointing.torch.save", crash)
+    monkeypatch.setattr("lightning_dp.run.checkpointing.torch.save", crash)
     with pytest.raises(KeyboardInterrupt):
         atomic_save({"step": 2}, path)
     assert torch.load(path, weights_only=True) == {"step": 1}
@@ -203,7 +203,7 @@ def test_full_disk_while_checkpointing_says_so_and_keeps_the_previous_checkpoint
         f.write(b"PK\x03\x04 a first chunk")
         raise RuntimeError(TORCH_FULL_DISK)  # what torch.save raises when the disk fills mid-write
 
-    monkeypatch.setattr("lightning_dp.checkpointing.torch.save", full)
+    monkeypatch.setattr("lightning_dp.run.checkpointing.torch.save", full)
     with pytest.raises(
         OSError, match=r"Writing the checkpoint .*last\.ckpt failed: the disk is full"
     ) as info:
@@ -223,7 +223,7 @@ def test_full_disk_while_writing_the_report_says_so_and_leaves_no_temp_file(tmp_
     def enospc(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("lightning_dp.checkpointing.os.fsync", enospc)
+    monkeypatch.setattr("lightning_dp.run.checkpointing.os.fsync", enospc)
     with pytest.raises(
         OSError, match=r"Writing the privacy report .*privacy_report\.json failed: the disk is full"
     ):

@@ -14,12 +14,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_dp import DPConfigurationError, DPStrategy, FlatClipping
-from lightning_dp.batches import UnitInfo, split_batch, unit_chunks
 from lightning_dp.clipping import clip_factors
+from lightning_dp.core.batches import UnitInfo, split_batch, unit_chunks
 from lightning_dp.per_example import GradientCapture, PerExampleGradients
-from lightning_dp.per_example.kernels import units as unit_kernels
+from lightning_dp.per_example.kernels import unit_norms as unit_kernels
 from lightning_dp.per_example.materialized import grad_sampler
-from lightning_dp.sampling.units import flatten_views, with_views
+from lightning_dp.sampling.augmentation import flatten_views, with_views
 from lightning_dp.slots import StepContext
 from tests.per_example.zoo import ZOO, ZooModel
 from tests.tolerances import rtol_for

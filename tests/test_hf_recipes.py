@@ -61,7 +61,7 @@ def _trainer(steps: int = 2) -> L.Trainer:
 
 @pytest.mark.parametrize("name", sorted(SHRINK))
 def test_each_config_trains_privately_from_the_cli(name, tmp_path):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     main(
         [

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPIS, DPStrategy, checking
-from lightning_dp.batches import EmptyBatch
+from lightning_dp.core.batches import EmptyBatch
 
 USERS, PER_USER = 16, 4
 USER_OF_EXAMPLE = torch.arange(USERS).repeat_interleave(PER_USER)

@@ -340,7 +340,7 @@ def test_opacus_is_imported_without_touching_a_users_root_handler(monkeypatch, u
     monkeypatch.setattr(root, "handlers", [mine] if users_handler else [])
     import opacus.utils
 
-    from lightning_dp._logging import import_opacus_quietly
+    from lightning_dp.core._logging import import_opacus_quietly
 
     monkeypatch.setattr(opacus.utils, "module_utils", opacus.utils.module_utils)  # restored afterwards
     monkeypatch.delitem(sys.modules, "opacus.utils.module_utils")
@@ -353,7 +353,7 @@ def test_opacus_is_imported_without_touching_a_users_root_handler(monkeypatch, u
 def test_the_command_prints_each_line_once_and_no_cli_warning(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [
-        sys.executable, "-m", "lightning_dp.cli", "fit", "--config", str(ROOT / "configs" / "digits_dpsgd.yaml"),
+        sys.executable, "-m", "lightning_dp.commands.cli", "fit", "--config", str(ROOT / "configs" / "digits_dpsgd.yaml"),
         "--trainer.max_epochs", "1", "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip

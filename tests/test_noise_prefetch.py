@@ -11,12 +11,12 @@ from torch import nn
 
 from lightning_dp import DPStrategy, HeavyBall
 from lightning_dp.clipping import FlatClipping
+from lightning_dp.core.rng import NoisePrefetch
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.noise import ConstantNoise
-from lightning_dp.release import ReleaseHook
-from lightning_dp.rng import NoisePrefetch
 from lightning_dp.sampling import Poisson
 from lightning_dp.slots import Step
+from lightning_dp.slots.release import ReleaseHook
 
 N, BATCH = 64, 16
 

@@ -1,4 +1,4 @@
-"""The one release path (lightning_dp/release.py) and the slot contract (plans, declared hooks)."""
+"""The one release path (lightning_dp/slots/release.py) and the slot contract (plans, declared hooks)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from lightning_dp.accounting import (
     PrivacyLedger,
 )
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.release import Releases
 from lightning_dp.slots import StepPlan, StepSetup
+from lightning_dp.slots.release import Releases
 
 
 def _releases(target: float | None = 1.0, ledger: PrivacyLedger | None = None) -> Releases:

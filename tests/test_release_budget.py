@@ -20,8 +20,8 @@ from lightning_dp.accounting import (
 )
 from lightning_dp.clipping import FlatClipping
 from lightning_dp.noise import ConstantNoise
-from lightning_dp.release import Releases
 from lightning_dp.slots import SamplerRuntime
+from lightning_dp.slots.release import Releases
 from recipes import DigitsDataModule
 from recipes.dp_pca import ComposedNoise, DPPCAClassifier
 

@@ -58,7 +58,7 @@ from lightning_dp import (
 )
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.noise.correlated import CorrelatedNoise
-from lightning_dp.release import Releases
+from lightning_dp.slots.release import Releases
 
 N, BATCH = 211, 40  # N prime and unlike any layer size: a dimension of length N is one value per example
 
@@ -263,7 +263,7 @@ def test_a_lightning_cli_runs_config_yaml_checkpoints_and_logs_hold_no_seed(
     """`lightning-dp fit`: the saved config.yaml, hparams.yaml, checkpoints and report of an unseeded run."""
     import json
 
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     draws = UrandomDraws()
     monkeypatch.setattr(os, "urandom", draws)

@@ -27,7 +27,7 @@ from lightning_dp import (
 from lightning_dp.accounting import PrivacyLedger
 from lightning_dp.accounting.discrete_gaussian import PoissonDiscreteGaussian
 from lightning_dp.clipping import GridClipping, IntegerGrid
-from lightning_dp.report import privacy_report
+from lightning_dp.run.report import privacy_report
 
 
 class Sized(TinyModule):

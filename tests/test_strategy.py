@@ -260,7 +260,7 @@ def test_replaces_batchnorm_with_groupnorm_in_place():
 
 
 def test_replace_batchnorm2d_uses_gcd_groups():
-    from lightning_dp.prepare import replace_batchnorm
+    from lightning_dp.run.prepare import replace_batchnorm
 
     net = nn.Sequential(nn.Conv2d(3, 48, 3), nn.BatchNorm2d(48, affine=False))
     assert replace_batchnorm(net) == ["1"]

@@ -36,7 +36,7 @@ from lightning_dp import (
 )
 from lightning_dp.accounting import PrivacyLedger, calibrate_noise, compute_epsilon
 from lightning_dp.noise import ConstantNoise
-from lightning_dp.report import NO_USER_LEVEL_GUARANTEE
+from lightning_dp.run.report import NO_USER_LEVEL_GUARANTEE
 from lightning_dp.sampling.contribution_bound import ContributionBound, bounded_examples
 from lightning_dp.sampling.user_ids import resolve_user_ids
 

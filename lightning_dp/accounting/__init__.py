@@ -13,23 +13,17 @@ from .budget import charge
 from .calibrate import calibrate_noise, compute_epsilon
 from .events import Gaussian, PoissonGaussian, PrivacyEvent
 from .filter import PrivacyFilter
+from .laplace_mechanism import LaplaceMechanism
 from .ledger import BudgetExceededError, PrivacyLedger
+from .noisy_min import NoisyMin
 from .pld import PLDNumericalError
 from .prv import PRVNumericalError
+from .pure_dp import PureDP
 from .pure_laplace import SubsampledLaplace
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from .repeat_select import RepeatAndSelect, Repetitions, delta_from_rdp, repeat_and_select_rdp
-from .zcdp import (
-    ZCDP,
-    GaussianSVT,
-    LaplaceMechanism,
-    LaplaceSVT,
-    NoisyMin,
-    PureDP,
-    epsilon_from_rho,
-    rho_from_epsilon,
-    zcdp_rho,
-)
+from .svt import GaussianSVT, LaplaceSVT
+from .zcdp import ZCDP, epsilon_from_rho, rho_from_epsilon, zcdp_rho
 
 __all__ = [
     "DEFAULT_ORDERS",

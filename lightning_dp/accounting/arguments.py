@@ -1,11 +1,13 @@
-"""Argument checks shared by the ledger and the privacy filter: counts, targets and events, refused with
-a message that names the argument."""
+"""Argument checks shared by the ledger, the privacy filter and the events: counts, targets, events,
+positive reals and δ, refused with a message that names the argument."""
 
 from __future__ import annotations
 
 import math
 import operator
 from typing import Any
+
+import numpy as np
 
 from .events import PrivacyEvent
 
@@ -45,3 +47,24 @@ def check_event(event: Any) -> PrivacyEvent:
     if not isinstance(event, PrivacyEvent):
         raise ValueError(f"event must be a PrivacyEvent (e.g. PoissonGaussian(σ, q)), got {event!r}")
     return event
+
+
+def _check_positive(name: str, value: object, allow_zero: bool = False) -> float:
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a real number, got {value!r}") from None
+    if math.isnan(x) or math.isinf(x) or x < 0 or (x == 0 and not allow_zero):
+        raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
+    return x
+
+
+def _check_delta(delta: object) -> float:
+    d = _check_positive("delta", delta)
+    if not d < 1:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    return d
+
+
+def _orders(orders: tuple[float, ...]) -> np.ndarray:
+    return np.asarray(orders, dtype=np.float64)

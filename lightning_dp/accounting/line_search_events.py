@@ -16,7 +16,8 @@ from lightning_dp.accounting.amplification import (
     pure_dp_amplified,
 )
 from lightning_dp.accounting.events import PrivacyEvent
-from lightning_dp.accounting.zcdp import GaussianSVT, LaplaceSVT, pure_dp_rdp
+from lightning_dp.accounting.pure_dp import pure_dp_rdp
+from lightning_dp.accounting.svt import GaussianSVT, LaplaceSVT
 
 
 def svt_base(noise: str, budget: float, max_queries: int, accounting: str) -> PrivacyEvent:

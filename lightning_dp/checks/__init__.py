@@ -38,15 +38,15 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from lightning_dp.batches import EmptyBatch, UnitInfo
 from lightning_dp.checks.changes import ChangeWatch
 from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.checks.mixing import DEFAULT_OVERHEAD, CheckSetting, MixingCheck, MixingResult
 from lightning_dp.checks.state import StateWatch
 from lightning_dp.checks.structure import probe_batch_structure
 from lightning_dp.checks.user_step import checking, training_step_loss
+from lightning_dp.core.batches import EmptyBatch, UnitInfo
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
 
 __all__ = [
     "CheckSetting",

@@ -40,7 +40,7 @@ from lightning_dp.checks.user_step import (
     hook_failure_message,
     same_values,
 )
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 
 @dataclass(frozen=True)

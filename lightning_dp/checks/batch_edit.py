@@ -32,9 +32,9 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from lightning_dp.batches import batch_length
 from lightning_dp.checks.fingerprint import row_hashes
-from lightning_dp.errors import DPConfigurationError, quote_error
+from lightning_dp.core.batches import batch_length
+from lightning_dp.core.errors import DPConfigurationError, quote_error
 
 T = TypeVar("T")
 

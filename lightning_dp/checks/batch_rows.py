@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from lightning_dp.errors import BatchDimensionError
+from lightning_dp.core.errors import BatchDimensionError
 
 
 def check_batch_dimension(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_dp.checks import batch_rows, coverage
-from lightning_dp.errors import BatchDimensionError, DPConfigurationError
+from lightning_dp.core.errors import BatchDimensionError, DPConfigurationError
 from lightning_dp.per_example.observations import Observed
 
 

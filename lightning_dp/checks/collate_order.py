@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
-from lightning_dp.batches import UnitInfo, batch_length
 from lightning_dp.checks.batch_edit import _field_hashes, per_example_fields
 from lightning_dp.checks.user_step import GlobalRNG
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.batches import UnitInfo, batch_length
+from lightning_dp.core.errors import DPConfigurationError
 
 _FIX = (
     "Keep one row per item, in the items' order: sort where the model needs it (pack_padded_sequence(..., "

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 
 def refuse_uncovered(root: nn.Module, covered: Sequence[nn.Parameter]) -> None:

@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_dp.batches import BatchWithInfo, EmptyBatch, batch_length, refuse_rowless_leaves
+from lightning_dp.core.batches import BatchWithInfo, EmptyBatch, batch_length, refuse_rowless_leaves
 
 MAX_COLUMNS = 4096
 """Values hashed per example and tensor: every value up to this many, else this many at fixed positions

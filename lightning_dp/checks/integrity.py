@@ -20,7 +20,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_dp.checks.fingerprint import Seen, fingerprint, unwrap
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 

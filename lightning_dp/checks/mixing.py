@@ -66,7 +66,6 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_dp.batches import UnitInfo, batch_length
 from lightning_dp.checks.after_step import (
     after_step_hooks,
     after_step_write_message,
@@ -95,8 +94,9 @@ from lightning_dp.checks.row_draws import DrawLog, RowDraws
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
 from lightning_dp.checks.user_step import ModuleState, dry_training_step, hook_note
 from lightning_dp.clipping import clip_factors
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.rng import make_generator
+from lightning_dp.core.batches import UnitInfo, batch_length
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.rng import make_generator
 
 if TYPE_CHECKING:
     from lightning_dp.engine import PrivateStepEngine

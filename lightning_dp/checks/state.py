@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.checks.user_step import _owner, same_values
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 Entry = tuple[int, int, int, float | None]
 """(object id, storage address, in-place version, value checksum or None where not read) of one tensor."""

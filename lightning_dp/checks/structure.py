@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_dp.checks.state import ParameterValues
 from lightning_dp.checks.user_step import ModuleState, dry_training_step
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.per_example import GradientCapture
 
 

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_dp.checks.integrity import TRANSFER_HOOKS
-from lightning_dp.errors import DPConfigurationError, quote_error
+from lightning_dp.core.errors import DPConfigurationError, quote_error
 from lightning_dp.per_example.capture import tracing
 
 _dry_passes = 0

@@ -19,11 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import clip_factors, weighted_sum
+from lightning_dp.core.validation import number
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.per_example.kernels.certified import certified_sq_norms, rounding_gamma
 from lightning_dp.per_example.materialized import materialized_sq_norm
 from lightning_dp.slots import Clipping, StepContext, sums_once
-from lightning_dp.validation import number
 
 VarianceMode = Literal["per_example", "literal"]
 

@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from lightning_dp.clipping.flat import margin_norms, per_sample_norms, weighted_sum
+from lightning_dp.core.validation import number
 from lightning_dp.per_example import PerExampleGradients
 from lightning_dp.slots import Clipping, StepContext, sums_once
-from lightning_dp.validation import number
 
 
 def normalise_factors(norms: Tensor, max_grad_norm: float, stability: float) -> Tensor:

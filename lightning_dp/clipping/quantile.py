@@ -18,13 +18,13 @@ import torch
 from torch import Tensor
 
 from lightning_dp.clipping.flat import clip_factors, per_sample_norms, weighted_sum
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.rng import make_generator, saved_state
+from lightning_dp.core.validation import number
+from lightning_dp.core.validation import seed as check_seed
 from lightning_dp.per_example import PerExampleGradients
-from lightning_dp.release import Releases
-from lightning_dp.rng import make_generator, saved_state
 from lightning_dp.slots import Clipping, StepContext, sums_once
-from lightning_dp.validation import number
-from lightning_dp.validation import seed as check_seed
+from lightning_dp.slots.release import Releases
 
 COUNT_NOISE_FRACTION = 1 / 20
 """The paper's default count noise σ_b = m/20 (m: the expected batch size)."""

@@ -25,10 +25,10 @@ from torch import Tensor
 
 from lightning_dp.accounting import Gaussian, PrivacyEvent, calibrate_noise
 from lightning_dp.accounting import matrix_factorization as mf
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.validation import number
 from lightning_dp.noise.correlated import CONVENTION, CorrelatedNoise, coefficient_list
 from lightning_dp.slots import Sampler
-from lightning_dp.validation import number
 
 __all__ = ["BLT"]
 

@@ -6,8 +6,8 @@ import warnings
 from typing import Any
 
 from lightning_dp.accounting import calibrate_noise
+from lightning_dp.core.validation import number
 from lightning_dp.slots import Noise, Sampler
-from lightning_dp.validation import number
 
 
 class ConstantNoise(Noise):

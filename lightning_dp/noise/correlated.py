@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from lightning_dp.accounting import calibrate_noise
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.validation import number
 from lightning_dp.slots import NOISE_SLICE, Noise, Sampler
-from lightning_dp.validation import number
 
 __all__ = ["CONVENTION", "CorrelatedNoise", "coefficient_list"]
 

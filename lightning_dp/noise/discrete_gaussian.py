@@ -9,7 +9,7 @@ is an integer whatever the data, so there is no floating-point residue to read.
 The sampler is CKS's Algorithm 3 (discrete Laplace proposal of scale t, accept with
 exp(−(|y| − σ²/t)²/2σ²)), made vectorised and constant-structure:
 
-* every random bit comes from :func:`~lightning_dp.rng.secure_words` (``os.urandom``): no torch generator;
+* every random bit comes from :func:`~lightning_dp.core.rng.secure_words` (``os.urandom``): no torch generator;
 * one candidate costs four 63-bit words: U (uniform on [0, t), t a power of two ≥ σ) with the sign, V
   (geometric, P[V ≥ v] = e^{−v}, by comparison with the integer thresholds ⌊e^{−v}·2⁶³⌋), and a 126-bit
   uniform for the one Bernoulli(exp(−U/t − (|Y| − σ²/t)²/2σ²)) that replaces CKS's two acceptance tests;
@@ -36,10 +36,10 @@ from torch import Tensor
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.discrete_gaussian import IntegerGrid, PoissonDiscreteGaussian, sampler_delta
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.rng import SECURE_WORD, secure_words
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.rng import SECURE_WORD, secure_words
+from lightning_dp.core.validation import number
 from lightning_dp.slots import Noise, Sampler
-from lightning_dp.validation import number
 
 __all__ = ["BULK_EXPONENT", "CKSSampler", "DiscreteGaussian"]
 

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
 from lightning_dp.accounting.pure_laplace import laplace_multiplier, subsampled_laplace_epsilon
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.validation import flag, number
 from lightning_dp.slots import Noise, Sampler, Step
-from lightning_dp.validation import flag, number
 
 __all__ = ["NoiseDividing", "allocation_shares", "gaussian_schedule", "laplace_schedule", "select_horizon"]
 

@@ -2,7 +2,7 @@
 what one batch left (:class:`PerExampleGradients`, one :class:`LayerCall` per layer call) and the
 per-layer kernels that compute norms and clipped sums from it (:mod:`.kernels`)."""
 
-from lightning_dp.errors import BatchDimensionError
+from lightning_dp.core.errors import BatchDimensionError
 from lightning_dp.per_example.capture import GradientCapture, GradMode
 from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients
 

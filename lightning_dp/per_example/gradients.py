@@ -12,9 +12,9 @@ from typing import Any, Literal, Protocol, TypeVar, cast
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.batches import UnitInfo
+from lightning_dp.core.batches import UnitInfo
 from lightning_dp.per_example import kernels
-from lightning_dp.per_example.kernels import units as unit_kernels
+from lightning_dp.per_example.kernels import unit_norms as unit_kernels
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
 from lightning_dp.per_example.kernels.tied import tied_sq_norms, tied_weighted
 from lightning_dp.per_example.materialized import (

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.per_example import recurrent
 from lightning_dp.per_example.materialized import direct_params
 from lightning_dp.per_example.reparametrized import is_parametrized

@@ -12,7 +12,7 @@ import torch
 from opacus.grad_sample import GradSampleHooks
 from torch import Tensor, nn
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.per_example import vmap
 from lightning_dp.per_example.reparametrized import is_parametrized, reparametrized
 

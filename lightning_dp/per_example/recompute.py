@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.errors import DPConfigurationError, quote_error
+from lightning_dp.core.errors import DPConfigurationError, quote_error
 from lightning_dp.per_example import broadcast, vmap
 from lightning_dp.per_example.materialized import direct_params
 from lightning_dp.per_example.precision import ieee_fp32

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.per_example import kernels as fast_kernels
 
 

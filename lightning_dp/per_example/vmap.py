@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 
 def output_tensors(output: Any) -> list[tuple[int, Tensor]]:

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Subset
 
+from lightning_dp.core.validation import number
 from lightning_dp.sampling.user_ids import UserIds, UserKey, resolve_user_ids
-from lightning_dp.validation import number
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

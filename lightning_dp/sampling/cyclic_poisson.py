@@ -24,15 +24,15 @@ import torch
 from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
-from lightning_dp.batches import IndicesWithInfo
-from lightning_dp.draws import check_population, poisson_share
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.batches import IndicesWithInfo
+from lightning_dp.core.draws import check_population, poisson_share
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.rng import make_generator
+from lightning_dp.core.validation import number
 from lightning_dp.per_example import PerExampleGradients
-from lightning_dp.release import Releases
-from lightning_dp.rng import make_generator
 from lightning_dp.sampling.seeded import SeededSampler
 from lightning_dp.slots import SamplerRuntime, StepContext
-from lightning_dp.validation import number
+from lightning_dp.slots.release import Releases
 
 __all__ = ["CyclicBatchSampler", "CyclicPoisson", "partition_labels"]
 

@@ -21,16 +21,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_dp import validation
 from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyEvent
 from lightning_dp.accounting.rdp import epsilon_from_rdp, segment_rdp
-from lightning_dp.batches import IndicesWithInfo
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core import validation
+from lightning_dp.core.batches import IndicesWithInfo
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.rng import make_generator, saved_states
+from lightning_dp.core.validation import flag, number
 from lightning_dp.per_example import PerExampleGradients
-from lightning_dp.release import Releases
-from lightning_dp.rng import make_generator, saved_states
 from lightning_dp.slots import Sampler, SamplerRuntime, StepContext
-from lightning_dp.validation import flag, number
+from lightning_dp.slots.release import Releases
 
 __all__ = [
     "DPIS",

@@ -11,7 +11,7 @@ import torch
 
 from lightning_dp.accounting import PrivacyEvent
 from lightning_dp.accounting.pure_laplace import SubsampledLaplace
-from lightning_dp.draws import check_population, uniform_subset
+from lightning_dp.core.draws import check_population, uniform_subset
 from lightning_dp.sampling.seeded import DrawnBatches, SeededSampler
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
-from lightning_dp.draws import check_population, poisson_share
+from lightning_dp.core.draws import check_population, poisson_share
 from lightning_dp.sampling.seeded import SeededSampler
 
 

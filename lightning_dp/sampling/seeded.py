@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from lightning_dp import validation
-from lightning_dp.rng import make_generator, saved_state
+from lightning_dp.core import validation
+from lightning_dp.core.rng import make_generator, saved_state
 from lightning_dp.slots import Sampler
 
 

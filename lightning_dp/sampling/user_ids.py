@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Subset
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 UserKey = str | Sequence[Hashable] | Tensor | np.ndarray | Callable[[int], Hashable]
 """What ``user_key`` may be: a column/attribute/item-key name, ids aligned with indices, or a function."""

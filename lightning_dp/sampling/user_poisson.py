@@ -21,9 +21,10 @@ import numpy as np
 import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
-from lightning_dp.batches import IndicesWithInfo, UnitInfo
-from lightning_dp.draws import poisson_share
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.batches import IndicesWithInfo, UnitInfo
+from lightning_dp.core.draws import poisson_share
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.validation import number
 from lightning_dp.sampling.contribution_bound import (
     bounded_examples,
     first_per_segment,
@@ -38,7 +39,6 @@ from lightning_dp.sampling.user_ids import (
     resolve_user_ids,
     same_users,
 )
-from lightning_dp.validation import number
 
 __all__ = ["UserPoisson"]
 

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dp.core.validation import number
 from lightning_dp.slots import Step, StepContext
-from lightning_dp.validation import number
 
 __all__ = ["HeavyBall", "MultiStageNesterov", "Nesterov", "masg_stage_lengths", "nag_momentum"]
 

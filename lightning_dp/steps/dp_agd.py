@@ -27,10 +27,10 @@ from torch import Tensor
 
 from lightning_dp.accounting import NoisyMin, PrivacyFilter, rho_from_epsilon
 from lightning_dp.accounting.zcdp import ZCDPConversion
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.validation import number
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.loss_queries import LossProbe
-from lightning_dp.validation import number
 
 __all__ = ["AdaptiveGD", "grad_avg", "initial_budgets", "noisy_min", "step_grid"]
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.batches import EmptyBatch, batch_length, split_batch
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.batches import EmptyBatch, batch_length, split_batch
+from lightning_dp.core.errors import DPConfigurationError
 
 __all__ = ["PROBE_METHOD", "LossProbe", "require_loss_probe"]
 

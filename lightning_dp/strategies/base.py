@@ -27,17 +27,17 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dp.accounting import BudgetExceededError, PrivacyLedger
-from lightning_dp.batches import EmptyBatch
-from lightning_dp.callbacks import PrivacyCallback
-from lightning_dp.checkpointing import atomic_save, is_local_path, unreadable_checkpoint
 from lightning_dp.checks import RunChecks
+from lightning_dp.core.batches import EmptyBatch
+from lightning_dp.core.errors import BatchDimensionError, DPConfigurationError
+from lightning_dp.core.privacy_unit import PrivacyUnit
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import BatchDimensionError, DPConfigurationError
 from lightning_dp.per_example.capture import tracing
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
-from lightning_dp.prepare import OnBatchNorm, prepare_module
-from lightning_dp.privacy_unit import PrivacyUnit
-from lightning_dp.strategies import checkpoints, loaders, refusals, routing, units
+from lightning_dp.run.callbacks import PrivacyCallback
+from lightning_dp.run.checkpointing import atomic_save, is_local_path, unreadable_checkpoint
+from lightning_dp.run.prepare import OnBatchNorm, prepare_module
+from lightning_dp.strategies import checkpoints, loaders, privacy_unit_setup, refusals, routing
 from lightning_dp.strategies.config import PrivacyConfig
 from lightning_dp.strategies.norm_pass import sampler_runtime
 from lightning_dp.strategies.optim import DPOptimizer
@@ -84,7 +84,7 @@ class DPStrategyBase(Strategy):
         it, so Lightning's batch hooks get the user's batch; ``training_step`` takes them in order."""
         self.step_counts = checkpoints.StepCounts()
         self._bound_data: loaders.BoundData | None = None
-        self._bounded = units.BoundedData()
+        self._bounded = privacy_unit_setup.BoundedData()
         self.privacy_unit: PrivacyUnit | None = None
         """What this run's ε covers (example or user, and how many), once the train loader is bound."""
 
@@ -228,7 +228,7 @@ class DPStrategyBase(Strategy):
             sampler.bind(num_samples, logical_batch, rank=self.global_rank, world_size=self.world_size)
         except ValueError as err:
             raise DPConfigurationError(str(err)) from err
-        self.privacy_unit = units.privacy_unit_of(self.config, self.engine)
+        self.privacy_unit = privacy_unit_setup.privacy_unit_of(self.config, self.engine)
         self._check_ranks_agree({"privacy units": self.privacy_unit.num_units})
         checkpoints.check_resumed_data(self.engine, self.step_counts, public)
         refusals.warn_on_large_delta(self.engine.delta, self.privacy_unit.num_units, self.privacy_unit.kind)
@@ -248,7 +248,7 @@ class DPStrategyBase(Strategy):
             {"q (sample rate)": sampler.sample_rate, "noise multiplier": loaders.first_sigma(engine)}
         )
         assert self.privacy_unit is not None
-        rank_zero_info(units.fit_start_line(self.privacy_unit, engine))  # what the ε covers
+        rank_zero_info(privacy_unit_setup.fit_start_line(self.privacy_unit, engine))  # what the ε covers
 
     def _sampler_runtime(self, trainer: Trainer, loader: DataLoader, num_batches: int) -> Any:
         assert self.lightning_module is not None

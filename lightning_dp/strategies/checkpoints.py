@@ -3,7 +3,7 @@
 Rank 0's ledger and every rank's own sampling and noise streams are stored under ``CHECKPOINT_KEY``; a
 resume must continue the same run (same processes, data set and batch size) or it is refused, because a
 ledger restarted or continued on other data would report less ε than was spent. The file-level parts
-(atomic writes, damaged-file diagnosis) are in ``lightning_dp/checkpointing.py``.
+(atomic writes, damaged-file diagnosis) are in ``lightning_dp/run/checkpointing.py``.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
-from lightning_dp.checkpointing import (
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.engine import PrivateStepEngine
+from lightning_dp.run.checkpointing import (
     check_privacy_state,
     check_resumed_counts,
     does_not_add_up,
     loop_global_step,
     step_in_flight,
 )
-from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.prepare import MODEL_HISTORY_ATTR
+from lightning_dp.run.prepare import MODEL_HISTORY_ATTR
 from lightning_dp.slots import Sampler, Step
 
 CHECKPOINT_KEY = "lightning_dp"

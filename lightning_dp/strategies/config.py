@@ -17,15 +17,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from lightning_dp import validation
 from lightning_dp.clipping import AutoClipping, FlatClipping
 from lightning_dp.clipping.integer_grid import GridClipping
+from lightning_dp.core import validation
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.validation import number
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.noise.discrete_gaussian import DiscreteGaussian
 from lightning_dp.per_example import GradMode
-from lightning_dp.prepare import OnBatchNorm
+from lightning_dp.run.prepare import OnBatchNorm
 from lightning_dp.sampling import Poisson
 from lightning_dp.sampling.dpis import DPIS
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
@@ -34,7 +35,6 @@ from lightning_dp.steps.line_search import LineSearch
 from lightning_dp.strategies import deprecated
 from lightning_dp.strategies.options import Checks, UserBound
 from lightning_dp.strategies.refusals import refuse_with_users
-from lightning_dp.validation import number
 
 DEFAULT_TARGET_EPSILON = 3.0
 Accountant = Literal["rdp", "prv", "pld", "pure"]
@@ -241,7 +241,7 @@ def _validate_users(config: PrivacyConfig) -> None:
 
 
 def _validate(config: PrivacyConfig) -> None:
-    """Type and range of every argument, named in the message (lightning_dp/validation.py)."""
+    """Type and range of every argument, named in the message (lightning_dp/core/validation.py)."""
     owner = config.owner
     units = config.user_level or config.augmentation_multiplicity != 1
     if config.checks.isolate_examples and config.max_physical_batch_size not in (None, 1) and not units:

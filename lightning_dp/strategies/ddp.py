@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.slots import Slot, iter_slots
 from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.config import PrivacyConfig, takes_privacy_options

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from types import FrameType
 from typing import Any, Literal
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.sampling import UserPoisson
 from lightning_dp.strategies.options import Checks, UserBound
 

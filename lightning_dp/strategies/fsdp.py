@@ -40,9 +40,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from typing_extensions import override
 
-from lightning_dp.batches import EmptyBatch
+from lightning_dp.core.batches import EmptyBatch
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import Clipping, Step
 from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.checkpoints import CHECKPOINT_KEY, _rank_dp_state, gather_dp_state

@@ -20,18 +20,18 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
-from lightning_dp.batches import BatchWithInfo, EmptyBatch, InfoDataset, units_of
 from lightning_dp.checks.collate_order import collate_in_order
 from lightning_dp.checks.integrity import BatchIntegrity
+from lightning_dp.core.batches import BatchWithInfo, EmptyBatch, InfoDataset, units_of
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.sampling.units import AugmentedDataset, flatten_views
+from lightning_dp.sampling.augmentation import AugmentedDataset, flatten_views
 
 
 class CollateWithEmpty:
     """The user's collate function, except that an empty index list becomes an ``EmptyBatch``; with
     ``views`` > 1 (augmentation multiplicity) it collates every example's views as consecutive rows and
-    the batch carries its unit map (:func:`~lightning_dp.sampling.units.flatten_views`). A batch whose rows
+    the batch carries its unit map (:func:`~lightning_dp.sampling.augmentation.flatten_views`). A batch whose rows
     carry privacy units is collated in order or refused (:func:`~lightning_dp.checks.collate_order.collate_in_order`):
     each row keeps the unit of the item fetched at its position."""
 

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.batches import batch_length
 from lightning_dp.checks.user_step import ModuleState, checking, dry_training_step
+from lightning_dp.core.batches import batch_length
 from lightning_dp.per_example import GradientCapture
 
 _OUT_OF_STEP = (

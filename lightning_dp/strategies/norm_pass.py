@@ -15,8 +15,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dp.checks.user_step import training_step_loss
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
 from lightning_dp.slots import SamplerRuntime
 
 ToDevice = Callable[[Any], Any]

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
 
 
 class DPOptimizer(Optimizer):

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_dp import validation
 from lightning_dp.checks import DEFAULT_OVERHEAD, CheckSetting
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core import validation
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.sampling.user_ids import UserKey
 
 DataChanges = Literal["refuse", "public"]

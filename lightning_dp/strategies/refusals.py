@@ -15,10 +15,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_dp.core.errors import BatchDimensionError, DPConfigurationError
+from lightning_dp.core.rng import SEEDED_RUN_WARNING
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import BatchDimensionError, DPConfigurationError
-from lightning_dp.prepare import check_train_sampler
-from lightning_dp.rng import SEEDED_RUN_WARNING
+from lightning_dp.run.prepare import check_train_sampler
 from lightning_dp.slots import Slot
 
 NO_PASS = object()

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_dp.batches import (
+from lightning_dp.core.batches import (
     EmptyBatch,
     UnitInfo,
     batch_length,
@@ -26,8 +26,8 @@ from lightning_dp.batches import (
     unit_chunks,
     units_of,
 )
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
 from lightning_dp.strategies.loaders import RealisedSizes
 from lightning_dp.strategies.refusals import budget_message
 

@@ -9,7 +9,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.config import PrivacyConfig, takes_privacy_options
 

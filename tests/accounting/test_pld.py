@@ -18,7 +18,7 @@ from lightning_dp.accounting import (
     calibrate_noise,
     compute_epsilon,
 )
-from lightning_dp.compatibility import check_mechanisms
+from lightning_dp.slots.compatibility import check_mechanisms
 
 DELTA = 1e-5
 HISTORY = [((2.0, 0.01), 150), ((4.0, 0.02), 60), ((2.0, 0.01), 40)]  # σ ≥ 2: cheap PLD grids

@@ -1,6 +1,7 @@
-"""The zCDP, pure-DP and SVT events (``accounting/zcdp.py``; DP-AGD spec §3, line-search spec §3.3-3.6): ρ and ε
-conversions, their RDP curves, ρ of events, and the events' round trip through dicts. The filters that spend
-them are tested in ``tests/accounting/test_filter.py``."""
+"""The zCDP, pure-DP and SVT events (``accounting/zcdp.py``, ``pure_dp.py``, ``laplace_mechanism.py``,
+``noisy_min.py``, ``svt.py``; DP-AGD spec §3, line-search spec §3.3-3.6): ρ and ε conversions, their RDP curves,
+ρ of events, and the events' round trip through dicts. The filters that spend them are tested in
+``tests/accounting/test_filter.py``."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from lightning_dp.accounting import (
     rho_from_epsilon,
     zcdp_rho,
 )
-from lightning_dp.accounting.zcdp import gaussian_std_for_rho, laplace_rdp, pure_dp_rdp
+from lightning_dp.accounting.laplace_mechanism import laplace_rdp
+from lightning_dp.accounting.pure_dp import pure_dp_rdp
+from lightning_dp.accounting.zcdp import gaussian_std_for_rho
 
 ORDERS = (1.5, 2.0, 3.0, 5.0, 10.0, 32.0, 100.0, 500.0)
 

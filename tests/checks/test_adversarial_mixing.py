@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.checks.mixing import choose_rows, field_extremes, norm_extremes, rare_values
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 Stat = Callable[[Tensor], Tensor]
 """A statistic over the batch: [B, k] → [1, k] (an aggregate) or [B, k] (per row, relative to the batch)."""

@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 from lightning_dp.checks.capture import CaptureObligations
-from lightning_dp.errors import BatchDimensionError, DPConfigurationError
+from lightning_dp.core.errors import BatchDimensionError, DPConfigurationError
 from lightning_dp.per_example.observations import Observed
 
 LAYER = nn.Linear(2, 2)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
 from lightning_dp.checks.mixing import _U32, FP32_EXAMPLE_ROUNDING, move_tolerance, summation_chunk
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -361,7 +361,7 @@ def test_a_setting_that_flips_makes_the_next_batch_checked_and_a_schedule_does_n
 def test_a_quoted_exception_of_yours_keeps_its_words_not_its_numbers():
     """The refusals that quote your step's or hook's exception on a batch the check made drop its numbers
     (a shape there is the private batch's size)."""
-    from lightning_dp.errors import quote_error
+    from lightning_dp.core.errors import quote_error
 
     quoted = quote_error(RuntimeError("shape '[274, 8]' is invalid for input of size 2192"))
     assert quoted == "RuntimeError: shape '[…, …]' is invalid for input of size …"

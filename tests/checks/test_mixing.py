@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_dp import DPConfigurationError, DPStrategy
-from lightning_dp.release import ReleaseHook
+from lightning_dp.slots.release import ReleaseHook
 
 MIXING = "Sensitivity check failed"
 HOOKED = "is not the batch the sampler drew"

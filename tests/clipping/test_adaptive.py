@@ -38,7 +38,7 @@ from lightning_dp.clipping import clip_factors
 from lightning_dp.clipping.automatic import normalise_factors
 from lightning_dp.clipping.quantile import geometric_update, gradient_noise_multiplier
 from lightning_dp.per_example import GradientCapture, PerExampleGradients
-from lightning_dp.release import ReleaseHook, Releases
+from lightning_dp.slots.release import ReleaseHook, Releases
 
 # -- the spec's vectors -------------------------------------------------------------------------------------------
 
@@ -381,7 +381,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_quantile.yaml
 
 
 def test_the_shipped_config_trains_with_quantile_clipping_from_its_class_path(tmp_path):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     main(
         [
@@ -402,7 +402,7 @@ def test_the_shipped_config_trains_with_quantile_clipping_from_its_class_path(tm
 
 
 def test_the_config_s_clipping_class_path_takes_auto_clipping_too():
-    from lightning_dp.tuning.planning import instantiate_cli
+    from lightning_dp.commands.tuning.planning import instantiate_cli
 
     cli = instantiate_cli(
         ["--config", str(CONFIG), "--trainer.strategy.init_args.clipping", "lightning_dp.AutoClipping"]

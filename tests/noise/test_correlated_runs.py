@@ -386,7 +386,7 @@ def test_neighbour_bandmf_step_moves_the_sum_by_at_most_c():
 
 # -- the CLI -----------------------------------------------------------------------------------------------------------
 def test_cli_trains_a_bandmf_config(tmp_path):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     main(
         [
@@ -410,7 +410,7 @@ def test_cli_trains_a_bandmf_config(tmp_path):
 @pytest.mark.slow
 @requires_data(*MNIST_FILES)
 def test_mnist_bandmf_config_runs_a_few_private_steps(tmp_path, monkeypatch):
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     monkeypatch.setenv("LIGHTNING_DP_CACHE", str(tmp_path / "cache"))
     main(

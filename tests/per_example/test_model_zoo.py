@@ -8,10 +8,10 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.per_example import GradientCapture
 from lightning_dp.per_example.kernels.certified import GUARD_FRACTION
-from lightning_dp.prepare import replace_batchnorm
+from lightning_dp.run.prepare import replace_batchnorm
 from tests.conftest import make_trainer
 from tests.per_example.zoo import (
     DOC,

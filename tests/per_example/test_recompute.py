@@ -8,7 +8,7 @@ from conftest import TinyModule, make_trainer
 from torch import nn
 
 from lightning_dp import DPStrategy
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.per_example import GradientCapture, vmap
 
 

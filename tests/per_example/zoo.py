@@ -461,7 +461,7 @@ def path_summary(entry: ZooModel) -> dict[str, Counter[str]]:
     """Which path each trainable layer of the model takes: path → Counter of layer type names."""
     from lightning_dp.per_example import GradientCapture
     from lightning_dp.per_example.materialized import direct_params
-    from lightning_dp.prepare import replace_batchnorm
+    from lightning_dp.run.prepare import replace_batchnorm
 
     torch.manual_seed(0)
     model = entry.build()

@@ -16,7 +16,6 @@ from lightning_dp.accounting import Gaussian, PoissonGaussian, PrivacyLedger, ca
 from lightning_dp.accounting.rdp import epsilon_from_rdp
 from lightning_dp.noise import ConstantNoise
 from lightning_dp.per_example import PerExampleGradients
-from lightning_dp.release import Releases
 from lightning_dp.sampling.dpis import (
     acceptance_probabilities,
     dpis_step_event,
@@ -24,6 +23,7 @@ from lightning_dp.sampling.dpis import (
     schedule_sigma,
 )
 from lightning_dp.slots import SamplerRuntime, StepContext
+from lightning_dp.slots.release import Releases
 
 # -- U1-U5: Eq. (13) is a sampled Gaussian with q = b/(N~ r), noise multiplier σ_G/r -------------------
 U1 = {  # K~ -> RDP at alpha = 2, 8, 32, 2.5 (b = 256, N~ = 60000, C = 0.1, σ_G = 0.81)
@@ -324,7 +324,7 @@ def test_dpis_from_yaml_config(tmp_path):
     import json
     from pathlib import Path
 
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     root = Path(__file__).resolve().parents[2]
     main(

@@ -16,7 +16,7 @@ from scipy import stats
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dp import CyclicPoisson, DPConfigurationError, DPStrategy, FixedSize, Poisson
-from lightning_dp.draws import (
+from lightning_dp.core.draws import (
     BINOMIAL_MAX,
     MAX_POPULATION,
     _poisson_hits,

@@ -237,7 +237,7 @@ def test_pure_ledger_prices_only_pure_events():
 
 
 def test_noise_dividing_refuses_a_step_without_weights():
-    from lightning_dp.errors import DPConfigurationError
+    from lightning_dp.core.errors import DPConfigurationError
 
     noise = NoiseDividing()
     noise.link_step(HeavyBall(beta=0.5))

@@ -19,7 +19,7 @@ from lightning_dp import (
     Nesterov,
     NoiseDividing,
 )
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 
 def _weights(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -7,8 +7,8 @@ import torch
 from conftest import TinyModule, make_trainer
 
 from lightning_dp import DPIS, DPConfigurationError, DPStrategy, HeavyBall, LineSearch
-from lightning_dp.release import ReleaseHook
 from lightning_dp.slots import StepContext
+from lightning_dp.slots.release import ReleaseHook
 
 N, BATCH = 64, 16
 

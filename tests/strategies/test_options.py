@@ -250,7 +250,7 @@ def test_yaml_new_and_old_forms_build_the_same_strategy(tmp_path):
 
 
 def test_the_shipped_user_level_config_builds_user_sampling_without_a_warning(tmp_path):
-    from lightning_dp.lightning_cli import DPLightningCLI
+    from lightning_dp.commands.lightning_cli import DPLightningCLI
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*deprecated keywords", category=DeprecationWarning)
@@ -264,7 +264,7 @@ def test_the_shipped_user_level_config_builds_user_sampling_without_a_warning(tm
 
 
 def test_fit_help_lists_the_options_and_the_checks_fields():
-    from lightning_dp.cli import main
+    from lightning_dp.commands.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):

@@ -1,4 +1,4 @@
-"""Private tuning (``lightning_dp/tuning/``, issue #20): planning, and tune()'s invariants.
+"""Private tuning (``lightning_dp/commands/tuning/``, issue #20): planning, and tune()'s invariants.
 
 Invariant tests use stub trials (no training); one end-to-end test runs two very short digits fits. The
 RepeatAndSelect bound that prices a search is tested in ``tests/accounting/test_repeat_select.py``.
@@ -28,7 +28,7 @@ from lightning_dp.accounting import (
     Repetitions,
     epsilon_from_rdp,
 )
-from lightning_dp.tuning import (
+from lightning_dp.commands.tuning import (
     Score,
     TrialOutcome,
     TrialRun,
@@ -37,7 +37,7 @@ from lightning_dp.tuning import (
     plan,
     tune,
 )
-from lightning_dp.tuning.planning import TrialPlan
+from lightning_dp.commands.tuning.planning import TrialPlan
 from tests.accounting.test_repeat_select import SIGMA, Q, digits_ledger, tuned
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -298,7 +298,7 @@ def test_search_refusals(change: dict[str, Any], message: str) -> None:
 
 def test_a_declared_dataset_size_fixes_the_trials_rate_and_steps() -> None:
     """dataset_size=: the tuner plans q = B/N_pub and ⌈N_pub/B⌉ steps an epoch, never the real N (1257)."""
-    from lightning_dp.tuning.planning import plan_from_args
+    from lightning_dp.commands.tuning.planning import plan_from_args
 
     real = plan_from_args(DIGITS, Score("public"))
     for declared in (600, 5000):
@@ -312,8 +312,8 @@ def test_a_declared_dataset_size_fixes_the_trials_rate_and_steps() -> None:
 def test_monitor_callbacks_and_prv_are_refused_and_cli_plan_only(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from lightning_dp.cli import main
-    from lightning_dp.tuning.planning import plan_from_args
+    from lightning_dp.commands.cli import main
+    from lightning_dp.commands.tuning.planning import plan_from_args
 
     args = [*DIGITS, "--trainer.callbacks+=EarlyStopping", "--trainer.callbacks.monitor=val_acc"]
     with pytest.raises(DPConfigurationError, match="monitor a metric of private data"):

@@ -25,14 +25,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from lightning_dp import validation
 from lightning_dp.accounting import PrivacyEvent, PrivacyFilter
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
 from lightning_dp.accounting.rdp import event_rdp
-from lightning_dp.batches import EmptyBatch
-from lightning_dp.draws import poisson_share
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.rng import make_generator, saved_states
+from lightning_dp.core import validation
+from lightning_dp.core.batches import EmptyBatch
+from lightning_dp.core.draws import poisson_share
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.rng import make_generator, saved_states
+from lightning_dp.core.validation import flag, number
 from lightning_dp.slots import Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
 from lightning_dp.steps.line_search.advice import warn_if_capped_by_eta0
 from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
@@ -52,7 +53,6 @@ from lightning_dp.steps.line_search.svt import (
     svt_calibration,
 )
 from lightning_dp.steps.loss_queries import LossProbe
-from lightning_dp.validation import flag, number
 
 Accounting = Literal["safe", "paper"]
 Mode = Literal["nn", "adaptive"]

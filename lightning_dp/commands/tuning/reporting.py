@@ -17,8 +17,8 @@ from lightning_dp.accounting.repeat_select import (
     Repetitions,
     max_history_rdp,
 )
-from lightning_dp.tuning.planning import TuningPlan, instantiate_cli, naive_epsilon, tuned_epsilon
-from lightning_dp.version import __version__
+from lightning_dp.commands.tuning.planning import TuningPlan, instantiate_cli, naive_epsilon, tuned_epsilon
+from lightning_dp.core.version import __version__
 
 _PUBLIC_DP_STATE = ("version", "steps", "ledger", "max_grad_norm")
 

@@ -16,16 +16,16 @@ from typing import Any
 import numpy as np
 
 from lightning_dp.accounting.ledger import PrivacyLedger
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.tuning.planning import PlanFn, TuningPlan, override_args, plan
-from lightning_dp.tuning.reporting import (
+from lightning_dp.commands.tuning.planning import PlanFn, TuningPlan, override_args, plan
+from lightning_dp.commands.tuning.reporting import (
     log_release_to_loggers,
     plot_tuning_epsilon,
     public_checkpoint,
     tuning_report,
 )
-from lightning_dp.tuning.space import SearchSpec, load_search
-from lightning_dp.tuning.trials import TrialRun, TrialRunner, check_realised, run_lightning_trial
+from lightning_dp.commands.tuning.space import SearchSpec, load_search
+from lightning_dp.commands.tuning.trials import TrialRun, TrialRunner, check_realised, run_lightning_trial
+from lightning_dp.core.errors import DPConfigurationError
 
 _STATE_VERSION = 1
 

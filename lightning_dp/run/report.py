@@ -8,10 +8,10 @@ import os
 from typing import IO, Any
 
 from lightning_dp.accounting import PrivacyFilter
-from lightning_dp.checkpointing import atomic_write
 from lightning_dp.checks import RunChecks
-from lightning_dp.privacy_unit import PrivacyUnit
-from lightning_dp.version import __version__
+from lightning_dp.core.privacy_unit import PrivacyUnit
+from lightning_dp.core.version import __version__
+from lightning_dp.run.checkpointing import atomic_write
 
 REPORT_NAME = "privacy_report.json"
 CURVE_NAME = "privacy_curve.png"
@@ -280,7 +280,7 @@ def write_report(data: dict[str, Any], ledger: Any, directory: str) -> str:
 
 
 def add_audit(report_path: str, audit: dict[str, Any]) -> None:
-    """Store an audit summary (lightning_dp/audit.py) as the report's ``"audit"`` field, atomically."""
+    """Store an audit summary (lightning_dp/commands/audit.py) as the report's ``"audit"`` field, atomically."""
     with open(report_path) as f:
         data = json.load(f)
     data["audit"] = audit

@@ -11,9 +11,9 @@ import numpy as np
 
 from lightning_dp.accounting.events import PrivacyEvent
 from lightning_dp.accounting.rdp import segment_rdp
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.tuning.planning import instantiate_cli
-from lightning_dp.tuning.space import Score
+from lightning_dp.commands.tuning.planning import instantiate_cli
+from lightning_dp.commands.tuning.space import Score
+from lightning_dp.core.errors import DPConfigurationError
 
 
 # ---------------------------------------------------------------------------------------------- trials

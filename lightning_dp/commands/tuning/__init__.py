@@ -15,11 +15,19 @@ DP fit and its noisy score), ``search`` (``tune``), ``reporting`` (what is relea
 from __future__ import annotations
 
 from lightning_dp.accounting.repeat_select import Repetitions
-from lightning_dp.tuning.planning import TuningPlan, calibrate_tuning, plan
-from lightning_dp.tuning.reporting import plan_summary
-from lightning_dp.tuning.search import TuningResult, tune
-from lightning_dp.tuning.space import Choice, LogUniform, Score, SearchSpace, SearchSpec, Uniform, load_search
-from lightning_dp.tuning.trials import TrialOutcome, TrialRun
+from lightning_dp.commands.tuning.planning import TuningPlan, calibrate_tuning, plan
+from lightning_dp.commands.tuning.reporting import plan_summary
+from lightning_dp.commands.tuning.search import TuningResult, tune
+from lightning_dp.commands.tuning.space import (
+    Choice,
+    LogUniform,
+    Score,
+    SearchSpace,
+    SearchSpec,
+    Uniform,
+    load_search,
+)
+from lightning_dp.commands.tuning.trials import TrialOutcome, TrialRun
 
 __all__ = [
     "Choice",

@@ -17,7 +17,7 @@ from lightning_dp.accounting.repeat_select import (
     FAMILIES,
     Repetitions,
 )
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 MAX_COMBINATIONS = 1024
 #: Keys a candidate may never set: the strategy seed would make the trials' noise public (I3).

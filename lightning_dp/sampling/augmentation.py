@@ -5,7 +5,7 @@ h_i = (1/K) Σ_j ∇ℓ(θ; a_j(x_i)) is clipped to C, so each example still mov
 and ε is DP-SGD's at the same (σ, q, T): K appears nowhere in the ledger. The views are the train
 ``Dataset``'s own: it is called K times per index, so its random transforms draw K times. The collate
 flattens [B, K, ...] to [B·K, ...] (each view's label with it) and the batch carries the unit map
-``arange(B).repeat_interleave(K)`` (:class:`~lightning_dp.batches.UnitInfo`): the engine groups each
+``arange(B).repeat_interleave(K)`` (:class:`~lightning_dp.core.batches.UnitInfo`): the engine groups each
 example's K rows before the clipping. With a sampler whose batches already carry units (users), the unit
 stays the sampler's (a user's rows are then its examples × K views): :func:`with_views`.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from lightning_dp.batches import UnitInfo, WithUnits, units_of
+from lightning_dp.core.batches import UnitInfo, WithUnits, units_of
 
 
 class Views(tuple[Any, ...]):

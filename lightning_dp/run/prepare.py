@@ -19,7 +19,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.parameter import UninitializedParameter
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 OnBatchNorm = Literal["raise", "replace"]
 

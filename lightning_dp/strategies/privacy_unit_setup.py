@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from lightning_dp.core.errors import DPConfigurationError
+from lightning_dp.core.privacy_unit import PrivacyUnit
 from lightning_dp.engine import PrivateStepEngine
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.privacy_unit import PrivacyUnit
 from lightning_dp.sampling.contribution_bound import ContributionBound
 from lightning_dp.sampling.user_ids import UserIds, UserKey, changed_users_message, same_users
 from lightning_dp.sampling.user_poisson import UserPoisson

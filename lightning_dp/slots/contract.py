@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyLedger
 from lightning_dp.accounting.discrete_gaussian import IntegerGrid
-from lightning_dp.context import StepContext
-from lightning_dp.release import Releases
+from lightning_dp.slots.context import StepContext
+from lightning_dp.slots.release import Releases
 
 if TYPE_CHECKING:
     from lightning_dp.per_example import PerExampleGradients
@@ -29,7 +29,7 @@ class Slot:
 
     mechanism: str = "gaussian"
     """The kind of release this slot is built for: "gaussian" (default) or "laplace" (pure ε-DP);
-    :func:`~lightning_dp.compatibility.check_mechanisms` refuses slots of different kinds together."""
+    :func:`~lightning_dp.slots.compatibility.check_mechanisms` refuses slots of different kinds together."""
     seed: int | None = None
     """The slot's own seed, if it draws random numbers (None: ``os.urandom``; a resumed run then does
     not restore the slot's generator states)."""
@@ -88,7 +88,7 @@ class Sampler(Slot, ABC):
     """True for samplers that set σ themselves (``step_noise_multiplier``); the strategy then skips
     the noise slot's calibration."""
     carries_batch_info: bool = False
-    """True when the batch sampler yields :class:`~lightning_dp.batches.IndicesWithInfo`: the info
+    """True when the batch sampler yields :class:`~lightning_dp.core.batches.IndicesWithInfo`: the info
     travels with the batch through DataLoader prefetching and is handed back via ``begin_step``."""
     restored_shape: tuple[int | None, float | None] = (None, None)
     """(N, q) read from a checkpoint by ``load_state_dict``: a resume on other data or another batch
@@ -213,7 +213,7 @@ class Clipping(Slot, ABC):
     @property
     def integer_grid(self) -> IntegerGrid | None:
         """The integer grid ``clip_and_sum``'s int64 sums are on (``GridClipping``, secure noise); None:
-        float sums. :func:`~lightning_dp.compatibility.check_mechanisms` pairs it with the noise slot's."""
+        float sums. :func:`~lightning_dp.slots.compatibility.check_mechanisms` pairs it with the noise slot's."""
         return None
 
     @abstractmethod

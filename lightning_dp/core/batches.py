@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.data import Dataset
 
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 
 
 class EmptyBatch:

@@ -1,6 +1,6 @@
 """StepContext: what one private step knows about itself, handed to every slot hook and to the release.
 
-Below both the slot contract (``slots.py``) and the release path (``release.py``), so neither imports the
+Below both the slot contract (``contract.py``) and the release path (``release.py``), so neither imports the
 other's module for it.
 """
 

@@ -23,8 +23,8 @@ from lightning_dp.accounting.repeat_select import (
     max_history_rdp,
     repeat_and_select_rdp,
 )
-from lightning_dp.errors import DPConfigurationError
-from lightning_dp.tuning.space import MAX_COMBINATIONS, Choice, Score, SearchSpec, load_search
+from lightning_dp.commands.tuning.space import MAX_COMBINATIONS, Choice, Score, SearchSpec, load_search
+from lightning_dp.core.errors import DPConfigurationError
 
 
 # -------------------------------------------------------------------------------------------- planning
@@ -53,7 +53,7 @@ def override_args(overrides: Mapping[str, Any]) -> list[str]:
 
 def instantiate_cli(args: Sequence[str]) -> Any:
     """A DPLightningCLI built without running (no config file written)."""
-    from lightning_dp.lightning_cli import DPLightningCLI
+    from lightning_dp.commands.lightning_cli import DPLightningCLI
     from lightning_dp.strategies import register
 
     register()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 
 from lightning_dp.accounting import PoissonGaussian
-from lightning_dp.errors import DPConfigurationError
+from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
 
 

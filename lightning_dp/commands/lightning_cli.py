@@ -15,7 +15,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_dp.callbacks import PrivacyCallback
+from lightning_dp.run.callbacks import PrivacyCallback
 
 
 class DPLightningCLI(LightningCLI):
