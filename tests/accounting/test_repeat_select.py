@@ -2,7 +2,7 @@
 of K, the hand-computed case and dp_accounting, the digits table, its properties, and the event in the ledger.
 
 Pinned numbers come from the spec (shared/specs/private_tuning.md §2), computed on lightning_dp's own digits
-curve and cross-checked there against dp_accounting. ``tests/tuning/test_tune.py`` tests the search that
+curve and cross-checked there against dp_accounting. ``tests/commands/test_tuning.py`` tests the search that
 spends it.
 """
 
