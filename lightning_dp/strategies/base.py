@@ -304,6 +304,8 @@ class DPStrategyBase(Strategy):
         """An empty batch's noise-only step, counted once released (a checkpoint between counts it once)."""
         output = routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
         self.step_counts.noise_only(module)
+        if not module.automatic_optimization:  # the optimizers stepped here, not through optimizer_step
+            self.checks.after_step()  # later writes to the model are measured from here
         return output
 
     def _module(self) -> Any:
