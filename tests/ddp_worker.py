@@ -43,15 +43,34 @@ t.fit(ZeroSignal(n=400, d=50, hidden=100, classes=50, batch_size=40))
 noise = torch.cat(recorder.grads)
 dump("noise", t.strategy, std=float(noise.std()), numel=noise.numel(), checksum=float(noise.sum()))
 
-# 3. Tiny q: most local batches are empty; every rank must take every step, with the same ε.
-module = TinyModule(n=200, batch_size=1)  # per device (Lightning's meaning): q = 2/200 over both ranks
-t = trainer(DPDDPStrategy(noise_multiplier=1.0, per_device_batch_size=True), max_epochs=1)
+# 3. Tiny q: most local batches are empty; every rank must take every step, with the same ε. The step logs
+# with sync_dist=True (Lightning reduces at log time): a rank without data makes a placeholder call whose
+# all-reduce meets the others' and counts for nothing (issue #48); a short timeout fails a hang fast.
+from datetime import timedelta  # noqa: E402
+
+from sync_logs import LoggedValues, SyncLogs  # noqa: E402
+
+HANG = timedelta(seconds=60)
+
+
+class LogsSynced(SyncLogs, TinyModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log_synced(loss, len(batch[0]))
+        return loss
+
+
+module, logged = LogsSynced(n=200, batch_size=1), LoggedValues()  # per device: q = 2/200 over both ranks
+strategy = DPDDPStrategy(noise_multiplier=1.0, per_device_batch_size=True, seed=3, timeout=HANG)
+t = trainer(strategy, max_epochs=1, callbacks=[logged])
 t.fit(module)
 dump(
     "tiny_q",
     t.strategy,
     seen=len(module.seen_batch_sizes),
     weights=float(sum(p.sum() for p in module.parameters())),
+    placeholders=t.strategy.placeholders.placeholders,
+    **logged.record(module),
 )
 
 # 4. Virtual batching under DDP: σ = 0, C = 0.1, q = 1, chunks of 5 must equal unsplit single-process.
@@ -257,5 +276,82 @@ for name, sigma in (("quantile_exact", 0.0), ("quantile_noisy", 1.0)):
     if t.global_rank == 0:
         torch.save(module.state_dict(), OUT / f"{name}.pt")
     dump(name, t.strategy, norm=quantile.norm, norm_range=list(quantile.norm_range))
+
+
+# 15. User code's collectives (issue #48). Virtual batching with unequal chunks (chunks of 2 from about 5
+# examples a rank): a rank with fewer first makes placeholder calls; the synced logs are the ranks' with data.
+class ChunkLogsSynced(LogsSynced):
+    epoch_batch_size = True
+
+
+module, logged = ChunkLogsSynced(n=80, batch_size=10), LoggedValues()
+strategy = DPDDPStrategy(noise_multiplier=1.0, max_physical_batch_size=2, seed=5, timeout=HANG)
+t = trainer(strategy, max_epochs=1, callbacks=[logged])
+t.fit(module)
+dump("sync_chunks", t.strategy, placeholders=t.strategy.placeholders.placeholders, **logged.record(module))
+
+
+# 16. Manual optimization, tiny q: an empty rank's placeholder call runs the user's step (its log's all-reduce,
+# its release of noise alone, its optimizer and scheduler steps), so both ranks stay in step.
+class ManualLogsSynced(SyncLogs, TinyModule):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer, scheduler = self.optimizers(), self.lr_schedulers()
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log_synced(loss, len(x))
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        scheduler.step()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)]
+
+
+module, logged = ManualLogsSynced(n=200, batch_size=2), LoggedValues()
+t = trainer(DPDDPStrategy(noise_multiplier=1.0, seed=3, timeout=HANG), max_epochs=1, callbacks=[logged])
+t.fit(module)
+dump(
+    "sync_manual", t.strategy, placeholders=t.strategy.placeholders.placeholders, global_step=t.global_step,
+    lr=t.optimizers[0].param_groups[0]["lr"], weights=[p.detach().flatten().tolist() for p in module.parameters()],
+    **logged.record(module),
+)  # fmt: skip
+
+# 17. The ordinary step at B = 8 and B = 1024 logs synced values and trains; a collective that cannot be matched
+# (self.all_gather hands one rank's examples to the other's step; a product cannot leave placeholders out) is
+# refused on both ranks before any release.
+for size in (8, 1024):
+    module, logged = LogsSynced(n=2048, batch_size=size), LoggedValues()
+    t = trainer(DPDDPStrategy(noise_multiplier=1.0, seed=1, timeout=HANG), max_steps=2, callbacks=[logged])
+    t.fit(module)
+    dump(f"sync_b{size}", t.strategy, **logged.record(module))
+
+
+class Gathers(TinyModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + 0 * self.all_gather(loss).sum()
+
+
+class ReducesProduct(TinyModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.trainer.strategy.reduce(loss.detach(), reduce_op="product")
+        return loss
+
+
+for name, kind in (("gathers", Gathers), ("product", ReducesProduct)):
+    t = trainer(DPDDPStrategy(noise_multiplier=1.0, timeout=HANG), max_steps=3)
+    try:
+        t.fit(kind(n=64, batch_size=32))
+        refusal = ""
+    except DPConfigurationError as err:
+        refusal = str(err)
+    dump(f"refuse_{name}", t.strategy, refusal=refusal)
 
 _worker.finish_distributed()

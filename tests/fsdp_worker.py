@@ -270,13 +270,26 @@ dump("peak", t.strategy, params=peak.params, sums=peak.sums, full=full, unit=max
 # numbers of physical chunks (N = 3, chunks of 1: two on rank 0, one on rank 1), and a mixing check that runs
 # its dry passes on rank 0 only (N = 3, every step checked: rank 1's one example cannot mix): σ = 0, C = ∞,
 # fp64, equal to one process; the short rank makes zero-contributing placeholder passes instead of hanging.
+# The step logs with sync_dist=True (issue #48): the placeholder passes make the same all-reduce, and what
+# both ranks log is the mean over the ranks with data.
+from sync_logs import LoggedValues, SyncLogs  # noqa: E402
+
+
+class LogsSynced(SyncLogs, ShardedTiny):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log_synced(loss, len(batch[0]))
+        return loss
+
+
 for name, n, chunk, check in (
     ("empty", 1, None, True),
     ("chunks", 3, 1, True),
     ("checked", 3, None, "every_step"),
 ):
     torch.manual_seed(0)
-    module = ShardedTiny(n=n, batch_size=n, dtype=torch.float64)
+    module, logged = LogsSynced(n=n, batch_size=n, dtype=torch.float64), LoggedValues()
+    module.epoch_batch_size = chunk is not None  # each chunk weighed by its own rows
     strat = strategy(
         noise_multiplier=0.0,
         max_grad_norm=math.inf,
@@ -284,9 +297,12 @@ for name, n, chunk, check in (
         max_physical_batch_size=chunk,
         check_sensitivity=check,
     )
-    t = fit(module, strat, max_epochs=3)
+    t = fit(module, strat, max_epochs=3, callbacks=[logged])
     save_weights(name, module, t)
-    dump(name, strat, passes=strat.lockstep.passes, placeholders=strat.lockstep.placeholders)
+    dump(
+        name, strat, passes=strat.lockstep.passes, placeholders=strat.lockstep.placeholders,
+        **logged.record(module),
+    )  # fmt: skip
 
 
 # 10d. training_step returns no loss on rank 1 at its second batch, after the model's forward: that pass

@@ -350,3 +350,79 @@ def test_secure_integer_sums_add_exactly_over_ranks_and_each_rank_adds_a_share(d
     assert [r["ranks"] for r in noisy] == [2, 2]
     assert noisy[0]["share_scale"] == pytest.approx(2.0 * noisy[0]["sensitivity"] / math.sqrt(2))
     assert noisy[0]["integers"] == noisy[1]["integers"]
+
+
+# -- user code's collectives (issue #48): ddp_worker.py's scenarios 3 and 15-17 -------------------------------------
+
+
+@pytest.mark.slow
+def test_sync_dist_logs_meet_under_tiny_q_and_average_the_ranks_with_data(ddp_results):
+    """Most local batches are empty: that rank's placeholder call makes the same all-reduce as the other's
+    ``self.log(..., sync_dist=True)`` (no hang), and what both log is the mean and max of the ranks with data,
+    never a placeholder's value; the epoch's value is the mean over every real call."""
+    from sync_logs import check_synced
+
+    ranks = load_ranks(ddp_results, "tiny_q")
+    assert check_synced(ranks) > 10  # steps where one rank had no example
+    assert all(r["placeholders"] > 10 for r in ranks)
+
+
+@pytest.mark.slow
+def test_sync_dist_logs_meet_under_virtual_batching_with_unequal_chunks(ddp_results):
+    from sync_logs import check_synced
+
+    ranks = load_ranks(ddp_results, "sync_chunks")
+    counts = [Counter(c[0] for c in r["calls"]) for r in ranks]
+    assert any(counts[0][s] != counts[1][s] for s in counts[0] | counts[1])  # unequal numbers of chunks
+    assert all(r["placeholders"] > 0 for r in ranks)
+    check_synced(ranks)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 8
+
+
+@pytest.mark.slow
+def test_manual_optimization_with_an_empty_local_batch_keeps_the_ranks_in_step(ddp_results):
+    """Under manual optimization the placeholder call is the user's step with nothing of its own: its release
+    (noise alone) meets the other rank's, and its optimizer and scheduler steps are real, so both ranks hold
+    the same weights, learning rate, step counts and ε."""
+    from sync_logs import check_synced
+
+    r0, r1 = ranks = load_ranks(ddp_results, "sync_manual")
+    assert min(r0["placeholders"], r1["placeholders"]) > 0
+    assert r0["steps"] == r1["steps"] == 100
+    assert r0["global_step"] == r1["global_step"]
+    assert r0["lr"] == r1["lr"] < 0.1
+    assert r0["weights"] == r1["weights"]
+    assert (
+        r0["epsilon"]
+        == r1["epsilon"]
+        == pytest.approx(compute_epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=100, delta=1e-5))
+    )
+    check_synced(ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [8, 1024])
+def test_the_ordinary_step_logs_synced_values_at_any_batch_size(ddp_results, size):
+    from sync_logs import check_synced
+
+    ranks = load_ranks(ddp_results, f"sync_b{size}")
+    assert [r["steps"] for r in ranks] == [2, 2]
+    check_synced(ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "says"),
+    [("gathers", "self.all_gather was called inside training_step"), ("product", "reduce_op='product'")],
+)
+def test_a_collective_that_cannot_be_matched_is_refused_on_every_rank_before_any_release(
+    ddp_results, name, says
+):
+    for record in load_ranks(ddp_results, f"refuse_{name}"):
+        assert says in record["refusal"]
+        assert record["steps"] == 0
+
+
+def load_ranks(results, name: str) -> list[dict]:
+    _, load = results
+    return load(name)

@@ -107,6 +107,7 @@ RAISED = {"DPConfigurationError": 0, "BatchDimensionError": 0, "ArgumentError": 
 FORWARDED = {
     "lightning_dp/core/validation.py::_fail": "the messages of number() and flag(): the argument-* entries",
     "lightning_dp/checks/capture.py::_mixed_or_untraced": "the tracer's refusals (per_example/uses.py)",
+    "lightning_dp/strategies/collectives.py::refuse_gather": "_GATHER_REFUSAL: collective-in-training-step",
     "lightning_dp/checks/capture.py::collected": "coverage.missed_use_message(): per-example-gradients-do-not-add-up",
     "lightning_dp/engine.py::_check_consistency": "checks.missed_use_message(): per-example-gradients-do-not-add-up",
     "lightning_dp/checks/mixing.py::run": "self.refusal(...) and a note: sensitivity-check-failed",

@@ -229,6 +229,20 @@ def test_a_rank_with_an_empty_batch_fewer_chunks_or_no_check_runs_placeholders_a
     assert (r0["placeholders"], r1["placeholders"]) == (0, placeholders)
 
 
+@pytest.mark.parametrize("name", ["empty", "chunks", "checked"])
+def test_sync_dist_logs_meet_on_a_rank_of_placeholder_passes_and_average_the_ranks_with_data(
+    fsdp_results, name
+):
+    """The step logs with ``sync_dist=True`` (issue #48): rank 1's placeholder passes (no example, or one chunk
+    fewer) make the same all-reduce and count for nothing, so both log rank 0's value, or the mean of both."""
+    from sync_logs import check_synced
+
+    _, load = fsdp_results
+    ranks = load(name)
+    partial = check_synced(ranks)
+    assert partial == (3 if name == "empty" else 0)
+
+
 class _RankZeroOnlyInStep2(ShardedTiny):
     """One process standing for the sharded run below: a summed loss whose second step counts only the
     examples rank 0 owns (index ≡ 0 mod 2); the others are in the batch with gradient 0."""

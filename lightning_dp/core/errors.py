@@ -156,6 +156,8 @@ TROUBLESHOOTING: dict[str, str] = {
     "privacy-callback-without-dp-strategy": "PrivacyCallback needs a DP strategy",
     "prv-discretisation-too-large": "PRV discretisation needs ~",
     "monitor-on-training-metric": "watches a metric logged during training:",
+    "collective-in-training-step": "was called inside training_step (or a hook a check re-runs) under a",
+    "reduce-op-in-training-step": "inside training_step under a distributed private strategy: only mean",
     "checkpoint-without-privacy-state": "has no privacy state (ledger, sampler",
     "checkpoint-other-mechanism": "resuming with a different mechanism",
     "resume-other-noise-multiplier": "Resuming with noise_multiplier=",

@@ -6,13 +6,16 @@ Each hook is a short checklist; the work is in the modules beside this one:
 2. ``setup_optimizers``   wrap the user's optimizer so the step slot moves the weights (optim)
 3. ``load_checkpoint``    restore the ledger, the slots and the RNG streams, after set-up (checkpoints)
 4. ``process_dataloader`` swap the train loader for the sampler slot's batches; calibrate σ (loaders)
-5. ``training_step``      an empty batch never reaches user code: it becomes a noise-only step (routing)
+5. ``training_step``      an empty batch never reaches user code: it becomes a noise-only step (routing);
+                          distributed: every rank makes as many training_step calls, a rank with fewer
+                          making placeholder calls, and user code's collectives meet (lockstep, collectives)
 6. ``post_backward``      clip, price in the ledger, add noise: every later hook sees private grads
 7. ``save_checkpoint``    store the privacy state next to the weights (checkpoints)
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +41,9 @@ from lightning_dp.run.callbacks import PrivacyCallback
 from lightning_dp.run.checkpointing import atomic_save, is_local_path, unreadable_checkpoint
 from lightning_dp.run.prepare import OnBatchNorm, prepare_module
 from lightning_dp.strategies import checkpoints, loaders, privacy_unit_setup, refusals, routing
+from lightning_dp.strategies.collectives import PLACEHOLDER, REAL, StepCollectives
 from lightning_dp.strategies.config import PrivacyConfig
+from lightning_dp.strategies.lockstep import Placeholders
 from lightning_dp.strategies.norm_pass import sampler_runtime
 from lightning_dp.strategies.optim import DPOptimizer
 
@@ -53,6 +58,11 @@ class DPStrategyBase(Strategy):
     ε do not depend on the device count. True: Lightning's per-device meaning (logical = × world size)."""
     world_size: int
     global_rank: int
+    collectives: StepCollectives | None = None
+    """What user code's collectives do in the private step (distributed strategies, from set-up; None: one
+    process, where they are Lightning's)."""
+    placeholders: Placeholders | None = None
+    """The placeholder passes that give every rank as many ``training_step`` calls (distributed strategies)."""
 
     def _init_dp(self, config: PrivacyConfig) -> None:
         """Build the engine from the validated config (called by each concrete ``__init__``)."""
@@ -282,13 +292,48 @@ class DPStrategyBase(Strategy):
         if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
             self.step_counts.released_nothing(module)
             return None  # the budget cannot pay for this batch: nothing is released, training stops
+        own = self._own_calls(batch)
         self._before_user_code(batch, args, kwargs)
+        if self._stand_in(own, args, kwargs):
+            return None  # a placeholder call made this empty batch's whole step (manual optimization)
         if isinstance(batch, EmptyBatch):
             return self._noise_only_step(module)
-        with tracing(
-            module
-        ):  # parameter uses outside the layers, rows taken from the batch (per_example.uses)
+        # tracing: parameter uses outside the layers, rows taken from the batch (per_example.uses)
+        with tracing(module), self._calls(REAL):
             return self._user_step(module, batch, args, kwargs)
+
+    def _own_calls(self, batch: Any) -> int | None:
+        """Distributed: how many training_step calls this rank's share of the batch takes (an empty one:
+        none), counted on every rank before any call (a unit too large for one chunk is refused on all)."""
+        if self.placeholders is None:
+            return None
+        module, chunking, units = self._module(), self.chunking, self.engine.units
+        if chunking.whole:  # one call, or none: nothing to refuse
+            return routing.calls_of(batch, chunking, units, module)
+        counted: list[int] = []
+        self._refuse_together(
+            lambda: counted.append(routing.calls_of(batch, chunking, units, module)), passes=False
+        )
+        return counted[0]
+
+    def _stand_in(self, own: int | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """As many training_step calls on every rank: a rank with fewer than the most (``own``) first makes
+        placeholder passes that stand in for the calls it lacks; their chunks add zero sums. True: they made
+        an empty batch's whole step (manual optimization: the user's step released noise and stepped)."""
+        placeholders = self.placeholders
+        if placeholders is None or own is None:
+            return False
+        missing = placeholders.agree_max(own) - own
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        for i in range(missing):
+            placeholders.placeholder_pass(batch_idx=batch_idx, stand_in=True)
+            if own or i < missing - 1:  # an empty batch's last pass is released by its noise-only step
+                self.engine.accumulate_chunk()
+        return missing > 0 and not own and not self._module().automatic_optimization
+
+    def _calls(self, role: str) -> contextlib.AbstractContextManager[None]:
+        """The block is one training_step call of ``role`` (collectives); nothing on one process."""
+        return contextlib.nullcontext() if self.collectives is None else self.collectives.call(role)
 
     def _user_step(self, module: Any, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The user's ``training_step`` on the whole batch, or physical chunk by chunk (virtual batching)."""
@@ -303,6 +348,8 @@ class DPStrategyBase(Strategy):
         """An empty batch's noise-only step, counted once released (a checkpoint between counts it once)."""
         output = routing.noise_only_step(self.engine, module, self.optimizers, self.root_device)
         self.step_counts.noise_only(module)
+        if not module.automatic_optimization:  # the optimizers stepped here, not through optimizer_step
+            self.checks.after_step()  # later writes to the model are measured from here
         return output
 
     def _module(self) -> Any:
@@ -324,8 +371,10 @@ class DPStrategyBase(Strategy):
             )
         )  # fmt: skip
 
-    def _refuse_together(self, check: Callable[[], None]) -> None:
-        """Run a check that may refuse the step (distributed strategies: every rank refuses together)."""
+    def _refuse_together(self, check: Callable[[], None], passes: bool = True) -> None:
+        """Run a check that may refuse the step (distributed strategies: every rank refuses together);
+        ``passes``: it may run dry passes of training_step (``dp_fsdp`` answers them on the other ranks)."""
+        del passes
         check()
 
     # -- 6. the private step ----------------------------------------------------------------------------------------------------
@@ -336,11 +385,19 @@ class DPStrategyBase(Strategy):
             return
         self._refuse_together(self._before_release)
         try:
-            self.engine.privatize()
+            self._release()
         except BudgetExceededError as err:
             raise DPConfigurationError(refusals.budget_message(self.engine, self._trainer())) from err
         except BatchDimensionError as err:
             raise refusals.explain_batch_dimension(err, self._module(), self.engine) from err
+
+    def _release(self) -> None:
+        """The step's release: of the clipped sums, or, from a placeholder call (manual optimization), of
+        noise alone (the placeholder's gradients are dropped)."""
+        if self.collectives is not None and self.collectives.role == PLACEHOLDER:
+            self.engine.noise_only_step()
+        else:
+            self.engine.privatize()
 
     def _before_release(self) -> None:
         """The release checks (lightning_dp/checks), and every trainable parameter an optimizer holds is in
@@ -362,9 +419,64 @@ class DPStrategyBase(Strategy):
             original = optimizer.original_optimizer if isinstance(optimizer, DPOptimizer) else optimizer
             self.engine.step_slot.finalize(original)
 
+    # -- user code's collectives (distributed strategies) ----------------------------------------------------------
+    def _install_placeholders(self, placeholders: Placeholders | None = None) -> None:
+        """Every rank makes as many training_step calls (``placeholders``, by default plain placeholder passes),
+        and user code's collectives in them meet, over the ranks whose call has data (collectives)."""
+        self.placeholders = placeholders or Placeholders(
+            self._module(), lambda: self.engine.grads, self._placeholder, self.precision_plugin,
+            self.root_device, self._step_collectives(),
+        )  # fmt: skip
+        self.placeholders.install()
+
+    def _step_collectives(self) -> StepCollectives:
+        """This strategy's :class:`StepCollectives` (made at the first distributed set-up)."""
+        if self.collectives is None:
+            self.collectives = StepCollectives(self.root_device)
+        return self.collectives
+
+    def _placeholder(self) -> Any:
+        """One training example, collated: what a placeholder pass runs on."""
+        assert self.engine.train_data is not None
+        dataset, collate = self.engine.train_data
+        return collate([dataset[0]])
+
+    # Lightning's own reduce, all_gather, broadcast and barrier come later in the MRO (DDPStrategy's,
+    # ModelParallelStrategy's, SingleDeviceStrategy's), not from the abstract Strategy: hence the ignores.
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """``self.log(..., sync_dist=True)``'s reduction: in the private step's training_step calls, over
+        the ranks whose call has data; a placeholder call's sends nothing (collectives)."""
+        plain = super().reduce  # type: ignore[safe-super]
+        if self.collectives is None:
+            return plain(tensor, group=group, reduce_op=reduce_op)
+        return self.collectives.reduce(tensor, group, reduce_op, plain)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Refused in the private step's calls and the checks' dry passes (collectives)."""
+        if self.collectives is not None:
+            self.collectives.refuse_gather("self.all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[safe-super]
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Refused in the private step's calls and the checks' dry passes (collectives)."""
+        if self.collectives is not None:
+            self.collectives.refuse_gather("strategy.broadcast")
+        return super().broadcast(obj, src)  # type: ignore[safe-super]
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Waits for nobody in a check's dry pass (every rank makes its own dry passes)."""
+        if self.collectives is None or self.collectives.waits():
+            super().barrier(*args, **kwargs)  # type: ignore[safe-super]
+
     # -- teardown --------------------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        if self.placeholders is not None:
+            self.placeholders.remove()
         checkpoints.record_model_history(self.engine, self.lightning_module)
         self.engine.detach()
         self.optimizers = [o.original_optimizer if isinstance(o, DPOptimizer) else o for o in self.optimizers]

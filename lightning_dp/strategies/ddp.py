@@ -3,7 +3,9 @@
 Each rank computes per-example gradients of its own share of the Poisson batch and clips them; each
 adds an independent noise share σC/√W from its own generator; one all-reduce of the noisy clipped
 sums gives every rank the same private gradient. No torch DDP reducer runs on the non-private
-gradient (the model is not wrapped), so there is exactly one collective per step.
+gradient (the model is not wrapped). Every rank makes as many ``training_step`` calls per step (a rank
+with fewer chunks, or an empty batch, makes placeholder calls: strategies/lockstep.py), so user code's
+own collectives (``self.log(..., sync_dist=True)``) meet, over the ranks with data (strategies/collectives.py).
 """
 
 from __future__ import annotations
@@ -218,9 +220,12 @@ class DPDDPStrategy(DPStrategyBase, DDPStrategy):
                 self.global_rank, self.world_size, all_reduce_sum if self.world_size > 1 else None
             )
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            self._install_placeholders()  # as many training_step calls on every rank (strategies/lockstep.py)
 
     @override
-    def _refuse_together(self, check: Callable[[], None]) -> None:
+    def _refuse_together(self, check: Callable[[], None], passes: bool = True) -> None:
+        del passes  # dp_ddp's dry passes make no collective
         refuse_on_every_rank(self, check)
 
     @override

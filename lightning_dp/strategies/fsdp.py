@@ -40,14 +40,13 @@ from torch import Tensor, nn
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from typing_extensions import override
 
-from lightning_dp.core.batches import EmptyBatch
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine
 from lightning_dp.slots import Clipping, Step
 from lightning_dp.strategies.base import DPStrategyBase
 from lightning_dp.strategies.checkpoints import CHECKPOINT_KEY, _rank_dp_state, gather_dp_state
 from lightning_dp.strategies.config import PrivacyConfig, takes_privacy_options
-from lightning_dp.strategies.ddp import all_reduce_sum, ranks_agree, refuse_on_every_rank, refuse_together
+from lightning_dp.strategies.ddp import all_reduce_sum, ranks_agree, refuse_on_every_rank
 from lightning_dp.strategies.lockstep import Lockstep
 from lightning_dp.strategies.optim import DPOptimizer
 from lightning_dp.strategies.refusals import refuse_laplace_shares
@@ -384,44 +383,18 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
         assert self.engine.grads is not None
         self.engine.grads.registered = shards.registered
         self.lockstep = Lockstep(
-            self._module(), shards.roots, shards.settle, shards.forget_grads, lambda: self.engine.grads,
-            self._placeholder, self.precision_plugin, self.root_device,
+            self._module(), shards.roots, shards.settle, shards.forget_grads, capture=lambda: self.engine.grads,
+            placeholder=self._placeholder, precision=self.precision_plugin, device=self.root_device,
+            collectives=self._step_collectives(),
         )  # fmt: skip
-        self.lockstep.install()  # also on one process: each pass ends with every unit resharded
-
-    def _placeholder(self) -> Any:
-        """One training example, collated: what a placeholder pass runs on."""
-        assert self.engine.train_data is not None
-        dataset, collate = self.engine.train_data
-        return collate([dataset[0]])
+        # also on one process: each pass ends with every unit resharded
+        self._install_placeholders(self.lockstep)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         if self.shards is not None:
             self.shards.stand_down()  # configure_optimizers sees the sharded parameters
         super().setup_optimizers(trainer)
-
-    # -- every rank makes the same passes --------------------------------------------------------------------
-    @override
-    def _before_user_code(self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The checks (their dry passes answered pass for pass by the other ranks), then as many physical
-        chunks on every rank: a rank with fewer first runs placeholder passes that add zero sums."""
-        if self.lockstep is None:
-            super()._before_user_code(batch, args, kwargs)
-            return
-        counted: list[int] = []  # a unit too large for one chunk is refused on every rank, before any pass
-        refuse_together(lambda: counted.append(self._chunk_count(batch)), self.root_device)
-        super()._before_user_code(batch, args, kwargs)
-        own = counted[0]
-        missing = self.lockstep.agree_max(own) - own
-        for i in range(missing):
-            self.lockstep.placeholder_pass()
-            if own or i < missing - 1:  # an empty batch's last pass is released by its noise-only step
-                self.engine.accumulate_chunk()
-
-    def _chunk_count(self, batch: Any) -> int:
-        """How many passes this rank's share of the sampled batch takes (an empty one: none)."""
-        return 0 if isinstance(batch, EmptyBatch) else len(self.chunking.split(batch, self.engine.units))
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -450,11 +423,11 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
         super().post_backward(closure_loss)
 
     @override
-    def _refuse_together(self, check: Callable[[], None]) -> None:
+    def _refuse_together(self, check: Callable[[], None], passes: bool = True) -> None:
         lockstep = self.lockstep
 
         def in_step() -> None:
-            if lockstep is None:
+            if lockstep is None or not passes:
                 check()
                 return
             with lockstep.window():  # a check's dry passes: every rank answers them (and their gradients go)

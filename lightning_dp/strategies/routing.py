@@ -101,6 +101,24 @@ def physical_chunks(
     return chunking.split(batch, units)
 
 
+def refuse_manual_chunks(module: LightningModule, chunking: Chunking) -> None:
+    """Physical chunks are backpropagated by the strategy, which manual optimization does itself."""
+    if not chunking.whole and not module.automatic_optimization:
+        raise DPConfigurationError(
+            "max_physical_batch_size needs automatic optimization; with manual optimization split the "
+            "batch yourself and call engine.accumulate_chunk() between backward passes."
+        )
+
+
+def calls_of(batch: Any, chunking: Chunking, units: UnitInfo | None, module: LightningModule) -> int:
+    """How many ``training_step`` calls a rank's share of the sampled batch takes: none for an empty one,
+    else one per physical chunk (under distributed strategies the ranks make as many, see lockstep)."""
+    if isinstance(batch, EmptyBatch):
+        return 0
+    refuse_manual_chunks(module, chunking)
+    return len(chunking.split(batch, units))
+
+
 def noise_only_step(
     engine: PrivateStepEngine, module: LightningModule, optimizers: Sequence[Optimizer], device: torch.device
 ) -> Tensor | None:
@@ -128,11 +146,7 @@ def virtual_batch_step(
     **kwargs: Any,
 ) -> Any:
     """Run the user's training_step on each physical chunk; Lightning backpropagates the last one."""
-    if not module.automatic_optimization:
-        raise DPConfigurationError(
-            "max_physical_batch_size needs automatic optimization; with manual optimization split the "
-            "batch yourself and call engine.accumulate_chunk() between backward passes."
-        )
+    refuse_manual_chunks(module, chunking)
     kwargs.pop("batch", None)
     *chunks, (last, last_units) = chunking.split(batch, engine.units)
     for chunk, chunk_units in chunks:
