@@ -107,7 +107,7 @@ def parent_env(args: argparse.Namespace) -> dict[str, Any]:
         "platform": platform.platform(),
         "versions": versions,
         "lightning_dp": re.search(
-            r"__version__ = \"(.+?)\"", (ROOT / "lightning_dp" / "version.py").read_text()
+            r"__version__ = \"(.+?)\"", (ROOT / "lightning_dp" / "core" / "version.py").read_text()
         )[1],
         "cpu_count": os.cpu_count(),
     }
