@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 
+from lightning_dp.checks.batch_hooks import hook_note
 from lightning_dp.checks.mixing_passes import (
     CheckedBatch,
     Saved,
@@ -86,7 +87,6 @@ from lightning_dp.checks.mixing_tolerance import (
 )
 from lightning_dp.checks.pass_precision import full_precision, runs_in_full_precision, upcast_batch
 from lightning_dp.checks.precision_path import PathReference, computes_in_reduced_precision
-from lightning_dp.checks.user_step import hook_note
 from lightning_dp.core.batches import UnitInfo, batch_length
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.rng import make_generator

@@ -31,9 +31,10 @@ from lightning_dp.checks.mixing_rows import _Items, _Plan, choose_rows, choose_u
 from lightning_dp.checks.mixing_tolerance import _distance, _kept_sums, _worst_norm_change, example_rounding
 from lightning_dp.checks.precision_path import OpTrace, PathReference, path_message
 from lightning_dp.checks.row_draws import DrawLog, RowDraws
+from lightning_dp.checks.snapshot import ModuleState
 from lightning_dp.checks.state import ParameterValues, parameter_write_message
 from lightning_dp.checks.step_hooks import StepHookRun, differing, step_hook_write_message, step_hooks
-from lightning_dp.checks.user_step import ModuleState, dry_training_step
+from lightning_dp.checks.user_step import dry_training_step
 from lightning_dp.clipping import clip_factors
 from lightning_dp.core.batches import UnitInfo, batch_length
 from lightning_dp.core.errors import DPConfigurationError
