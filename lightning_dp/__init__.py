@@ -22,7 +22,7 @@ from lightning_dp.run.prepare import load_from_checkpoint, replace_batchnorm
 from lightning_dp.sampling import DPIS, CyclicPoisson, FixedSize, Poisson, UserPoisson
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext
 from lightning_dp.steps import AdaptiveGD, HeavyBall, MultiStageNesterov, Nesterov
-from lightning_dp.steps.line_search import LineSearch
+from lightning_dp.steps.line_search import LineSearch, LineSearchConfig
 from lightning_dp.strategies import (
     Checks,
     DPDDPStrategy,
@@ -59,6 +59,7 @@ __all__ = [
     "HeavyBall",
     "L1Clipping",
     "LineSearch",
+    "LineSearchConfig",
     "MultiStageNesterov",
     "Nesterov",
     "Noise",

@@ -1,4 +1,4 @@
-"""AdaptiveGD (DP-AGD) under 2-process CPU DDP (gloo); launched by tests/test_dp_agd.py as a script.
+"""AdaptiveGD (DP-AGD) under 2-process CPU DDP (gloo); launched by tests/steps/test_dp_agd.py as a script.
 
 Each rank writes ``OUT/agd.rank<r>.json``: its final weights, the ledger and the step's counters.
 """

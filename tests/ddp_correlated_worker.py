@@ -1,4 +1,4 @@
-"""Correlated noise under 2-process CPU DDP (gloo); launched by tests/test_correlated_noise_runs.py.
+"""Correlated noise under 2-process CPU DDP (gloo); launched by tests/noise/test_correlated_runs.py.
 
 Lightning's DDP launcher re-runs this script for rank 1. Each rank writes ``OUT/<scenario>.rank<r>.json``.
 """

@@ -375,6 +375,11 @@ def test_public_api_docstrings_document_every_argument():
             known = documented(griffe_object(value)) | LIGHTNING_ARGUMENTS
             if name in SHARES_PRIVACY_OPTIONS:
                 known |= shared
+            config = getattr(getattr(value, "__init__", None), "config_type", None)
+            if (
+                config is not None
+            ):  # keywords generated from a config's fields (slots.takes_config): documented there
+                known |= documented(griffe_object(config))
             if absent := [a for a in arguments if a not in known]:
                 missing[f"{package.__name__}.{name}"] = absent
     assert not missing, f"arguments with no docstring entry (say what, default, unit): {missing}"

@@ -346,7 +346,7 @@ def test_augmentation_multiplicity_larger_than_a_chunk_is_refused_at_constructio
     with pytest.raises(DPConfigurationError, match="augmentation_multiplicity"):
         DPStrategy(augmentation_multiplicity=0)
     # isolate_examples runs each example alone with all its views: accepted, unless a chunk bound given
-    # with it cannot hold the views (tests/test_unit_mixing.py runs it)
+    # with it cannot hold the views (tests/checks/test_unit_mixing.py runs it)
     DPStrategy(augmentation_multiplicity=2, isolate_examples=True)
     with pytest.raises(DPConfigurationError, match="max_physical_batch_size to at least 2"):
         DPStrategy(augmentation_multiplicity=2, isolate_examples=True, max_physical_batch_size=1)

@@ -3,7 +3,7 @@ sum by at most its sensitivity (C for flat clipping); models that mix examples m
 
 DPIS is not in the list: its batch and its weights depend on the N~ and K~ released at the epoch start,
 so one step on D and one on D minus an example are not a coupled pair. The sensitivity check does run
-under DPIS (tests/test_sensitivity.py).
+under DPIS (tests/checks/test_mixing.py).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ ADAPTIVE: dict[str, Callable[[], DPStrategy]] = {
 }
 FAST_PATH_FAMILIES = ("tiny_mlp", "conv_groupnorm", "sequence_embedding_layernorm", "token_lm_per_example")
 """Linear; Conv + GroupNorm; Embedding + LayerNorm + Linear over sequences; Embedding + Linear over tokens (every
-zoo model's contributions: tests/test_adaptive_clipping.py)."""
+zoo model's contributions: tests/clipping/test_adaptive.py)."""
 
 
 @pytest.mark.parametrize("clipping", sorted(ADAPTIVE))

@@ -232,7 +232,7 @@ def test_a_seeded_run_warns_keeps_its_states_and_resumes_bit_for_bit(tmp_path):
 
 def test_unseeded_dpis_saves_no_envelope_and_its_resume_recomputes_them_releasing_nothing():
     """DPIS's ghat/gstar are un-noised per-example norms: out of an unseeded state; one norm pass rebuilds them."""
-    from test_dpis import _harness, _run_steps
+    from tests.sampling.test_dpis import _harness, _run_steps
 
     grads = torch.randn(100, 3, generator=torch.Generator().manual_seed(3))
     sampler, ledger = _harness(grads, b=5, k=3, seed=None)

@@ -10,7 +10,7 @@ triangle). Two families (spec ``correlated_noise.md`` §1.2-1.3):
   again a BLT (McMahan & Pillutla 2025).
 
 Ports of jax_privacy 2.0.0's ``matrix_factorization.toeplitz`` / ``buffered_toeplitz`` formulas; the
-digits are checked against that library's outputs in ``tests/test_correlated_noise.py``. No torch or JAX.
+digits are checked against that library's outputs in ``tests/noise/test_correlated.py``. No torch or JAX.
 """
 
 from __future__ import annotations

@@ -151,6 +151,7 @@ class AdaCliP(Clipping):
     """
 
     tracks_parameters = True  # per-coordinate running mean and scale
+    refuses_user_level = "its per-coordinate transform is not defined on a user's grouped gradient yet"
 
     def __init__(
         self,

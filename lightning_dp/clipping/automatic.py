@@ -32,6 +32,8 @@ class AutoClipping(Clipping):
         stability: r, the paper's stability constant (0.01); in the gradient's units. 0 is AUTO-V.
     """
 
+    needs_finite_clip = True  # each gradient is scaled to norm just below C
+
     def __init__(self, stability: float = 0.01) -> None:
         self.stability = float(number(stability, "stability", owner="AutoClipping", low=0))
 

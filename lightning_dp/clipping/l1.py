@@ -28,6 +28,7 @@ class L1Clipping(Clipping):
     """
 
     mechanism = "laplace"
+    refuses_user_level = "it bounds each example's L1 norm, not a user's"
 
     @sums_once
     def clip_and_sum(self, grad_samples: PerExampleGradients, ctx: StepContext) -> list[Tensor]:

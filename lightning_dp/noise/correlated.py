@@ -32,6 +32,7 @@ class CorrelatedNoise(Noise):
     """Base of the matrix-factorization noise slots: a constant σ and an online recursion over buffers."""
 
     correlated = True
+    refuses_user_level = "correlated noise needs cyclic participation over users (v1.1)"
 
     def __init__(self, noise_multiplier: float | None = None) -> None:
         number(noise_multiplier, "noise_multiplier", owner=self.name, low=0, optional=True)

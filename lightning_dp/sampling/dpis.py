@@ -172,6 +172,7 @@ class DPIS(Sampler):
 
     schedules_noise = True
     carries_batch_info = True
+    weighs_examples = True  # w_i and the bound from each example's own norm
 
     def __init__(
         self,

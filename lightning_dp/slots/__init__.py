@@ -21,6 +21,7 @@ from lightning_dp.slots.contract import (
     StepSetup,
     iter_slots,
     sums_once,
+    takes_config,
 )
 
 __all__ = [
@@ -38,4 +39,5 @@ __all__ = [
     "StepSetup",
     "iter_slots",
     "sums_once",
+    "takes_config",
 ]

@@ -1,4 +1,9 @@
-"""Which slot combinations the ledger can price: one table of mechanism kinds, checked at construction."""
+"""Which slot combinations the ledger can price, checked at construction.
+
+Decided by what the slots declare (``mechanism``, ``joint_statistic``, ``correlated``, ``integer_grid``,
+``bands``, and the steps' ``releases_one_gradient``, ``brings_own_rules``, ``adapts_clip_bound``, see
+``slots.py``), never by their classes: a new slot declares what it does and gets the same decisions.
+"""
 
 from __future__ import annotations
 
@@ -67,8 +72,7 @@ def check_correlated_noise(sampler: Sampler, clipping: Clipping, noise: Noise, s
         )
     if step is None:
         return
-    own_rules = type(step).plan is not Step.plan or type(step).gradient_event is not Step.gradient_event
-    if own_rules or step.needs_sums or step.spends_until_budget or step.charges_unsampled:
+    if not step.releases_one_gradient:
         raise DPConfigurationError(
             f"{name} cannot be combined with step={step.name}: that step brings its own noise or ledger rule, "
             "or releases more than one noisy gradient per step (a search, a re-measurement), and every noisy "
@@ -116,8 +120,7 @@ def check_secure_noise(
         )
     if step is None:
         return
-    own_rules = type(step).plan is not Step.plan or type(step).gradient_event is not Step.gradient_event
-    if own_rules or step.needs_sums or step.spends_until_budget or step.charges_unsampled:
+    if not step.releases_one_gradient:
         raise DPConfigurationError(
             f"secure=True with step={step.name}: that step brings its own noise or ledger rule, or reads the "
             "clipped sums (a search, a re-measurement), which secure noise does not release or price. Use the "
@@ -151,12 +154,8 @@ def check_joint_statistic(sampler: Sampler, clipping: Clipping, noise: Noise, st
         )
     if step is None:
         return
-    own = [
-        hook
-        for hook in ("plan", "gradient_event", "clip_bound")
-        if getattr(type(step), hook) is not getattr(Step, hook)
-    ]
-    if own or step.spends_until_budget or step.charges_unsampled:
+    own_rules = step.brings_own_rules or step.adapts_clip_bound
+    if own_rules or step.spends_until_budget or step.charges_unsampled:
         raise DPConfigurationError(
             f"{name} cannot be combined with step={step.name}: that step brings its own noise, ledger or "
             f"clipping-bound rule, and {name}'s unclipped count is priced only inside the subsampled Gaussian "

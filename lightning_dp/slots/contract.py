@@ -6,11 +6,14 @@ the ledger to price what they release; a slot never touches Lightning itself.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +40,9 @@ class Slot:
     """Whether the slot keeps state per trainable parameter, by position (AdaCliP's running mean, a
     momentum): such a run refuses a change of the trainable parameters once it has taken a step
     (``BackboneFinetuning`` unfreezing a backbone); stateless slots cover the new set from that step on."""
+    refuses_user_level: str | None = None
+    """Why user-level DP is not priced with this slot in this version (the refusal's reason, after "cannot
+    be used with user-level DP in this version: "); None: it is. Read by ``strategies/refusals.py``."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -103,6 +109,10 @@ class Sampler(Slot, ABC):
     unit: str = "example"
     """The privacy unit one draw samples: ``"example"``, or ``"user"`` (``UserPoisson``: then ``num_samples``
     is U, the number of users, and the ledger's q is over users)."""
+
+    weighs_examples: bool = False
+    """True for samplers whose ``weigh`` weighs and bounds each sampled example by its own per-example norm
+    (DPIS): a unit of several rows (an example's augmented views) is then refused."""
 
     public_size: int | None = None
     """N (U for a user sampler) declared public with ``DPStrategy(dataset_size=...)``: q, the divisor q·N and
@@ -204,6 +214,16 @@ class Clipping(Slot, ABC):
     def setup(self, params: Sequence[Tensor]) -> None:
         """Called once the trainable parameters are known (allocate per-coordinate state here)."""
         del params
+
+    needs_finite_clip: bool = False
+    """True for clippings that scale every gradient to the bound C itself (AutoClipping): an infinite
+    ``max_grad_norm`` would make every gradient infinite, so it is refused."""
+
+    @property
+    def adapts_clip_bound(self) -> bool:
+        """Whether this clipping sets C itself from released values (it implements ``clip_bound``): a
+        ``max_grad_norm`` it would ignore is refused."""
+        return type(self).clip_bound is not Clipping.clip_bound
 
     @property
     def is_flat_l2(self) -> bool:
@@ -440,6 +460,27 @@ class Step(Slot):
     charges_unsampled: bool = False
     """True for steps whose privacy filter charges a subsampled measurement as unsampled (zCDP): a
     minibatch then buys no amplification (a warning says so at fit start)."""
+    queries_losses: bool = False
+    """True for steps that release statistics of clipped per-row losses besides the gradient (a step-size
+    search: LineSearch, AdaptiveGD): a unit of several rows (augmented views) would move them by several bounds."""
+
+    @property
+    def brings_own_rules(self) -> bool:
+        """Whether the step brings its own noise or ledger rule (it implements ``plan`` or ``gradient_event``)."""
+        return type(self).plan is not Step.plan or type(self).gradient_event is not Step.gradient_event
+
+    @property
+    def adapts_clip_bound(self) -> bool:
+        """Whether the step sets the clipping bound itself (it implements ``clip_bound``: DP-BLSGD-AC)."""
+        return type(self).clip_bound is not Step.clip_bound
+
+    @property
+    def releases_one_gradient(self) -> bool:
+        """Whether each step's one noisy release is the gradient, priced as the sampler's event at the noise
+        slot's σ, and the step reads no sums and no budget of its own: what correlated and secure noise need."""
+        return not (
+            self.brings_own_rules or self.needs_sums or self.spends_until_budget or self.charges_unsampled
+        )
 
     def plan(self, setup: StepSetup) -> StepPlan:
         """Called once, before the engine is built: the noise slot and ledger rule this step brings
@@ -484,3 +525,27 @@ class Step(Slot):
 def iter_slots(*slots: Slot) -> Iterator[tuple[str, Slot]]:
     """(slot name, object) pairs in the fixed order the checkpoint uses."""
     yield from zip(("sampler", "clipping", "noise", "step"), slots, strict=True)
+
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def takes_config(config_type: type[Any]) -> Callable[[_Init], _Init]:
+    """Give a slot's ``__init__(self, **options)`` the keyword-only signature of a config dataclass's fields
+    (typed, with their plain defaults) that callers, ``help()`` and jsonargparse (LightningCLI YAML) read, and
+    the config's docstring: the settings are listed and documented once, in the config (``init.config_type``)."""
+
+    def decorate(init: _Init) -> _Init:
+        hints = typing.get_type_hints(config_type)
+        first = next(iter(inspect.signature(init).parameters.values()))
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        fields = [
+            inspect.Parameter(f.name, keyword, default=f.default, annotation=hints[f.name])
+            for f in dataclasses.fields(config_type)
+        ]
+        init.__signature__ = inspect.Signature([first, *fields], return_annotation=None)  # type: ignore[attr-defined]
+        init.config_type = config_type  # type: ignore[attr-defined]
+        init.__doc__ = config_type.__doc__
+        return init
+
+    return decorate

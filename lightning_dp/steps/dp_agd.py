@@ -30,7 +30,7 @@ from lightning_dp.accounting.zcdp import ZCDPConversion
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.validation import number
 from lightning_dp.slots import Clipping, Noise, Sampler, Step, StepContext, StepHost, StepPlan, StepSetup
-from lightning_dp.steps.loss_queries import LossProbe
+from lightning_dp.steps.loss_queries import USER_LEVEL_REFUSAL, LossProbe
 
 __all__ = ["AdaptiveGD", "grad_avg", "initial_budgets", "noisy_min", "step_grid"]
 
@@ -137,6 +137,8 @@ class AdaptiveGD(Step):
 
     spends_until_budget = True
     charges_unsampled = True
+    queries_losses = True  # the noisy-min grid search over clipped per-row losses
+    refuses_user_level = USER_LEVEL_REFUSAL
 
     def __init__(
         self,

@@ -27,10 +27,13 @@ from torch import Tensor, nn
 from lightning_dp.core.batches import EmptyBatch, batch_length, split_batch
 from lightning_dp.core.errors import DPConfigurationError
 
-__all__ = ["PROBE_METHOD", "LossProbe", "require_loss_probe"]
+__all__ = ["PROBE_METHOD", "USER_LEVEL_REFUSAL", "LossProbe", "require_loss_probe"]
 
 #: The LightningModule method a loss probe calls.
 PROBE_METHOD = "dp_per_sample_loss"
+
+USER_LEVEL_REFUSAL = "it queries per-example losses, whose sensitivity over a user's examples is not priced"
+"""Why a step that queries losses through a probe refuses user-level DP (its ``refuses_user_level``)."""
 
 
 def require_loss_probe(module: nn.Module, algorithm: str) -> Callable[[Any], Tensor]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
-from lightning_dp.clipping import AutoClipping, FlatClipping
+from lightning_dp.clipping import FlatClipping
 from lightning_dp.clipping.integer_grid import GridClipping
 from lightning_dp.core import validation
 from lightning_dp.core.errors import DPConfigurationError
@@ -28,10 +28,7 @@ from lightning_dp.noise.discrete_gaussian import DiscreteGaussian
 from lightning_dp.per_example import GradMode
 from lightning_dp.run.prepare import OnBatchNorm
 from lightning_dp.sampling import Poisson
-from lightning_dp.sampling.dpis import DPIS
 from lightning_dp.slots import Clipping, Noise, Sampler, Step
-from lightning_dp.steps.dp_agd import AdaptiveGD
-from lightning_dp.steps.line_search import LineSearch
 from lightning_dp.strategies import deprecated
 from lightning_dp.strategies.options import Checks, UserBound
 from lightning_dp.strategies.refusals import refuse_with_users
@@ -158,8 +155,9 @@ class PrivacyConfig:
 
     @property
     def is_secure(self) -> bool:
-        """Whether the run uses secure noise (``secure=True``, or a ``DiscreteGaussian`` noise slot)."""
-        return self.secure or isinstance(self.noise, DiscreteGaussian)
+        """Whether the run uses secure noise (``secure=True``, or a noise slot on an integer grid, such as
+        ``DiscreteGaussian``)."""
+        return self.secure or (self.noise is not None and self.noise.integer_grid is not None)
 
     @property
     def user_level(self) -> bool:
@@ -192,12 +190,11 @@ class PrivacyConfig:
         if not self.is_secure:
             noise = self.noise if self.noise is not None else ConstantNoise(self.noise_multiplier)
             return noise, self.clipping if self.clipping is not None else FlatClipping()
-        secure = (
-            self.noise
-            if isinstance(self.noise, DiscreteGaussian)
-            else DiscreteGaussian(self.noise_multiplier)
-        )
-        return secure, GridClipping(secure.grid)
+        given = self.noise if self.noise is not None and self.noise.integer_grid is not None else None
+        secure = given if given is not None else DiscreteGaussian(self.noise_multiplier)
+        grid = secure.integer_grid
+        assert grid is not None
+        return secure, GridClipping(grid)
 
 
 Init = TypeVar("Init", bound=Callable[..., None])
@@ -304,7 +301,7 @@ def _validate_secure(config: PrivacyConfig) -> None:
     validation.flag(config.secure, "secure", owner=owner)
     if not config.is_secure:
         return
-    if config.noise is not None and not isinstance(config.noise, DiscreteGaussian):
+    if config.noise is not None and config.noise.integer_grid is None:
         raise DPConfigurationError(
             f"{owner}: secure=True with noise={config.noise.name}: secure noise is the discrete Gaussian. Leave "
             "noise unset (noise_multiplier=... or target_epsilon sets σ), or pass noise=DiscreteGaussian(...)."
@@ -326,15 +323,15 @@ def _validate_clipping(config: PrivacyConfig) -> None:
     clipping, owner = config.clipping, config.owner
     if clipping is None or config.max_grad_norm == 1.0:
         return
-    if type(clipping).clip_bound is not Clipping.clip_bound:
+    if clipping.adapts_clip_bound:
         raise DPConfigurationError(
             f"{owner}: max_grad_norm={config.max_grad_norm:g} with clipping={clipping.name}, which sets the "
             "clipping bound itself from released values (starting at its initial_norm) and would ignore it. "
             f"Leave max_grad_norm unset and give {clipping.name}(initial_norm=...) to choose where C starts."
         )
-    if isinstance(clipping, AutoClipping) and math.isinf(config.max_grad_norm):
+    if clipping.needs_finite_clip and math.isinf(config.max_grad_norm):
         raise DPConfigurationError(
-            f"{owner}: max_grad_norm=inf with AutoClipping: each example's gradient is scaled to norm just "
+            f"{owner}: max_grad_norm=inf with {clipping.name}: each example's gradient is scaled to norm just "
             "below max_grad_norm, so an infinite one makes every gradient infinite. Leave max_grad_norm at its "
             "default 1 (the learning rate sets the step) or give a finite one."
         )
@@ -354,16 +351,17 @@ def _validate_augmentation(config: PrivacyConfig) -> None:
             f"chunks, the example would count 2C). Set max_physical_batch_size to at least {views}, or unset it "
             "(isolate_examples=True runs each example with all its views alone)."
         )
-    if isinstance(config.step, AdaptiveGD | LineSearch):
+    if config.step is not None and config.step.queries_losses:
         raise DPConfigurationError(
             f"{owner}: augmentation_multiplicity={views} with {config.step.name}: its step-size search sums "
             "clipped per-row losses, and an example's views are several rows, so one example would move that "
             f"sum by {views} times its bound. Use the default step or HeavyBall/Nesterov with augmentation "
             f"multiplicity, or augmentation_multiplicity=1 with {config.step.name}."
         )
-    if isinstance(config.sampler, DPIS):
+    if config.sampler is not None and config.sampler.weighs_examples:
+        name = config.sampler.name
         raise DPConfigurationError(
-            f"{owner}: augmentation_multiplicity={views} with DPIS: DPIS weighs and bounds each sampled example "
+            f"{owner}: augmentation_multiplicity={views} with {name}: {name} weighs and bounds each sampled example "
             "by its own per-example norm, not by the mean of its views. Use the default Poisson sampler with "
-            "augmentation multiplicity, or augmentation_multiplicity=1 with DPIS."
+            f"augmentation multiplicity, or augmentation_multiplicity=1 with {name}."
         )

@@ -8,6 +8,7 @@ gradient (the model is not wrapped), so there is exactly one collective per step
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -45,10 +46,17 @@ _SCALARS = (bool, int, float, str, type(None))
 
 
 def slot_settings(slot: Slot) -> dict[str, Any]:
-    """A slot's name and its public scalar settings (per-rank ones, such as its rank, left out)."""
+    """A slot's name and its public scalar settings, a settings or state dataclass's fields by their dotted
+    name (``config.beta``, ``state.eta0`` of LineSearch); per-rank ones, such as its rank, left out."""
+    items: dict[str, Any] = {}
+    for key, value in vars(slot).items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            items.update({f"{key}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)})
+        else:
+            items[key] = value
     settings = {
         key: value
-        for key, value in vars(slot).items()
+        for key, value in items.items()
         if not key.startswith("_") and "rank" not in key and isinstance(value, _SCALARS)
     }
     return {"name": slot.name, **settings}

@@ -263,12 +263,8 @@ def explain_batch_dimension(
 
 def refuse_with_users(config: Any, owner: str) -> None:
     """What a user-level run (``privacy_unit="user"`` or ``UserPoisson``) does not price in this version,
-    each refused with the fix (``docs/user-level.md``; spec §6)."""
-    from lightning_dp.clipping import AdaCliP, L1Clipping
-    from lightning_dp.noise import BLT, BandMF
-    from lightning_dp.steps import AdaptiveGD
-    from lightning_dp.steps.line_search import LineSearch
-
+    each refused with the fix (``docs/user-level.md``; spec §6). A slot says why it cannot run over users in
+    its ``refuses_user_level``."""
     slots: list[Slot] = [
         s for s in (config.sampler, config.clipping, config.noise, config.step) if s is not None
     ]
@@ -280,22 +276,13 @@ def refuse_with_users(config: Any, owner: str) -> None:
             "bound per user that user-level clipping does not give. Use Gaussian noise with accountant='rdp', "
             "'prv' or 'pld'."
         )
-    refused: dict[type[Slot], str] = {
-        L1Clipping: "it bounds each example's L1 norm, not a user's",
-        AdaCliP: "its per-coordinate transform is not defined on a user's grouped gradient yet",
-        LineSearch: "it queries per-example losses, whose sensitivity over a user's examples is not priced",
-        AdaptiveGD: "it queries per-example losses, whose sensitivity over a user's examples is not priced",
-        BandMF: "correlated noise needs cyclic participation over users (v1.1)",
-        BLT: "correlated noise needs cyclic participation over users (v1.1)",
-    }
     for slot in slots:
-        for kind, why in refused.items():
-            if isinstance(slot, kind):
-                raise DPConfigurationError(
-                    f"{owner}: {slot.name} cannot be used with user-level DP in this version: {why}. Use the "
-                    "default slot (FlatClipping, ConstantNoise, the optimizer, or HeavyBall/Nesterov steps), or "
-                    "train at the example level."
-                )
+        if slot.refuses_user_level is not None:
+            raise DPConfigurationError(
+                f"{owner}: {slot.name} cannot be used with user-level DP in this version: {slot.refuses_user_level}. "
+                "Use the default slot (FlatClipping, ConstantNoise, the optimizer, or HeavyBall/Nesterov steps), "
+                "or train at the example level."
+            )
     if config.checks.data_changes == "public":
         raise DPConfigurationError(
             f"{owner}: data_changes='public' cannot be used with user-level DP in this version: the number of users "

@@ -12,15 +12,16 @@ from typing import Protocol
 
 from lightning_dp.accounting import calibrate_noise
 from lightning_dp.slots import Noise, Sampler
+from lightning_dp.steps.line_search.config import LineSearchConfig, LineSearchState
 
 
 class BudgetOwner(Protocol):
-    """What the noise slot reads from its line search."""
+    """What the noise slot reads from its line search: ρ_grad in its state, the mode in its config."""
 
     @property
-    def rho_grad(self) -> float | None: ...
+    def state(self) -> LineSearchState: ...
     @property
-    def mode(self) -> str: ...
+    def config(self) -> LineSearchConfig: ...
 
     def size_budget(self, sample_rate: float, steps: int) -> None: ...
 
@@ -36,20 +37,20 @@ class LineSearchNoise(Noise):
 
     @property
     def is_set(self) -> bool:
-        return self.owner.rho_grad is not None
+        return self.owner.state.rho_grad is not None
 
     def noise_multiplier(self, step: int) -> float:
         del step
-        if self.owner.rho_grad is None:
+        if self.owner.state.rho_grad is None:
             raise RuntimeError("The line search budget is not set: give noise_multiplier or target_epsilon.")
-        return 1.0 / math.sqrt(2.0 * self.owner.rho_grad)
+        return 1.0 / math.sqrt(2.0 * self.owner.state.rho_grad)
 
     def calibrate(
         self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str
     ) -> None:
         del accountant
         self.owner.size_budget(sampler.sample_rate, steps)
-        if self.owner.mode == "nn" and self.owner.rho_grad is not None:
+        if self.owner.config.mode == "nn" and self.owner.state.rho_grad is not None:
             _warn_if_gradients_get_much_more_noise(
                 self.noise_multiplier(0),
                 calibrate_noise(

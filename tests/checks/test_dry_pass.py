@@ -385,7 +385,7 @@ def test_a_step_that_runs_only_on_loader_batches_is_refused_by_name_before_any_r
     assert "removed it raised DuplicateExampleError: an example appears twice" in message  # quoted
     assert "replaced by copies of other examples of the batch it raised DuplicateExampleError" in message
     assert "isolate_examples=True" in message
-    assert "check_sensitivity=False" in message
+    assert "Checks(sensitivity=False)" in message
     assert strategy.engine.steps == 0
 
 

@@ -326,7 +326,7 @@ def test_dpis_from_yaml_config(tmp_path):
 
     from lightning_dp.commands.cli import main
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     main(
         [
             "fit",

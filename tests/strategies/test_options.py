@@ -29,7 +29,7 @@ from lightning_dp import (
 )
 from lightning_dp.strategies.ddp import slot_settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OLD_CHECKS = dict(
     check_sensitivity="every_step",
     check_overhead=0.2,

@@ -2,7 +2,7 @@
 
 Every number below comes from ``specs/correlated_noise.md`` (§2.5), computed there with jax-privacy 2.0.0
 and dp-accounting 0.6.0; the Trainer, resume, refusal, DDP and audit tests are in
-``test_correlated_noise_runs.py``.
+``tests/noise/test_correlated_runs.py``.
 """
 
 from __future__ import annotations

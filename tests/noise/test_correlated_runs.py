@@ -1,6 +1,6 @@
 """Correlated noise through the Trainer and the CLI: pricing, participation, resume, refusals, neighbour, audit.
 
-The digits of the accounting and the statistics of the recursions are in ``test_correlated_noise.py``.
+The digits of the accounting and the statistics of the recursions are in ``tests/noise/test_correlated.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from lightning_dp import (
 from lightning_dp.accounting import PoissonGaussian, compute_epsilon
 from lightning_dp.noise.correlated import CorrelatedNoise
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DELTA = 1e-5
 
 

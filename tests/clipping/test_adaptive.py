@@ -377,7 +377,7 @@ def test_every_zoo_model_s_contributions_stay_below_the_bound_and_sum_exactly(en
 # -- the shipped config: the LightningCLI form ---------------------------------------------------------------
 
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "digits_quantile.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "digits_quantile.yaml"
 
 
 def test_the_shipped_config_trains_with_quantile_clipping_from_its_class_path(tmp_path):

@@ -1,5 +1,5 @@
 """DP-AGD (AdaptiveGD): the unit properties of ../shared/specs/dp_agd.md §6 (T1-T4 are in
-test_privacy_filter.py), the NoisyMin sign regression test, and the Lightning wiring."""
+tests/accounting/test_zcdp.py), the NoisyMin sign regression test, and the Lightning wiring."""
 
 from __future__ import annotations
 

@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 from conftest import TinyModule
 from lightning.pytorch import seed_everything
-from test_capture_cases import assert_exact_clipped_sum, assert_refused_before_release
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from lightning_dp import DPConfigurationError
 from lightning_dp.per_example import GradientCapture, vmap
+from tests.per_example.test_capture_cases import assert_exact_clipped_sum, assert_refused_before_release
 
 D, T, H, CLASSES = 4, 3, 5, 3
 

@@ -18,10 +18,10 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import grad_norm
-from test_edges import Classifier, data, fit, refused
 from torch import Tensor, nn
 
 from lightning_dp import DPStrategy
+from tests.checks.test_edges import Classifier, data, fit, refused
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
