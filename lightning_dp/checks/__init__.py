@@ -40,11 +40,12 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from lightning_dp.checks.changes import ChangeWatch
+from lightning_dp.checks.dry_flag import checking
 from lightning_dp.checks.integrity import BatchIntegrity
 from lightning_dp.checks.mixing import DEFAULT_OVERHEAD, CheckSetting, MixingCheck, MixingResult
 from lightning_dp.checks.state import StateWatch
 from lightning_dp.checks.structure import probe_batch_structure
-from lightning_dp.checks.user_step import checking, training_step_loss
+from lightning_dp.checks.user_step import training_step_loss
 from lightning_dp.core.batches import EmptyBatch, UnitInfo
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.engine import PrivateStepEngine

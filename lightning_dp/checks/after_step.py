@@ -26,19 +26,17 @@ import torch
 from lightning.pytorch import Callback, LightningModule
 from torch import Tensor
 
+from lightning_dp.checks.batch_hooks import _users_hook, hook_failure_message
+from lightning_dp.checks.dry_flag import _dry
+from lightning_dp.checks.snapshot import ModuleState, same_values
 from lightning_dp.checks.state import ParameterValues
 from lightning_dp.checks.user_step import (
     DryPass,
-    ModuleState,
     _detached_loggers,
     _detached_logging,
-    _dry,
     _no_op,
     _shadowed,
-    _users_hook,
     dry_shadows,
-    hook_failure_message,
-    same_values,
 )
 from lightning_dp.core.errors import DPConfigurationError
 

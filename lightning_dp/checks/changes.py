@@ -27,7 +27,7 @@ from typing import Any
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from lightning_dp.checks.user_step import _internal_names, _walked
+from lightning_dp.checks.snapshot import _internal_names, _walked
 
 _PLAIN = (bool, int, float, str, type(None))
 

@@ -34,7 +34,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 
 from lightning_dp.checks.batch_edit import _field_hashes, per_example_fields
-from lightning_dp.checks.user_step import GlobalRNG
+from lightning_dp.checks.snapshot import GlobalRNG
 from lightning_dp.core.batches import UnitInfo, batch_length
 from lightning_dp.core.errors import DPConfigurationError
 

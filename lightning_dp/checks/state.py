@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dp.checks.user_step import _owner, same_values
+from lightning_dp.checks.snapshot import _owner, same_values
 from lightning_dp.core.errors import DPConfigurationError
 
 Entry = tuple[int, int, int, float | None]

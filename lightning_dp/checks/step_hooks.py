@@ -32,22 +32,23 @@ import torch
 from lightning.pytorch import Callback, LightningModule
 from torch import Tensor, nn
 
-from lightning_dp.checks.state import ParameterValues
-from lightning_dp.checks.user_step import (
+from lightning_dp.checks.batch_hooks import _users_hook, hook_failure_message
+from lightning_dp.checks.dry_flag import _dry
+from lightning_dp.checks.snapshot import (
     TENSOR_COPY_BYTES,
     ModuleState,
     _companions,
+    _internal_names,
+    _walked,
+    same_values,
+)
+from lightning_dp.checks.state import ParameterValues
+from lightning_dp.checks.user_step import (
     _detached_loggers,
     _detached_logging,
-    _dry,
     _DryOptimizer,
-    _internal_names,
     _shadowed,
-    _users_hook,
-    _walked,
     dry_shadows,
-    hook_failure_message,
-    same_values,
 )
 from lightning_dp.core.errors import DPConfigurationError
 

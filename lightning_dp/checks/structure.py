@@ -23,8 +23,9 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_dp.checks.snapshot import ModuleState
 from lightning_dp.checks.state import ParameterValues
-from lightning_dp.checks.user_step import ModuleState, dry_training_step
+from lightning_dp.checks.user_step import dry_training_step
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.per_example import GradientCapture
 

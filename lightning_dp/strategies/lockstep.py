@@ -42,7 +42,9 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from lightning_dp.checks.user_step import ModuleState, checking, dry_training_step
+from lightning_dp.checks.dry_flag import checking
+from lightning_dp.checks.snapshot import ModuleState
+from lightning_dp.checks.user_step import dry_training_step
 from lightning_dp.core.batches import batch_length
 from lightning_dp.per_example import GradientCapture
 from lightning_dp.strategies.collectives import PLACEHOLDER, StepCollectives

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp.checks.mixing import choose_rows, field_extremes, norm_extremes, rare_values
+from lightning_dp.checks.mixing_rows import choose_rows, field_extremes, norm_extremes, rare_values
 from lightning_dp.core.errors import DPConfigurationError
 
 Stat = Callable[[Tensor], Tensor]

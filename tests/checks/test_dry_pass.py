@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 from lightning_dp import DPIS, DPConfigurationError, DPStrategy, checking
 from lightning_dp.checks.batch_edit import remove_rows, replace_rows
-from lightning_dp.checks.user_step import ModuleState
+from lightning_dp.checks.snapshot import ModuleState
 
 # -- 1. the dry passes leave no trace ----------------------------------------------------------------------
 

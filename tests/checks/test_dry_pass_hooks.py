@@ -26,7 +26,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPConfigurationError, DPStrategy, checking
-from lightning_dp.checks.user_step import PythonState, ReplayingIterator, batch_hooks
+from lightning_dp.checks.batch_hooks import batch_hooks
+from lightning_dp.checks.snapshot import PythonState, ReplayingIterator
 
 SETTINGS = [True, "every_step"]
 SETTING_IDS = ["default", "every-step"]
@@ -449,7 +450,7 @@ def test_public_iterators_and_generators_give_every_pass_and_the_real_step_the_s
 def test_a_replaying_iterator_replays_what_a_dry_pass_drew_then_continues():
     """PythonState's contract, directly: an iterator in an attribute, a list and a dict is replaced by one
     proxy; items drawn in a dry pass come back after restore; outside the passes nothing is kept."""
-    from lightning_dp.checks.user_step import _dry
+    from lightning_dp.checks.dry_flag import _dry
 
     module = TinyModule(n=16)
     shared = iter(range(100))

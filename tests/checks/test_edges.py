@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dp import DPStrategy
-from lightning_dp.checks.mixing import _U32, FP32_EXAMPLE_ROUNDING, move_tolerance, summation_chunk
+from lightning_dp.checks.mixing_tolerance import _U32, FP32_EXAMPLE_ROUNDING, move_tolerance, summation_chunk
 from lightning_dp.core.errors import DPConfigurationError
 
 pytestmark = pytest.mark.filterwarnings("ignore")

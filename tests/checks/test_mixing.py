@@ -702,7 +702,7 @@ def test_a_parameter_written_during_the_step_is_refused_before_the_release(setti
 
 
 def test_tolerance_scales_with_the_compute_dtype():
-    from lightning_dp.checks.mixing import relative_tolerance
+    from lightning_dp.checks.mixing_tolerance import relative_tolerance
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert relative_tolerance("32-true", cpu) == pytest.approx(1e-2)  # the certified norms' guard

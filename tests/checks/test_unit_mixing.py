@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from lightning_dp import DPConfigurationError, DPStrategy, checking
-from lightning_dp.checks.mixing import choose_units
+from lightning_dp.checks.mixing_rows import choose_units
 from lightning_dp.core.batches import UnitInfo
 
 PER_USER = 4
