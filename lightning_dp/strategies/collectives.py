@@ -33,7 +33,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultCollection, _ResultMetric
 from torch import Tensor
 
-from lightning_dp.checks.user_step import checking
+from lightning_dp.checks.dry_flag import checking
 from lightning_dp.core.errors import DPConfigurationError
 
 REAL = "real"
