@@ -190,6 +190,25 @@ def _run_in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A one-process fit of a distributed strategy (dp_ddp or dp_fsdp with devices=1) leaves Lightning's
+    process group, its store bound to MASTER_PORT, and MASTER_PORT in os.environ: a later subprocess that
+    inherits the port then fails with EADDRINUSE. Each test ends with neither."""
+    before = {k: os.environ.get(k) for k in _RENDEZVOUS}
+    yield
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture
 def neighbour():
     """The neighbour test (tests/neighbour.py): one private step on D and on D minus one example."""
