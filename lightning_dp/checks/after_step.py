@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_dp.checks.batch_hooks import _users_hook, hook_failure_message
+from lightning_dp.checks.batch_hooks import hook_failure_message, users_hooks
 from lightning_dp.checks.dry_flag import _dry
 from lightning_dp.checks.snapshot import ModuleState, same_values
 from lightning_dp.checks.state import ParameterValues
@@ -54,23 +54,15 @@ class AfterStepHook:
 def after_step_hooks(module: LightningModule, batch_idx: int = 0) -> list[AfterStepHook]:
     """The ``on_train_batch_end`` hooks you wrote, in Lightning's order: every callback's, then the module's
     (Lightning's and lightning-dp's own callbacks, which log and save checkpoints, are not run)."""
-    hooks: list[AfterStepHook] = []
     trainer = module._trainer
-    for callback in list(getattr(trainer, "callbacks", None) or []) if trainer is not None else []:
-        if _users_hook(callback, "on_train_batch_end", Callback):
-            hooks.append(
-                AfterStepHook(
-                    f"{type(callback).__name__}.on_train_batch_end",
-                    functools.partial(_callback_batch_end, callback, trainer, module, batch_idx),
-                )
-            )
-    if _users_hook(module, "on_train_batch_end", LightningModule):
-        hooks.append(
-            AfterStepHook(
-                f"{type(module).__name__}.on_train_batch_end",
-                functools.partial(_module_batch_end, module, batch_idx),
-            )
+    hooks: list[AfterStepHook] = []
+    for owner in users_hooks(module, "on_train_batch_end"):
+        call = (
+            functools.partial(_module_batch_end, module, batch_idx)
+            if owner is module
+            else functools.partial(_callback_batch_end, owner, trainer, module, batch_idx)
         )
+        hooks.append(AfterStepHook(f"{type(owner).__name__}.on_train_batch_end", call))
     return hooks
 
 

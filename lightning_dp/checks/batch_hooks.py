@@ -41,6 +41,15 @@ def _users_hook(owner: Any, name: str, parent: type) -> bool:
     return defined_in.partition(".")[0] not in _LIBRARY_PACKAGES
 
 
+def users_hooks(module: LightningModule, name: str, callbacks: bool = True) -> list[Any]:
+    """Who holds a ``name`` hook you wrote, in Lightning's order: every callback (unless ``callbacks`` is
+    False), then the module; Lightning's and lightning-dp's own are left out (:func:`_users_hook`)."""
+    trainer = module._trainer
+    found = list(getattr(trainer, "callbacks", None) or []) if trainer is not None and callbacks else []
+    owners: list[Any] = [c for c in found if _users_hook(c, name, Callback)]
+    return [*owners, module] if _users_hook(module, name, LightningModule) else owners
+
+
 def _transfer_hook_owner(module: LightningModule, name: str) -> Any:
     """The object whose ``name`` Lightning calls: the datamodule's where it overrides it, else the module's."""
     trainer = module._trainer
@@ -72,21 +81,13 @@ def batch_hooks(module: LightningModule, batch_idx: int = 0) -> list[BatchHook]:
             call = functools.partial(_call_with, method, 0)
         hooks.append(BatchHook(f"{type(owner).__name__}.{name}", call))
     trainer = module._trainer
-    for callback in list(getattr(trainer, "callbacks", None) or []) if trainer is not None else []:
-        if _users_hook(callback, "on_train_batch_start", Callback):
-            hooks.append(
-                BatchHook(
-                    f"{type(callback).__name__}.on_train_batch_start",
-                    functools.partial(_callback_batch_start, callback, trainer, module, batch_idx),
-                )
-            )
-    if _users_hook(module, "on_train_batch_start", LightningModule):
-        hooks.append(
-            BatchHook(
-                f"{type(module).__name__}.on_train_batch_start",
-                functools.partial(_call_with, module.on_train_batch_start, batch_idx),
-            )
+    for owner in users_hooks(module, "on_train_batch_start"):
+        call = (
+            functools.partial(_call_with, module.on_train_batch_start, batch_idx)
+            if owner is module
+            else functools.partial(_callback_batch_start, owner, trainer, module, batch_idx)
         )
+        hooks.append(BatchHook(f"{type(owner).__name__}.on_train_batch_start", call))
     return hooks
 
 

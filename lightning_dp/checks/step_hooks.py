@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_dp.checks.batch_hooks import _users_hook, hook_failure_message
+from lightning_dp.checks.batch_hooks import hook_failure_message, users_hooks
 from lightning_dp.checks.dry_flag import _dry
 from lightning_dp.checks.snapshot import (
     TENSOR_COPY_BYTES,
@@ -81,15 +81,12 @@ def step_hooks(module: LightningModule) -> list[StepHook]:
     """The step hooks you wrote, stage by stage in Lightning's order, each stage every callback's and then
     the module's (Lightning's and lightning-dp's own callbacks are not run)."""
     trainer = module._trainer
-    callbacks = list(getattr(trainer, "callbacks", None) or []) if trainer is not None else []
     hooks: list[StepHook] = []
-    for stage in STAGES:
-        for callback in callbacks if stage != "backward" else []:
-            if _users_hook(callback, stage, Callback):
-                call = functools.partial(getattr(callback, stage), trainer, module)
-                hooks.append(StepHook(f"{type(callback).__name__}.{stage}", stage, call))
-        if _users_hook(module, stage, LightningModule):
-            hooks.append(StepHook(f"{type(module).__name__}.{stage}", stage, getattr(module, stage)))
+    for stage in STAGES:  # the module's backward has no callback twin
+        for owner in users_hooks(module, stage, callbacks=stage != "backward"):
+            call = getattr(owner, stage)
+            call = call if owner is module else functools.partial(call, trainer, module)
+            hooks.append(StepHook(f"{type(owner).__name__}.{stage}", stage, call))
     return hooks
 
 
