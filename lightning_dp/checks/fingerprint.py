@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_dp.core.batches import BatchWithInfo, EmptyBatch, batch_length, refuse_rowless_leaves
+from lightning_dp.core.batches import BatchWithInfo, EmptyBatch, tensor_leaves
 
 MAX_COLUMNS = 4096
 """Values hashed per example and tensor: every value up to this many, else this many at fixed positions
@@ -86,13 +85,6 @@ class Fingerprint:
         return self.shared == other.shared and torch.equal(self.examples, other.examples)
 
 
-def _leaves(batch: Any) -> list[Tensor]:
-    refuse_rowless_leaves(batch)  # a packed sequence would not survive the walk
-    found: list[Tensor] = []
-    apply_to_collection(batch, Tensor, found.append)
-    return found
-
-
 def unwrap(batch: Any) -> Any:
     """The user's batch inside the sampler's side-channel wrapper (DPIS), if any."""
     return batch.batch if isinstance(batch, BatchWithInfo) else batch
@@ -103,8 +95,8 @@ def fingerprint(batch: Any) -> Fingerprint | None:
     batch = unwrap(batch)
     if isinstance(batch, EmptyBatch):
         return None
-    leaves = _leaves(batch)
-    rows = batch_length(batch)
+    leaves = tensor_leaves(batch)
+    rows = next((t.shape[0] for t in leaves if t.dim() > 0), None)  # batch_length, from the same walk
     if not leaves or rows is None:
         return None
     combined: Tensor | None = None
@@ -131,9 +123,9 @@ class Seen:
 
     @classmethod
     def of(cls, batch: Any) -> Seen:
-        leaves = _leaves(unwrap(batch))
+        leaves = tensor_leaves(unwrap(batch))
         return cls([(id(t), t._version) for t in leaves], leaves)
 
     def unchanged(self, batch: Any) -> bool:
-        leaves = _leaves(unwrap(batch))
+        leaves = tensor_leaves(unwrap(batch))
         return [(id(t), t._version) for t in leaves] == self.tensors

@@ -36,42 +36,39 @@ class EmptyBatch:
         return "EmptyBatch()"
 
 
-def refuse_rowless_leaves(batch: Any) -> None:
-    """Refuse, by name, a batch holding a ``PackedSequence`` or a nested tensor: the checks and the clipping
-    remove, replace and split examples by the rows (dimension 0) of each tensor, and these have none that
-    are one example's (a packed sequence interleaves the examples' time steps)."""
+def tensor_leaves(batch: Any) -> list[Tensor]:
+    """The batch's tensors, in collection order. A ``PackedSequence`` or a nested tensor is refused by name:
+    the checks and the clipping remove, replace and split examples by the rows (dimension 0) of each tensor,
+    and these have none that are one example's (a packed sequence interleaves the examples' time steps)."""
+    found: list[Tensor] = []
 
-    def packed(_: PackedSequence) -> None:
-        raise DPConfigurationError(
-            "The batch holds a PackedSequence: lightning-dp removes, replaces and splits a batch's examples by "
-            "the rows (dimension 0) of its tensors, and a packed sequence's rows are the time steps of several "
-            "examples interleaved. Return the padded tensor and the lengths from the collate_fn and pack inside "
-            "training_step or forward (torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, "
-            "enforce_sorted=False)): nn.LSTM, nn.GRU and nn.RNN on a packed input train with exact per-example "
-            "gradients."
-        )
-
-    def nested(t: Tensor) -> Tensor:
-        if t.is_nested:
+    def take(leaf: Any) -> None:  # a PackedSequence is matched whole, so the walk never rebuilds one
+        if isinstance(leaf, PackedSequence):
+            raise DPConfigurationError(
+                "The batch holds a PackedSequence: lightning-dp removes, replaces and splits a batch's examples by "
+                "the rows (dimension 0) of its tensors, and a packed sequence's rows are the time steps of several "
+                "examples interleaved. Return the padded tensor and the lengths from the collate_fn and pack inside "
+                "training_step or forward (torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, "
+                "enforce_sorted=False)): nn.LSTM, nn.GRU and nn.RNN on a packed input train with exact per-example "
+                "gradients."
+            )
+        if leaf.is_nested:
             raise DPConfigurationError(
                 "The batch holds a nested tensor: lightning-dp removes, replaces and splits a batch's examples "
                 "by the rows (dimension 0) of ordinary tensors. Pad in the collate_fn "
                 "(torch.nested.to_padded_tensor, or torch.nn.utils.rnn.pad_sequence) and pass the lengths or a "
                 "mask along; build a nested tensor inside training_step if the model needs one."
             )
-        return t
+        found.append(leaf)
 
-    apply_to_collection(batch, PackedSequence, packed)  # before any walk that would rebuild one
-    apply_to_collection(batch, Tensor, nested)
+    apply_to_collection(batch, (PackedSequence, Tensor), take)
+    return found
 
 
 def batch_length(batch: Any) -> int | None:
-    """Length of the batch dimension: that of the first tensor found in the collection (a batch with a
-    packed sequence or a nested tensor is refused: :func:`refuse_rowless_leaves`)."""
-    refuse_rowless_leaves(batch)
-    found: list[int] = []
-    apply_to_collection(batch, Tensor, lambda t: found.append(t.shape[0]) if t.dim() > 0 else None)
-    return found[0] if found else None
+    """Length of the batch dimension: that of the first tensor with a dimension in the collection (a batch
+    with a packed sequence or a nested tensor is refused: :func:`tensor_leaves`)."""
+    return next((t.shape[0] for t in tensor_leaves(batch) if t.dim() > 0), None)
 
 
 def split_batch(
