@@ -106,13 +106,13 @@ def make_engine(
 
 
 def private_step(engine: PrivateStepEngine, module: LinearClassifier, batch: Split, optimizer) -> None:
-    """One private step exactly as DPStrategy runs it: backward, privatize, step slot."""
+    """One private step exactly as DPStrategy runs it: the batch announced, backward, privatize, step slot."""
+    engine.begin_batch(None, data=batch)
     module.zero_grad(set_to_none=True)
     if len(batch[1]) == 0:
         torch.zeros((), requires_grad=True).backward()  # an empty Poisson batch: noise only
     else:
         module.dp_per_sample_loss(batch).mean().backward()
-    engine.batch = batch
     engine.privatize()
     engine.apply_step(optimizer)
 
@@ -162,7 +162,7 @@ def run_blsgd(train: Split, test: Split, epsilon: float, delta: float, seed: int
         mode="adaptive", loss_clip=1.0, weight_decay=1e-3, eta0=1.0, planned_iterations=1000, seed=seed
     )
     engine = make_engine(module, n, max(1, round(0.1 * n)), step, epsilon, clip=3.0, seed=seed)
-    engine.train_data = (TensorDataset(*train), None)
+    engine.use_train_data(TensorDataset(*train), None)
     engine.noise.calibrate(epsilon, DELTA, engine.sampler, 1000, "rdp")
     optimizer = torch.optim.SGD(module.parameters(), lr=0.0)  # unused: the search moves the weights
     for indices in engine.sampler.batch_sampler(100_000):

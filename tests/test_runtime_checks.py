@@ -115,7 +115,7 @@ def test_broadcast_batch_one_input_gets_each_examples_own_gradient():
     loss = torch.nn.functional.cross_entropy(module(x), y, reduction="sum")
     (expected,) = torch.autograd.grad(loss, module.position.weight)
     strategy.engine.attach(module)
-    strategy.engine.chunk_batch = 16  # as the strategy does for each drawn batch
+    strategy.engine.begin_batch(16)  # as the strategy does for each drawn batch
     torch.nn.functional.cross_entropy(module(x), y, reduction="mean").backward()
     samples, batch = strategy.engine.grads.collect(expected=16)
     per_example = dict(zip(samples.params, samples.materialize(), strict=True))[module.position.weight]

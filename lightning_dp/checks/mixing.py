@@ -329,11 +329,11 @@ class MixingCheck:
         passing = [kind for kind, result in results.items() if result.passed]
         if current in passing:
             if len(passing) == 1 and len(results) > 1:
-                engine.normalisation_settled = True
+                engine.settle_normalisation(True)
             return results[current]
         if passing and not engine.normalisation_settled:
             engine.use_normalisation("public" if passing[0] == "public" else "batch")
-            engine.normalisation_settled = len(passing) == 1
+            engine.settle_normalisation(len(passing) == 1)
             return results[passing[0]]
         return results[current]
 

@@ -231,7 +231,7 @@ class DPStrategyBase(Strategy):
         sampler = self.engine.sampler
         dataset = self._bounded.of(self.config, loader.dataset, sampler.unit == "user")
         num_samples = len(dataset)  # an example-level run with max_examples_per_user: the bounded set
-        self.engine.train_data = (dataset, loaders.CollateWithEmpty(loader.collate_fn))
+        self.engine.use_train_data(dataset, loaders.CollateWithEmpty(loader.collate_fn))
         self._check_ranks_agree({"N (training examples)": num_samples, "logical batch": logical_batch})
         try:
             sampler.bind_dataset(dataset)
@@ -287,9 +287,8 @@ class DPStrategyBase(Strategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch = routing.begin_batch_info(self.engine, self._batch_infos.next_info(), args, kwargs)
-        self.engine.batch, module = batch, self._module()
-        if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, self._trainer()):
+        batch, module, info = routing.batch_of(args, kwargs), self._module(), self._batch_infos.next_info()
+        if not routing.begin_sampled_batch(self.engine, self._realised_sizes, batch, info, self._trainer()):
             self.step_counts.released_nothing(module)
             return None  # the budget cannot pay for this batch: nothing is released, training stops
         own = self._own_calls(batch)
@@ -307,7 +306,7 @@ class DPStrategyBase(Strategy):
         none), counted on every rank before any call (a unit too large for one chunk is refused on all)."""
         if self.placeholders is None:
             return None
-        module, chunking, units = self._module(), self.chunking, self.engine.units
+        module, chunking, units = self._module(), self.chunking, self.engine.sampled_batch.units
         if chunking.whole:  # one call, or none: nothing to refuse
             return routing.calls_of(batch, chunking, units, module)
         counted: list[int] = []
@@ -363,7 +362,7 @@ class DPStrategyBase(Strategy):
         module = self.lightning_module
         assert module is not None
         batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        chunks = routing.physical_chunks(batch, self.chunking, self.engine.units)
+        chunks = routing.physical_chunks(batch, self.chunking, self.engine.sampled_batch.units)
         self._refuse_together(
             lambda: self.checks.before_user_code(
                 self.engine, module, self._trainer(), batch, batch_idx, chunks,

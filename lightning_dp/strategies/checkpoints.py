@@ -115,8 +115,7 @@ def _continue_model_history(engine: PrivateStepEngine, history: ModelHistory) ->
             f"{earlier}, and this strategy's ledger ({engine.accountant}) cannot price those releases: {err}. "
             "Use the accountant of the earlier fits."
         ) from err
-    engine.prior_events = engine.ledger.steps
-    engine.prior_num_samples = history.num_samples
+    engine.carry_prior(engine.ledger.steps, history.num_samples)
     warnings.warn(
         f"lightning-dp: t{earlier[1:]}: {engine.prior_events} ledger events. Its ledger "
         f"continues from them, so ε and the report count every release the model has had"

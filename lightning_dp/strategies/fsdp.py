@@ -376,12 +376,10 @@ class DPFSDPStrategy(DPStrategyBase, ModelParallelStrategy):
         compute = shards.compute_precision()
         if compute is not None and "true" in str(self.precision_plugin.precision):
             self.precision_plugin.precision = compute  # type: ignore[assignment]
-        self.engine.gradient_sink = self.engine.sum_sink = shards
-        self.engine.releases.reduce_scatter_fn = lambda sums: shards.to_shards(self.engine.params, sums)
+        self.engine.use_sinks(shards, shards, lambda sums: shards.to_shards(self.engine.params, sums))
         shards.stand_in()  # the hooks key by the full-size tensors the forward uses (until setup_optimizers)
         super().setup(trainer)
-        assert self.engine.grads is not None
-        self.engine.grads.registered = shards.registered
+        self.engine.use_registered(shards.registered)
         self.lockstep = Lockstep(
             self._module(), shards.roots, shards.settle, shards.forget_grads, capture=lambda: self.engine.grads,
             placeholder=self._placeholder, precision=self.precision_plugin, device=self.root_device,

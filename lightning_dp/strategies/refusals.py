@@ -90,8 +90,8 @@ def warn_on_non_private_gradient_hooks(trainer: Trainer, engine: PrivateStepEngi
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if type(callback).on_after_backward is not Callback.on_after_backward:
             users.append(type(callback).__name__)
-    if engine.grads is not None:
-        engine.grads.keep_param_grads = bool(users)
+    if engine.attached:
+        engine.keep_param_grads(bool(users))
     if users:
         warnings.warn(
             f"on_after_backward in {users} sees the NON-private gradient (it runs before clipping and noise): "

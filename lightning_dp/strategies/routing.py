@@ -32,33 +32,31 @@ from lightning_dp.strategies.loaders import RealisedSizes
 from lightning_dp.strategies.refusals import budget_message
 
 
-def begin_batch_info(
-    engine: PrivateStepEngine, info: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Hand the sampler its snapshot for this batch (DPIS) and the engine the batch's privacy units (users,
-    augmented views), from the info the private loader took off the batch (None: the batch carried none).
-    Returns the batch ``training_step`` got (``args``/``kwargs``): the user's batch, as every hook saw it."""
-    engine.units = None
-    if info is not None:
-        engine.sampler.begin_step(sampler_info_of(info))
-        engine.units = units_of(info)
+def batch_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The batch ``training_step`` got (``args``/``kwargs``): the user's batch, as every hook saw it."""
     return args[0] if args else kwargs.get("batch")
 
 
 def begin_sampled_batch(
-    engine: PrivateStepEngine, sizes: RealisedSizes | None, batch: Any, trainer: Trainer | None
+    engine: PrivateStepEngine, sizes: RealisedSizes | None, batch: Any, info: Any, trainer: Trainer | None
 ) -> bool:
-    """Before user code sees a sampled batch: it may make one release, of its realised size, and only
-    if the budget pays for it. False: the budget is spent, so the step releases nothing, user code does
+    """Before user code sees a sampled batch: hand the sampler its snapshot for this batch (DPIS) and the
+    engine the batch with its privacy units (users, augmented views), from the ``info`` the private loader
+    took off the batch (None: it carried none). The batch may make one release, of its realised size, and
+    only if the budget pays for it. False: the budget is spent, so the step releases nothing, user code does
     not run and training stops (a step forced past the budget stop, or a resumed run)."""
+    units = None
+    if info is not None:
+        engine.sampler.begin_step(sampler_info_of(info))
+        units = units_of(info)
     realised = sizes.next_size() if sizes is not None else None
     if realised is not None and (realised == 0) != isinstance(batch, EmptyBatch):
         realised = None  # not the batch the sizes were noted for (a loader Lightning did not get from us)
-    engine.begin_batch(realised)
+    engine.begin_batch(realised, data=batch, units=units)
     affordable = engine.affordable_steps(drawn=True)
     if affordable is None or affordable >= 1:
         return True
-    engine.halted = True
+    engine.halt()
     if trainer is not None and not trainer.should_stop:
         rank_zero_info(
             f"lightning-dp: {budget_message(engine, trainer)} This step releases nothing; stopping."
@@ -131,7 +129,7 @@ def noise_only_step(
         optimizer.zero_grad()
     ctx = engine.noise_only_step()
     for optimizer in optimizers:
-        engine.pending_ctx = ctx
+        engine.share_release(ctx)
         optimizer.step()
     return None
 
@@ -150,14 +148,12 @@ def virtual_batch_step(
     kwargs.pop("batch", None)
     *chunks, (last, last_units) = chunking.split(batch, engine.units)
     for chunk, chunk_units in chunks:
-        engine.chunk_batch = batch_length(chunk)
-        engine.units = chunk_units  # whole units: each is clipped once, over all its rows
+        engine.begin_chunk(batch_length(chunk), chunk_units)
         output = user_step(chunk, *args, **kwargs)
         loss = output["loss"] if isinstance(output, Mapping) else output
         if isinstance(loss, Tensor):
             loss.backward()
         engine.accumulate_chunk()
     if chunks:
-        engine.chunk_batch = batch_length(last)
-        engine.units = last_units
+        engine.begin_chunk(batch_length(last), last_units)
     return user_step(last, *args, **kwargs)

@@ -63,9 +63,9 @@ def _iterate(engine, module, batch, optimizer) -> bool:
     """One DP-AGD iteration through the engine, as the strategy runs it; False once unaffordable."""
     if engine.affordable_steps() < 1:
         return False
+    engine.begin_batch(None, data=batch)  # as the strategy announces each batch before user code runs
     module.zero_grad(set_to_none=True)
     module.dp_per_sample_loss(batch).mean().backward()
-    engine.batch = batch
     engine.privatize()
     engine.apply_step(optimizer)
     return True
@@ -323,8 +323,8 @@ def test_refuses_bad_configurations():
     step = AdaptiveGD()
     engine = _engine(module, 4, step)
     x = torch.rand(4, 2)
+    engine.begin_batch(None, data=(x, torch.zeros(4)))
     module(x).sum().backward()
-    engine.batch = (x, torch.zeros(4))
     engine.privatize()
     with pytest.raises(DPConfigurationError, match="dp_per_sample_loss"):
         engine.apply_step(torch.optim.SGD(module.parameters(), lr=0.1))

@@ -1,14 +1,13 @@
-"""One private step, independent of Lightning: per-example gradients → clip → price → noise → step.
+"""The private step: per-example gradients → clip → price → noise → step, on the state ``state.py`` holds.
 
-The strategy owns the Lightning wiring; this object owns the privacy-relevant arithmetic and state,
+The strategy owns the Lightning wiring; this object owns the privacy-relevant arithmetic,
 so the single-device and distributed strategies (and tests) share exactly one implementation.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -17,10 +16,12 @@ from lightning_dp.accounting import BudgetExceededError, PrivacyEvent, PrivacyLe
 from lightning_dp.accounting.budget import affordable_after
 from lightning_dp.core.batches import UnitInfo
 from lightning_dp.core.errors import BatchDimensionError, DPConfigurationError
-from lightning_dp.core.rng import make_generator, without_generator_states
+from lightning_dp.engine.batch import PendingChunks
+from lightning_dp.engine.consistency import missed_gradients, refuse_sequence_first
+from lightning_dp.engine.inputs import GradientSink
+from lightning_dp.engine.state import EngineState
 from lightning_dp.per_example import GradientCapture, GradMode, PerExampleGradients
-from lightning_dp.per_example.gradients import SumSink
-from lightning_dp.per_example.recurrent import SWAPS
+from lightning_dp.per_example.gradients import Registered, SumSink
 from lightning_dp.slots import (
     NOISE_SLICE,
     Clipping,
@@ -29,59 +30,15 @@ from lightning_dp.slots import (
     Step,
     StepContext,
     StepSetup,
-    iter_slots,
 )
 from lightning_dp.slots.compatibility import check_mechanisms
-from lightning_dp.slots.release import AllReduce, ReleaseHook, Releases
-
-
-def refuse_sequence_first(root: nn.Module) -> None:
-    """Refuse trainable layers built sequence-first (``batch_first=False``) that no exact path covers.
-
-    Their inputs and outputs are [T, B, ...], so the hooks would take time steps for examples; a size
-    check cannot see it when T equals the batch size, this check sees it before the first batch. The
-    recurrent and attention layers that :mod:`lightning_dp.per_example.recurrent` swaps in place (exactly
-    ``nn.RNN``/``LSTM``/``GRU``/``MultiheadAttention``/``Transformer*Layer``) put the batch first
-    themselves; subclasses of them, whose forward may differ, are not swapped and stay refused."""
-    exact = tuple(SWAPS)
-    for name, module in root.named_modules():
-        if type(module) in exact or not any(p.requires_grad for p in module.parameters(recurse=False)):
-            continue
-        if getattr(module, "batch_first", None) is False:
-            raise BatchDimensionError(
-                f"Layer {name or '<root>'!r} ({type(module).__name__}) is built with batch_first=False (PyTorch's "
-                "default): its tensors are [time, batch, ...], and per-example clipping takes dimension 0 as "
-                "the examples, so it would clip each time step instead of each example. Build it with "
-                "batch_first=True and feed it [batch, time, ...] tensors."
-            )
-
-
-CONSISTENCY_RTOL = 1e-2
-"""Relative gap between a parameter's summed per-example gradients and autograd's gradient above which
-part of its gradient is missed (rounding in fp32, and in the tf32/bf16 a run may use, stays far below)."""
-
-CONSISTENCY_FLOOR = 1e-3
-"""Gaps are relative to a parameter's own gradient plus this fraction of the whole gradient's norm."""
-
-
-class GradientSink(Protocol):
-    """Where the released gradient goes when the optimizer holds other tensors than the ones the hooks see
-    (``dp_fsdp``: each rank's shard of a parameter whose full tensor the forward uses)."""
-
-    def stepped(self, param: nn.Parameter) -> nn.Parameter:
-        """The parameter the optimizer steps for the hooked ``param``."""
-        ...
-
-    def assign(self, params: list[nn.Parameter], grads: list[Tensor]) -> None:
-        """Hand each released gradient to the parameter the optimizer steps."""
-        ...
-
+from lightning_dp.slots.release import ReduceScatter, Releases
 
 _GAUSSIAN_DRAW = Noise.add_noise
 """The default noise draw, as defined (a noise slot that overrides or patches it draws in the release)."""
 
 
-class PrivateStepEngine:
+class PrivateStepEngine(EngineState):
     """Holds the four slots, the ledger and the noise generator, and runs the private step."""
 
     def __init__(
@@ -108,114 +65,70 @@ class PrivateStepEngine:
         plan = step.plan(StepSetup(noise, clipping, accountant, target_epsilon, delta, max_grad_norm))
         noise = plan.noise if plan.noise is not None else noise
         noise.link_sampler(sampler)  # correlated noise reads the sampler's bands
-        self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
-        self._max_grad_norm = max_grad_norm
-        self.delta = delta
-        self.target_epsilon = target_epsilon
-        self.accountant = accountant
-        self.loss_reduction = loss_reduction
-        self.seed = seed
-        self.releases = Releases(
+        releases = Releases(
             plan.ledger if plan.ledger is not None else PrivacyLedger(delta=delta, accountant=accountant),
             target_epsilon=target_epsilon,
             noise=noise,
             clipping=clipping,
             gradient_name=f"the private gradient step ({sampler.name}, {clipping.name}, {step.name})",
         )
+        super().__init__(sampler, clipping, noise, step, releases, max_grad_norm, seed)
+        self.delta = delta
+        self.target_epsilon = target_epsilon
+        self.accountant = accountant
+        self.loss_reduction = loss_reduction
         # nothing but the gradient release draws from the noise generator: its noise can be drawn ahead
         self.releases.prefetch_draw = _GAUSSIAN_DRAW if type(step) is Step else None
         self.releases.prefetch_slice = NOISE_SLICE
         sampler.use_releases(self.releases)
         clipping.use_releases(self.releases)  # a clipping's joint statistic (quantile clipping's count)
-        self.steps = 0
-        self.prior_events = 0
-        """Ledger events of releases the model had before this engine trained it (an earlier strategy's
-        fits, carried on the module): they count in ε, and are not this engine's steps."""
-        self.prior_num_samples: int | None = None
-        """N of the data set those earlier releases were made on."""
         self.grads: GradientCapture | None = None
-        self.generator: torch.Generator | None = None
-        self._pending_generator_state: Tensor | None = None
-        self.pending_ctx: StepContext | None = None
         self._checked_consistency = False
-        self._partial: list[Tensor] | None = None
-        self._partial_batch = 0
-        self._partial_rows = 0
+        self._chunks = PendingChunks()
         self.normalisation: Literal["batch", "public"] = "batch"
         """How a ``loss_reduction="mean"`` loss is normalised, as the mixing check reads it: "batch", a mean over
         the batch's rows (each row's gradient is the rows' count times its share, then reduced per unit as
         configured); "public", divided by public constants only (a per-user mean over ``users_per_step``):
         each unit's gradient is the expected batch size times its share, its rows summed. Either way no other
         unit's rows, nor how many there are, enter a unit's gradient (:meth:`use_normalisation`)."""
-        self.normalisation_settled = False
-        """True once a check told the two readings apart (one passed, the other did not)."""
-        self.units: UnitInfo | None = None
-        """The privacy units of the rows about to be backpropagated (the chunk's under virtual batching),
-        set by the strategy from the batch's info; None: every row is its own unit."""
         self.module: nn.Module | None = None
-        """The module the hooks are attached to (steps that probe the loss evaluate it)."""
-        self.batch: Any = None
-        """The current logical batch, set by the strategy before each training step (for loss probes)."""
-        self.train_data: tuple[Any, Any] | None = None
-        """(dataset, collate_fn) of the private train loader (step slots that draw extra batches)."""
+        """The module the hooks are attached to (steps that probe the loss evaluate it; :meth:`attach`)."""
         self.max_physical_batch_size = max_physical_batch_size
         """Virtual batching: at most this many examples per forward (None: the whole logical batch)."""
-        self.realised_batch: int | None = None
-        """Examples the sampler drew for the current sampled batch (``begin_batch``); None: unchecked."""
-        self._chunk_batch: int | None = None
-        self.releases_this_batch: int | None = None
-        """Noisy gradient releases made from the current sampled batch (None: not tracked)."""
-        self.halted = False
-        """True for a sampled batch the budget cannot pay for: its optimizer steps release nothing."""
-        self.gradient_sink: GradientSink | None = None
-        """None: the released gradient goes to ``p.grad`` of each hooked parameter (set by ``dp_fsdp``)."""
-        self.sum_sink: SumSink | None = None
-        """None: each clipped sum is formed whole; ``dp_fsdp`` sets one that reduce-scatters it per FSDP unit
-        as it is formed (the per-example gradients' ``weighted_sum`` then returns this rank's shards)."""
         step.bind(self)
 
-    @property
-    def max_grad_norm(self) -> float:
-        """The clipping bound C of the next release: the configured one unless the clipping or the step adapts it."""
-        return self.step_slot.clip_bound(self.clipping.clip_bound(self._max_grad_norm))
+    # -- inputs that configure the engine's parts (the rest of its inputs: StepInputs) -------------------
+    def begin_batch(self, realised: int | None, *, data: Any = None, units: UnitInfo | None = None) -> None:
+        self.refresh_parameters()  # BackboneFinetuning may have unfrozen parameters since the last batch
+        super().begin_batch(realised, data=data, units=units)
 
-    # -- the run's releases (one Releases service; these views keep the strategy's reads working) -----
-    @property
-    def ledger(self) -> PrivacyLedger:
-        return self.releases.ledger
+    def _expect_rows(self, rows: int | None) -> None:
+        # The hooks take the batch size from the sampler, not from the first layer's input (a position
+        # lookup of batch 1 may come first), so broadcast inputs are expanded to the real batch.
+        if self.grads is not None:
+            self.grads.expect_batch(rows)
 
-    @property
-    def release_hooks(self) -> list[ReleaseHook]:
-        return self.releases.hooks
+    def use_sinks(
+        self,
+        gradient_sink: GradientSink | None,
+        sum_sink: SumSink | None,
+        reduce_scatter: ReduceScatter | None,
+    ) -> None:
+        """Where released gradients and clipped sums go, and how the noisy sum is split over the ranks
+        (``dp_fsdp``: each rank's shards); None: whole tensors."""
+        self._gradient_sink, self._sum_sink = gradient_sink, sum_sink
+        self.releases.reduce_scatter_fn = reduce_scatter
 
-    def connect(self, rank: int, world_size: int, all_reduce: AllReduce | None) -> None:
-        """Once the processes exist: this rank, their number and the sum over them (None on one process)."""
-        self.releases.connect(rank, world_size, all_reduce)
-        self.noise.link_ranks(world_size)
+    def use_registered(self, registered: Registered | None) -> None:
+        """Layer types the hooks must treat as registered while they recompute (``dp_fsdp``'s sharded
+        layers); call after :meth:`attach`."""
+        assert self.grads is not None, "attach() first"
+        self.grads.registered = registered
 
-    @property
-    def rank(self) -> int:
-        return self.releases.rank
-
-    @rank.setter
-    def rank(self, rank: int) -> None:
-        self.releases.rank = rank
-
-    @property
-    def world_size(self) -> int:
-        return self.releases.world_size
-
-    @world_size.setter
-    def world_size(self, world_size: int) -> None:
-        self.releases.world_size = world_size
-
-    @property
-    def all_reduce(self) -> AllReduce | None:
-        return self.releases.all_reduce_fn
-
-    @all_reduce.setter
-    def all_reduce(self, all_reduce: AllReduce | None) -> None:
-        self.releases.all_reduce_fn = all_reduce
+    def keep_param_grads(self, keep: bool) -> None:
+        """Keep autograd's own ``p.grad`` through backward (a hook the user wrote reads it there)."""
+        assert self.grads is not None, "attach() first"
+        self.grads.keep_param_grads = keep
 
     # -- set-up ---------------------------------------------------------------------------------
     def attach(self, module: nn.Module) -> None:
@@ -286,16 +199,8 @@ class PrivateStepEngine:
     @property
     def stepped_params(self) -> list[nn.Parameter]:
         """The parameters the optimizer steps, one per hooked parameter (the same ones but under ``dp_fsdp``)."""
-        sink = self.gradient_sink
+        sink = self._gradient_sink
         return self.params if sink is None else [sink.stepped(p) for p in self.params]
-
-    def _noise_generator(self, device: torch.device) -> torch.Generator:
-        if self.generator is None or self.generator.device != device:
-            self.generator = make_generator(self.seed, stream=f"noise/{self.rank}", device=device)
-            if self._pending_generator_state is not None:
-                self.generator.set_state(self._pending_generator_state)
-                self._pending_generator_state = None
-        return self.generator
 
     # -- pricing --------------------------------------------------------------------------------
     def noise_multiplier(self) -> float | None:
@@ -366,35 +271,12 @@ class PrivateStepEngine:
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
     # -- run-time checks -----------------------------------------------------------------------------
-    @property
-    def chunk_batch(self) -> int | None:
-        """Examples in the physical chunk about to be backpropagated (virtual batching), else the batch."""
-        return self._chunk_batch
-
-    @chunk_batch.setter
-    def chunk_batch(self, size: int | None) -> None:
-        # The hooks take the batch size from the sampler, not from the first layer's input (a position
-        # lookup of batch 1 may come first), so broadcast inputs are expanded to the real batch.
-        self._chunk_batch = size
-        if self.grads is not None:
-            self.grads.expect_batch(size)
-
-    def begin_batch(self, realised: int | None) -> None:
-        """A new sampled batch of ``realised`` examples: one release may be made from it, and every
-        layer must see ``realised`` on its batch dimension (None: the size is not known, unchecked)."""
-        self.refresh_parameters()
-        self.realised_batch = self.chunk_batch = realised
-        self.releases_this_batch = 0
-        self.halted = False
-
     def _count_release(self) -> None:
         """Refuse a second noisy gradient release from one sampled batch (checked before the release)."""
-        if self.releases_this_batch is None:
+        if self._releases_this_batch is None:
             return
-        if self.releases_this_batch >= 1:
-            assert self.grads is not None
-            self.grads.clear()
-            self._partial, self._partial_batch, self._partial_rows = None, 0, 0
+        if self._releases_this_batch >= 1:
+            self._drop_step()
             raise DPConfigurationError(
                 "A second noisy gradient release from the same sampled batch (two optimizers that each step "
                 "on it, a SAM-style inner step, or two backward/step pairs in one training_step). The ledger "
@@ -407,7 +289,7 @@ class PrivateStepEngine:
                 "(the discriminator on even batch_idx, the generator on odd ones, with as many generated rows as "
                 "the batch has examples), so that each sampled batch makes one release, priced as one step."
             )
-        self.releases_this_batch += 1
+        self._releases_this_batch += 1
 
     def _layer_expected(self, chunked: bool) -> int | None:
         """The batch dimension every layer of the chunk just backpropagated must have (None: unknown).
@@ -422,9 +304,7 @@ class PrivateStepEngine:
         """The per-example gradients of the logical batch must number the examples the sampler drew."""
         if self.realised_batch is None or batch in (0, self.realised_batch):  # 0: no backward ran
             return
-        assert self.grads is not None
-        self.grads.clear()
-        self._partial, self._partial_batch, self._partial_rows = None, 0, 0
+        self._drop_step()
         raise BatchDimensionError(
             f"The per-example gradients of this batch are {'more' if batch > self.realised_batch else 'fewer'} "
             "than the examples the sampler drew: the batch is not on dimension 0 of the collated tensors or "
@@ -464,8 +344,7 @@ class PrivateStepEngine:
         units = self.units if batch else None
         if units is not None:
             if units.unit_of_row.numel() != batch:
-                self.grads.clear()
-                self._partial, self._partial_batch, self._partial_rows = None, 0, 0
+                self._drop_step()
                 raise BatchDimensionError(
                     "The batch carries privacy units for another number of rows than it has per-example "
                     "gradients: keep every row of the collated batch on dimension 0."
@@ -474,7 +353,7 @@ class PrivateStepEngine:
                 grad_samples = grad_samples.grouped(units.unit_of_row, "sum")
             else:
                 grad_samples = grad_samples.grouped(units.unit_of_row, units.reduction, units.views)
-        grad_samples.sink = self.sum_sink  # after the consistency check, which compares full-size sums
+        grad_samples.sink = self._sum_sink  # after the consistency check, which compares full-size sums
         ctx = self._context(grad_samples.batch)
         ctx.extras["rows"] = batch
         weighed = self.sampler.weigh(grad_samples, ctx)
@@ -495,19 +374,14 @@ class PrivateStepEngine:
         ends the logical batch. The non-private ``p.grad`` of the chunk is discarded.
         """
         sums, ctx = self._clipped_sums(self._layer_expected(chunked=True))
-        if self._partial is None:
-            self._partial, self._partial_batch = sums, ctx.batch_size
-        else:
-            self._partial = [a + b for a, b in zip(self._partial, sums, strict=True)]
-            self._partial_batch += ctx.batch_size
-        self._partial_rows += ctx.extras["rows"]
+        self._chunks.add(sums, ctx.batch_size, ctx.extras["rows"])
         for p in self.params:
             p.grad = None
 
     def privatize(self) -> StepContext:
         """Replace every ``p.grad`` with the private gradient of the logical batch just backpropagated."""
         assert self.grads is not None, "attach() first"
-        if self.pending_ctx is not None:
+        if self._pending_ctx is not None:
             raise RuntimeError(
                 "Two backward passes before one optimizer step: every private step must be one backward "
                 "followed by optimizer.step(). For larger logical batches use max_physical_batch_size, "
@@ -520,21 +394,21 @@ class PrivateStepEngine:
         covered = self._covered()
         if not covered:
             self._check_affordable(event)
-        sums, ctx = self._clipped_sums(self._layer_expected(chunked=self._partial is not None))
-        if self._partial is not None:
-            sums = [a + b for a, b in zip(self._partial, sums, strict=True)]
-            ctx.batch_size += self._partial_batch
-            ctx.extras["rows"] += self._partial_rows
-            self._partial, self._partial_batch, self._partial_rows = None, 0, 0
+        sums, ctx = self._clipped_sums(self._layer_expected(chunked=not self._chunks.empty))
+        earlier, units, rows = self._chunks.take()
+        if earlier is not None:
+            sums = [a + b for a, b in zip(earlier, sums, strict=True)]
+            ctx.batch_size += units
+            ctx.extras["rows"] += rows
         self._check_realised_total(ctx.extras["rows"])
         released = self._release(sums, ctx, None if covered else event)
-        if self.gradient_sink is not None:
-            self.gradient_sink.assign(self.params, released)
+        if self._gradient_sink is not None:
+            self._gradient_sink.assign(self.params, released)
         else:
             for p, g in zip(self.params, released, strict=True):
                 p.grad = g.to(p.dtype)
         self.steps += 1
-        self.pending_ctx = ctx
+        self._pending_ctx = ctx
         return ctx
 
     def noise_only_step(self) -> StepContext:
@@ -574,9 +448,7 @@ class PrivateStepEngine:
         try:
             self.releases.check(event)
         except BudgetExceededError:
-            assert self.grads is not None
-            self.grads.clear()
-            self._partial, self._partial_batch, self._partial_rows = None, 0, 0
+            self._drop_step()
             raise
 
     def _check_consistency(
@@ -585,112 +457,26 @@ class PrivateStepEngine:
         """Once, before the first release: the per-example gradients must add up to autograd's gradient,
         parameter by parameter; a parameter whose gradient they miss in part is refused by name (its missed
         part would be released without clipping, or dropped)."""
+        assert self.grads is not None
         self._checked_consistency = True
-        scale = self.grads._scale(batch) if self.grads is not None else 1.0
-        ones = torch.ones(batch, device=params[0].device)
-        gaps: list[tuple[str, float]] = []
+        totals = grad_samples.weighted_sum(torch.ones(batch, device=params[0].device))
         names = {p: n for n, p in self.module.named_parameters()} if self.module is not None else {}
-        pairs = [
-            (p, total / scale, p.grad.detach().float())
-            for p, total in zip(params, grad_samples.weighted_sum(ones), strict=True)
-            if p.grad is not None
-        ]
-        # A parameter whose gradient cancels over the batch (a last bias under a translation-invariant loss)
-        # has rounding far above its own tiny norm: gaps are measured against a floor of the whole gradient.
-        whole = math.sqrt(sum(float(ref.square().sum()) for _, _, ref in pairs))
-        for p, mean, reference in pairs:
-            scale_norm = max(float(reference.norm()), float(mean.norm())) + CONSISTENCY_FLOOR * whole
-            err = float((mean - reference).norm()) / (scale_norm + 1e-12)
-            if math.isfinite(err) and err > CONSISTENCY_RTOL:
-                gaps.append((names.get(p, "?"), err))
+        gaps = missed_gradients(params, totals, self.grads._scale(batch), names)
         if gaps:
-            assert self.grads is not None
-            self.grads.clear()
-            self._partial, self._partial_batch = None, 0
+            self._drop_step()
             message = self.grads.checks.missed_use_message([n for n, _ in gaps], max(e for _, e in gaps))
             raise DPConfigurationError(message)
 
+    def _drop_step(self) -> None:
+        """A refused release: the per-example gradients captured and any pending chunks are dropped, so
+        nothing of this step reaches a later one."""
+        assert self.grads is not None
+        self.grads.clear()
+        self._chunks.drop()
+
     def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Let the step slot move the weights with the private gradient of the pending step."""
-        ctx = self.pending_ctx
+        ctx = self._pending_ctx
         assert ctx is not None
-        self.pending_ctx = None
+        self._pending_ctx = None
         self.step_slot.step(optimizer, ctx)
-
-    # -- state --------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """The privacy state a checkpoint holds: the ledger, the step count, the slots' states and, only in
-        a seeded run, the generator states (an unseeded run's would let the file's holder regenerate its noise)."""
-        slots = {name: {"name": slot.name, "state": self._slot_state(slot)} for name, slot in self._slots()}
-        return {
-            "version": 1,
-            "steps": self.steps,
-            "ledger": self.ledger.state_dict(),
-            "ledger_events": self.ledger.steps,
-            "prior_events": self.prior_events,
-            "noise_generator": self._noise_generator_state(),
-            "slots": slots,
-            "max_grad_norm": self.max_grad_norm,
-        }
-
-    def seeded(self) -> list[str]:
-        """Who draws from a user-given seed (the strategy, a slot): their states stay in checkpoints."""
-        owners = ["seed"] if self.seed is not None else []
-        return owners + [
-            f"{name}={slot.name}(seed=...)" for name, slot in self._slots() if slot.seed is not None
-        ]
-
-    @staticmethod
-    def _slot_state(slot: Any) -> Any:
-        """A slot's saved state; an unseeded slot's generator states are dropped even if it saved them."""
-        state = slot.state_dict()
-        return without_generator_states(state) if slot.seed is None and isinstance(state, dict) else state
-
-    def _noise_generator_state(self) -> Tensor | None:
-        """The noise generator's state as of the last release (before any draws made ahead for the next);
-        None in an unseeded run (:func:`~lightning_dp.core.rng.saved_state`)."""
-        if self.generator is None or self.seed is None:
-            return None
-        before = self.releases.prefetch.state_before(self.generator)
-        return before if before is not None else self.generator.get_state()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled like a checkpoint: the noise generator only as the state a seeded run saves (none without a
-        seed), taken before any draws made ahead, so a seeded copy draws the next release's noise again."""
-        state = dict(self.__dict__)
-        if self.generator is not None:
-            state["_pending_generator_state"] = self._noise_generator_state()
-        state["generator"] = None
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the ledger, the step count and the slots; random streams only where a seed was given.
-
-        Without a seed every generator (noise, and the slots' own) starts afresh from ``os.urandom``:
-        two runs resumed from one checkpoint must not draw the same noise. With ``seed`` the saved
-        states are restored, so the same seed and checkpoint repeat the run exactly.
-        """
-        for name, slot in self._slots():
-            saved = state["slots"][name]
-            if saved["name"] != slot.name:
-                raise ValueError(
-                    f"The checkpoint was trained with {name}={saved['name']}, this run uses {slot.name}: "
-                    "resuming with a different mechanism cannot be priced by the ledger."
-                )
-            slot_state = saved["state"]
-            if slot.seed is None and isinstance(slot_state, dict):
-                slot_state = without_generator_states(slot_state)
-            slot.load_state_dict(slot_state)
-        self.ledger.load_state_dict(state["ledger"])
-        self.steps = int(state["steps"])
-        self.prior_events = int(state.get("prior_events", 0))
-        self.generator = None
-        self._pending_generator_state = state.get("noise_generator") if self.seed is not None else None
-
-    def resume_inside_step(self) -> None:
-        """The state just loaded was saved inside a step: every slot learns the steps released so far."""
-        for _, slot in self._slots():
-            slot.resume_at(self.steps)
-
-    def _slots(self) -> list[tuple[str, Any]]:
-        return list(iter_slots(self.sampler, self.clipping, self.noise, self.step_slot))
