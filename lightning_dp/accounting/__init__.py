@@ -19,7 +19,7 @@ from .noisy_min import NoisyMin
 from .pld import PLDNumericalError
 from .prv import PRVNumericalError
 from .pure_dp import PureDP
-from .pure_laplace import SubsampledLaplace
+from .subsampled_laplace import SubsampledLaplace
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from .repeat_select import RepeatAndSelect, Repetitions, delta_from_rdp, repeat_and_select_rdp
 from .svt import GaussianSVT, LaplaceSVT

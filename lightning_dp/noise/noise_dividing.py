@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger
-from lightning_dp.accounting.pure_laplace import laplace_multiplier, subsampled_laplace_epsilon
+from lightning_dp.accounting.subsampled_laplace import laplace_multiplier, subsampled_laplace_epsilon
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.validation import flag, number
 from lightning_dp.slots import Noise, Sampler, Step

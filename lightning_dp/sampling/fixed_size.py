@@ -2,7 +2,7 @@
 
 This is the sampling of Kuru et al. (2020), whose amplification theorem (Balle et al. 2018, Thm 9) needs a
 fresh uniform subset every step (epoch-wise shuffling does not qualify). It releases Laplace steps only
-(:class:`~lightning_dp.accounting.pure_laplace.SubsampledLaplace`), priced with ``accountant="pure"``.
+(:class:`~lightning_dp.accounting.subsampled_laplace.SubsampledLaplace`), priced with ``accountant="pure"``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from lightning_dp.accounting import PrivacyEvent
-from lightning_dp.accounting.pure_laplace import SubsampledLaplace
+from lightning_dp.accounting.subsampled_laplace import SubsampledLaplace
 from lightning_dp.core.draws import check_population, uniform_subset
 from lightning_dp.sampling.seeded import DrawnBatches, SeededSampler
 

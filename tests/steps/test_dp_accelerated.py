@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyLedger, SubsampledLaplace
-from lightning_dp.accounting.pure_laplace import laplace_multiplier, subsampled_laplace_epsilon
+from lightning_dp.accounting.subsampled_laplace import laplace_multiplier, subsampled_laplace_epsilon
 from lightning_dp.noise.noise_dividing import (
     NoiseDividing,
     allocation_shares,
