@@ -19,9 +19,9 @@ from .noisy_min import NoisyMin
 from .pld import PLDNumericalError
 from .prv import PRVNumericalError
 from .pure_dp import PureDP
-from .subsampled_laplace import SubsampledLaplace
 from .rdp import DEFAULT_ORDERS, epsilon_from_rdp
 from .repeat_select import RepeatAndSelect, Repetitions, delta_from_rdp, repeat_and_select_rdp
+from .subsampled_laplace import SubsampledLaplace
 from .svt import GaussianSVT, LaplaceSVT
 from .zcdp import ZCDP, epsilon_from_rho, rho_from_epsilon, zcdp_rho
 
