@@ -105,11 +105,8 @@ def _conv1d_as_linear(layer: nn.Module) -> nn.Linear:
     from lightning_dp.per_example.recurrent import LinearPart
 
     weight, bias = _weight_bias(layer)
-    part = LinearPart.__new__(LinearPart)
-    nn.Module.__init__(part)
-    part.in_features, part.out_features = weight.shape
-    part.weight = weight
-    part.register_parameter("bias", bias)
+    part = LinearPart.borrow(weight, bias)
+    part.in_features, part.out_features = weight.shape  # Conv1D's weight is [in, out], a Linear's [out, in]
     return part
 
 
