@@ -123,13 +123,13 @@ class TiedCalls:
     def weight(self) -> nn.Parameter:
         return cast(nn.Parameter, self.linear.module.weight)
 
-    def _calls(self) -> tuple[tuple[nn.Module, list[Any], Tensor], tuple[nn.Module, list[Any], Tensor]]:
+    def _calls(self) -> tuple[kernels.KernelCall, kernels.KernelCall]:
         self.embedding._check_unspent()
         self.linear._check_unspent()
         calls = []
         for call in (self.embedding, self.linear):
             assert call.backprops is not None
-            calls.append((call.module, call.activations, call.backprops))
+            calls.append(kernels.KernelCall(call.module, call.activations, call.backprops))
         return calls[0], calls[1]
 
     def sq_norms(self) -> dict[nn.Parameter, Tensor]:

@@ -151,7 +151,9 @@ def _standard(t: Tensor) -> Tensor:
 
 def _recompute(module: nn.Module, activations: list[Tensor], backprops: Tensor) -> dict[nn.Parameter, Tensor]:
     """A layer without a formula, from its positional inputs and single output (``vmap``)."""
-    return vmap.per_example_grads(module, dict(direct_params(module)), (activations, {}), [0], [backprops])
+    return vmap.per_example_grads(
+        vmap.RecomputedCall(module, dict(direct_params(module)), (activations, {}), [0], [backprops])
+    )
 
 
 def _embedding_with_padding(

@@ -184,17 +184,18 @@ class Recompute:
         self, saved: _Saved, scaled: list[Tensor], buffers: Buffers
     ) -> dict[nn.Parameter, Tensor]:
         """``vmap`` of the layer, else the loop (:meth:`_looped`); a layer that writes its buffers is refused."""
-        module, params = saved.module, dict(direct_params(saved.module))
+        module = saved.module
+        call = vmap.RecomputedCall(
+            module, dict(direct_params(module)), saved.inputs, saved.positions, scaled, saved.random_state
+        )
         try:
             with ieee_fp32():
                 try:
-                    return vmap.per_example_grads(
-                        module, params, saved.inputs, saved.positions, scaled, saved.random_state
-                    )
+                    return vmap.per_example_grads(call)
                 except RuntimeError as error:
                     if _written_buffers(buffers) or _written_in_recompute(error, buffers):
                         raise
-                    return self._looped(saved, params, scaled, error)
+                    return self._looped(call, error)
         except RuntimeError as error:
             written = _written_buffers(buffers) or _written_in_recompute(error, buffers)
             if not written:
@@ -206,16 +207,12 @@ class Recompute:
                 "the buffers constant in the forward, or compute the layer from its parameters only."
             ) from error
 
-    def _looped(
-        self, saved: _Saved, params: dict[str, nn.Parameter], grads: list[Tensor], error: RuntimeError
-    ) -> dict[nn.Parameter, Tensor]:
+    def _looped(self, call: vmap.RecomputedCall, error: RuntimeError) -> dict[nn.Parameter, Tensor]:
         """A forward functorch cannot run one example at a time (a packed sequence's lengths, data-dependent
         shapes): run once on the batch and pulled back per example with plain autograd (exact), else refused."""
-        module = saved.module
+        module, params = call.module, call.params
         try:
-            return vmap.looped_per_example_grads(
-                module, params, saved.inputs, saved.positions, grads, saved.random_state
-            )
+            return vmap.looped_per_example_grads(call)
         except RuntimeError as looped:
             name = self.host.layer_name(module)
             owned = [self.host.name_of(p, n) for n, p in params.items()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,24 +29,43 @@ def output_tensors(output: Any) -> list[tuple[int, Tensor]]:
     return [(i, t) for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
 
 
-def per_example_grads(
-    module: nn.Module,
-    params: dict[str, nn.Parameter],
-    inputs: tuple[Sequence[Any], dict[str, Any]],
-    output_positions: Sequence[int],
-    grads: Sequence[Tensor],
-    random_state: RandomState | None = None,
-) -> dict[nn.Parameter, Tensor]:
-    """[B, *shape] gradient of each of ``params`` (names relative to ``module``) for each example.
+@dataclass(frozen=True, eq=False)
+class RecomputedCall:
+    """One recorded call of a layer whose per-example gradients are recomputed: the layer, the parameters
+    to differentiate (``params``, names relative to ``module``), its recorded inputs (positional, keyword),
+    the positions in its flattened output of the tensors with a gradient and those gradients [B, ...]
+    (``grads``), and the random state its forward started from (None: not kept)."""
 
-    ``grads`` are the output gradients [B, ...] of the flattened output tensors at ``output_positions``.
+    module: nn.Module
+    params: dict[str, nn.Parameter]
+    inputs: tuple[Sequence[Any], dict[str, Any]]
+    output_positions: Sequence[int]
+    grads: Sequence[Tensor]
+    random_state: RandomState | None = None
+
+    def outputs(
+        self, weights: Sequence[Tensor], inputs: tuple[Sequence[Any], dict[str, Any]] | None = None
+    ) -> list[Tensor]:
+        """The layer run with ``weights`` for ``params`` on ``inputs`` (the recorded ones unless given):
+        its output tensors at ``output_positions``."""
+        args, kwargs = self.inputs if inputs is None else inputs
+        output = torch.func.functional_call(
+            self.module, dict(zip(self.params, weights, strict=True)), tuple(args), kwargs
+        )
+        outs, _ = tree_flatten(output)
+        return [outs[i] for i in self.output_positions]
+
+
+def per_example_grads(call: RecomputedCall) -> dict[nn.Parameter, Tensor]:
+    """[B, *shape] gradient of each of ``call.params`` for each example.
+
     A layer that draws random numbers (dropout, drop-path) cannot be recomputed one example at a time;
-    with ``random_state`` (the random state its forward started from) it is replayed instead
+    with ``call.random_state`` (the random state its forward started from) it is replayed instead
     (:func:`replayed_per_example_grads`).
     """
+    module, grads, inputs = call.module, call.grads, call.inputs
     batch = grads[0].shape[0]
-    names = list(params)
-    values = tuple(p.detach() for p in params.values())
+    values = tuple(p.detach() for p in call.params.values())
     dtype = values[0].dtype
     flat, spec = tree_flatten((list(inputs[0]), dict(inputs[1])))
 
@@ -56,17 +76,12 @@ def per_example_grads(
     dims = tuple(0 if batched(x) else None for x in flat)
     split = tuple(x if d == 0 else None for x, d in zip(flat, dims, strict=True))
     shared = tuple(None if d == 0 else x for x, d in zip(flat, dims, strict=True))
-    positions = list(output_positions)
 
     def loss(weights: tuple[Tensor, ...], one: tuple[Any, ...], out_grads: tuple[Tensor, ...]) -> Tensor:
         leaves = [s if d is None else o.unsqueeze(0) for s, o, d in zip(shared, one, dims, strict=True)]
-        args, kwargs = tree_unflatten(leaves, spec)
-        output = torch.func.functional_call(
-            module, dict(zip(names, weights, strict=True)), tuple(args), kwargs
-        )
-        outs, _ = tree_flatten(output)
+        outs = call.outputs(weights, tree_unflatten(leaves, spec))
         return sum(
-            ((outs[i] * g.unsqueeze(0)).sum() for i, g in zip(positions, out_grads, strict=True)),
+            ((out * g.unsqueeze(0)).sum() for out, g in zip(outs, out_grads, strict=True)),
             torch.zeros((), dtype=dtype, device=g_device),
         )
 
@@ -78,44 +93,32 @@ def per_example_grads(
             samples = compute(values, split, cast)
     except RuntimeError as error:
         if OLD_STYLE_FUNCTION in str(error):  # a custom autograd.Function that functorch cannot transform
-            return looped_per_example_grads(module, params, inputs, output_positions, grads, random_state)
+            return looped_per_example_grads(call)
         if "randomness" not in str(error):
             raise
-        if random_state is not None:
-            return replayed_per_example_grads(module, params, inputs, output_positions, grads, random_state)
+        if call.random_state is not None:
+            return replayed_per_example_grads(call)
         raise DPConfigurationError(
             f"{type(module).__name__} draws random numbers (dropout) inside its forward, and its per-example "
             "gradients are recomputed one example at a time, which cannot replay those draws. Move the "
             "dropout out of the layer (into a parent module), or set its probability to 0."
         ) from error
-    return dict(zip(params.values(), samples, strict=True))
+    return dict(zip(call.params.values(), samples, strict=True))
 
 
 OLD_STYLE_FUNCTION = "it must override the setup_context staticmethod"
 """Part of functorch's error for an ``autograd.Function`` whose ``forward`` takes ``ctx`` (the old style)."""
 
 
-def looped_per_example_grads(
-    module: nn.Module,
-    params: dict[str, nn.Parameter],
-    inputs: tuple[Sequence[Any], dict[str, Any]],
-    output_positions: Sequence[int],
-    grads: Sequence[Tensor],
-    state: RandomState | None = None,
-) -> dict[nn.Parameter, Tensor]:
+def looped_per_example_grads(call: RecomputedCall) -> dict[nn.Parameter, Tensor]:
     """Per-example gradients with plain autograd, for layers functorch cannot transform (an old-style
     ``autograd.Function`` in the forward): the layer is run once more on the batch (from the forward's
     random state, when it had one) and its graph is pulled back once per example, each with that
     example's own output gradient. Exact; one backward of the layer per example."""
-    names = list(params)
-    weights = tuple(p.detach().requires_grad_(True) for p in params.values())
-    args, kwargs = inputs
+    state, grads = call.random_state, call.grads
+    weights = tuple(p.detach().requires_grad_(True) for p in call.params.values())
     with _replaying(state) if state is not None else contextlib.nullcontext(), torch.enable_grad():
-        output = torch.func.functional_call(
-            module, dict(zip(names, weights, strict=True)), tuple(args), kwargs
-        )
-    outs, _ = tree_flatten(output)
-    tapped = [outs[i] for i in output_positions]
+        tapped = call.outputs(weights)
     batch = grads[0].shape[0]
     samples = [torch.zeros((batch, *w.shape), dtype=w.dtype, device=w.device) for w in weights]
     for row in range(batch):
@@ -130,7 +133,7 @@ def looped_per_example_grads(
         for sample, value in zip(samples, pulled, strict=True):
             if value is not None:
                 sample[row] = value
-    return dict(zip(params.values(), samples, strict=True))
+    return dict(zip(call.params.values(), samples, strict=True))
 
 
 RandomState = tuple[Tensor, list[tuple[int, Tensor]]]
@@ -161,30 +164,18 @@ REPLAY_CHUNK_ELEMENTS = 2**24
 """Per-example cotangents pulled back at once in a replay (elements): bounds its memory."""
 
 
-def replayed_per_example_grads(
-    module: nn.Module,
-    params: dict[str, nn.Parameter],
-    inputs: tuple[Sequence[Any], dict[str, Any]],
-    output_positions: Sequence[int],
-    grads: Sequence[Tensor],
-    state: RandomState,
-) -> dict[nn.Parameter, Tensor]:
+def replayed_per_example_grads(call: RecomputedCall) -> dict[nn.Parameter, Tensor]:
     """Per-example gradients of a layer that draws random numbers: its forward is run once more on the whole
-    batch from the random state the original forward started from (same shapes, so the same draws: the
-    same dropout masks), and the one backward graph is pulled back once per example (each example's own
-    output gradient, ``vmap`` over the cotangents), so every example keeps its own mask."""
-    names = list(params)
-    values = tuple(p.detach() for p in params.values())
-    args, kwargs = inputs
-    positions = list(output_positions)
+    batch from the random state the original forward started from (``call.random_state``: same shapes, so
+    the same draws: the same dropout masks), and the one backward graph is pulled back once per example
+    (each example's own output gradient, ``vmap`` over the cotangents), so every example keeps its own mask."""
+    state, grads = call.random_state, call.grads
+    assert state is not None
+    values = tuple(p.detach() for p in call.params.values())
     batch = grads[0].shape[0]
 
     def forward(*weights: Tensor) -> tuple[Tensor, ...]:
-        output = torch.func.functional_call(
-            module, dict(zip(names, weights, strict=True)), tuple(args), kwargs
-        )
-        outs, _ = tree_flatten(output)
-        return tuple(outs[i] for i in positions)
+        return tuple(call.outputs(weights))
 
     with _replaying(state), torch.enable_grad():
         pull_back = torch.func.vjp(forward, *values)[1]
@@ -198,4 +189,4 @@ def replayed_per_example_grads(
     eye = torch.eye(batch, device=grads[0].device)
     with torch.no_grad():
         samples = torch.func.vmap(one, chunk_size=chunk)(eye)
-    return dict(zip(params.values(), samples, strict=True))
+    return dict(zip(call.params.values(), samples, strict=True))

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from lightning_dp.clipping.flat import clip_factors
 from lightning_dp.per_example import GradientCapture
 from lightning_dp.per_example.gradients import TiedCalls
-from lightning_dp.per_example.kernels import linear
+from lightning_dp.per_example.kernels import KernelCall, linear
 from lightning_dp.per_example.kernels.tied import magnitude_gram, tied_sq_norms, tied_weighted
 
 V, D = 11, 6
@@ -95,7 +95,8 @@ def test_crafted_examples_whose_embedding_and_output_parts_cancel_contribute_at_
     d[1, torch.arange(T), idx[1]] = -c
     u[1] = 0.0
     u[1, :, 0] = c * (1 + 2.0**-20)
-    norms = tied_sq_norms((emb, [idx], u), (lin, [a], d))
+    embedding, output = KernelCall(emb, [idx], u), KernelCall(lin, [a], d)
+    norms = tied_sq_norms(embedding, output)
     exact = _exact(idx, u, a, d)
     assert float(exact[1]) >= 16
     weights = clip_factors(norms.sqrt(), 1.0)
@@ -103,7 +104,7 @@ def test_crafted_examples_whose_embedding_and_output_parts_cancel_contribute_at_
     for i in range(3):
         alone = torch.zeros(3)
         alone[i] = weights[i]
-        released = tied_weighted((emb, [idx], u), (lin, [a], d), alone).double().norm()
+        released = tied_weighted(embedding, output, alone).double().norm()
         assert float(released) <= 1.0 + 1e-6
 
 

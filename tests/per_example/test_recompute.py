@@ -88,9 +88,8 @@ class _OffsetModel(TinyModule):
 def test_a_recomputation_that_fails_both_ways_is_refused_quoting_no_size(
     batch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def failing(*args: object) -> None:
-        grads = args[4]
-        raise RuntimeError(f"shape [{grads[0].shape[0]}, 3] is invalid")  # type: ignore[index]
+    def failing(call: vmap.RecomputedCall) -> None:
+        raise RuntimeError(f"shape [{call.grads[0].shape[0]}, 3] is invalid")
 
     monkeypatch.setattr(vmap, "per_example_grads", failing)
     monkeypatch.setattr(vmap, "looped_per_example_grads", failing)

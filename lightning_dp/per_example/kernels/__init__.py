@@ -24,7 +24,8 @@ rounding error from the magnitudes of its terms; where the terms cancel so much 
 elsewhere the value plus its bound is returned. DP is a worst case over data sets: one example whose
 per-position gradients nearly cancel must not pass as a small norm and be summed unclipped.
 
-``registry`` holds the registry and the entry points (re-exported here); one module per family registers its pair on import
+``registry`` holds the registry, the kernels' contract (``KernelPair``: ``sq_norms(call)`` and
+``weighted_grad(call, weights)`` on one ``KernelCall``) and the entry points (re-exported here); one module per family registers its pair on import
 (``linear``, ``conv`` with ``conv_methods`` and ``conv_autotune``, ``embedding``, ``norm``; ``ecosystem``
 for timm/Hugging Face layers once their library is loaded).
 """
@@ -37,6 +38,8 @@ from lightning_dp.per_example.kernels.registry import (
     FAST_CLIPPERS,
     Cache,
     FastClipper,
+    Grads,
+    KernelCall,
     KernelPair,
     SqNormsFn,
     WeightedGradFn,
@@ -50,6 +53,8 @@ __all__ = [
     "FAST_CLIPPERS",
     "Cache",
     "FastClipper",
+    "Grads",
+    "KernelCall",
     "KernelPair",
     "SqNormsFn",
     "WeightedGradFn",

@@ -24,7 +24,7 @@ from lightning_dp.per_example.kernels.conv_methods import (
     conv_samples_grouped,
     conv_sum_err,
 )
-from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
+from lightning_dp.per_example.kernels.registry import Grads, KernelCall, KernelPair, register_fast_clipper
 
 
 @register_fast_clipper(nn.Conv1d, nn.Conv2d)
@@ -36,13 +36,12 @@ class _ConvKernels(KernelPair):
     """
 
     @staticmethod
-    def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
-    ) -> dict[nn.Parameter, Tensor]:
+    def sq_norms(call: KernelCall) -> Grads:
+        layer, backprops, cache = call.layer, call.backprops, call.cache
         assert isinstance(layer, nn.Conv1d | nn.Conv2d)
         weight, bias = weight_bias(layer)
-        out: dict[nn.Parameter, Tensor] = {}
-        x = activations[0]
+        out: Grads = {}
+        x = call.activations[0]
         if weight is not None:
             plan = conv_plan(layer, x, backprops)
             if plan.live is not None:  # the dead offsets' gradients are exactly 0: the core's norms
@@ -70,22 +69,17 @@ class _ConvKernels(KernelPair):
         return out
 
     @staticmethod
-    def weighted_grad(
-        layer: nn.Module,
-        activations: list[Tensor],
-        backprops: Tensor,
-        weights: Tensor,
-        cache: Cache | None = None,
-    ) -> dict[nn.Parameter, Tensor]:
+    def weighted_grad(call: KernelCall, weights: Tensor) -> Grads:
+        layer, backprops, cache = call.layer, call.backprops, call.cache
         assert isinstance(layer, nn.Conv1d | nn.Conv2d)
         weight, bias = weight_bias(layer)
-        out: dict[nn.Parameter, Tensor] = {}
+        out: Grads = {}
         if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
             out[bias] = bias_sum(cache, bias, weights, lambda: backprops.float().flatten(2).sum(2))
         if weight is not None:
             reused = reuse_cached(cache, weight, weights)
             if reused is None:  # one reduction over batch and positions, by the cheapest method for the shape
-                x = activations[0]
+                x = call.activations[0]
                 plan = conv_plan(layer, x, backprops)
                 if plan.live is not None:
                     core = CONV_SUMS[plan.sum](plan.live.core, plan.live.input(x), backprops, weights)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -30,7 +31,7 @@ from torch import Tensor, nn
 
 from lightning_dp.per_example import kernels as fast_kernels
 from lightning_dp.per_example.kernels.certified import certified_cached, rounding_gamma
-from lightning_dp.per_example.kernels.registry import Cache, FastClipper
+from lightning_dp.per_example.kernels.registry import Cache, FastClipper, Grads, KernelCall
 from lightning_dp.per_example.materialized import materialized_sq_norm, materialized_weighted_grad
 
 Samples = dict[nn.Parameter, Tensor]
@@ -48,19 +49,18 @@ def _weight_bias(layer: nn.Module) -> tuple[nn.Parameter, nn.Parameter | None]:
 def _materialising(formula: Formula) -> FastClipper:
     """Kernels for a layer with small parameters: per-example gradients materialised, kept for the sum."""
 
-    def sq_norms(layer: nn.Module, acts: list[Tensor], bp: Tensor, cache: Cache | None = None) -> Samples:
-        samples = formula(layer, acts, bp)
-        if cache is not None:
-            cache.update(samples)
+    def sq_norms(call: KernelCall) -> Grads:
+        samples = formula(call.layer, call.activations, call.backprops)
+        if call.cache is not None:
+            call.cache.update(samples)
         return {p: materialized_sq_norm(g) for p, g in samples.items()}
 
-    def weighted_grad(
-        layer: nn.Module, acts: list[Tensor], bp: Tensor, weights: Tensor, cache: Cache | None = None
-    ) -> Samples:
-        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+    def weighted_grad(call: KernelCall, weights: Tensor) -> Grads:
+        cache = call.cache
+        params = [p for p in call.layer.parameters(recurse=False) if p.requires_grad]
         samples = {p: cache[p] for p in params if cache and p in cache}
         if len(samples) < len(params):
-            samples.update(formula(layer, acts, bp))
+            samples.update(formula(call.layer, call.activations, call.backprops))
         return materialized_weighted_grad(samples, weights)
 
     return FastClipper(sq_norms, weighted_grad)
@@ -105,33 +105,29 @@ def _conv1d_as_linear(layer: nn.Module) -> nn.Linear:
     from lightning_dp.per_example.recurrent import LinearPart
 
     weight, bias = _weight_bias(layer)
-    part = LinearPart.__new__(LinearPart)
-    nn.Module.__init__(part)
-    part.in_features, part.out_features = weight.shape
-    part.weight = weight
-    part.register_parameter("bias", bias)
+    part = LinearPart.borrow(weight, bias)
+    part.in_features, part.out_features = weight.shape  # Conv1D's weight is [in, out], a Linear's [out, in]
     return part
 
 
 def _conv1d_kernels() -> FastClipper:
     linear = fast_kernels.FAST_CLIPPERS[nn.Linear]
 
-    def sq_norms(layer: nn.Module, acts: list[Tensor], bp: Tensor, cache: Cache | None = None) -> Samples:
+    def sq_norms(call: KernelCall) -> Grads:
         inner: Cache = {}
-        norms = linear.sq_norms(_conv1d_as_linear(layer), acts, bp, inner)
-        if cache is not None:
-            weight = _weight_bias(layer)[0]
-            cache.update({p: g.transpose(1, 2) if p is weight else g for p, g in inner.items()})
+        norms = linear.sq_norms(replace(call, layer=_conv1d_as_linear(call.layer), cache=inner))
+        if call.cache is not None:
+            weight = _weight_bias(call.layer)[0]
+            call.cache.update({p: g.transpose(1, 2) if p is weight else g for p, g in inner.items()})
         return norms
 
-    def weighted_grad(
-        layer: nn.Module, acts: list[Tensor], bp: Tensor, weights: Tensor, cache: Cache | None = None
-    ) -> Samples:
-        weight, bias = _weight_bias(layer)
+    def weighted_grad(call: KernelCall, weights: Tensor) -> Grads:
+        cache = call.cache
+        weight, bias = _weight_bias(call.layer)
         params = [p for p in (weight, bias) if p is not None and _trainable(p)]
         if cache and all(p in cache for p in params):
             return materialized_weighted_grad({p: cache[p] for p in params}, weights)
-        sums = linear.weighted_grad(_conv1d_as_linear(layer), acts, bp, weights, None)
+        sums = linear.weighted_grad(replace(call, layer=_conv1d_as_linear(call.layer), cache=None), weights)
         return {p: g.t() if p is weight else g for p, g in sums.items()}
 
     return FastClipper(sq_norms, weighted_grad)
@@ -184,28 +180,31 @@ def _scale_kernels() -> FastClipper:
     """Certified norms of the per-example γ gradients (summed over positions in fp32: the rounding bound
     γ_P Σ_t ‖x_t ⊙ δ_t‖, flagged examples recomputed in fp64), kept for the clipped sum."""
 
-    def sq_norms(layer: nn.Module, acts: list[Tensor], bp: Tensor, cache: Cache | None = None) -> Samples:
-        gamma, dim = _scale_param(layer)
+    def sq_norms(call: KernelCall) -> Grads:
+        gamma, dim = _scale_param(call.layer)
         if gamma is None:
             return {}
-        prod, positions = _scale_terms(acts[0], bp, dim, torch.float32)
+        x, bp = call.activations[0], call.backprops
+        prod, positions = _scale_terms(x, bp, dim, torch.float32)
         B = prod.shape[0]
         flat = prod.reshape(B, positions, prod.shape[-1])  # a view unless the channels are not innermost
         err = rounding_gamma(positions) * torch.linalg.vector_norm(flat, dim=2).sum(1)
 
         def exact(i: Tensor) -> Tensor:
-            terms, _ = _scale_terms(acts[0][i], bp[i], dim, torch.float64)
+            terms, _ = _scale_terms(x[i], bp[i], dim, torch.float64)
             return terms.reshape(len(i), positions, terms.shape[-1]).sum(1)
 
-        return {gamma: certified_cached(cache, gamma, flat.sum(1), err, exact)}
+        return {gamma: certified_cached(call.cache, gamma, flat.sum(1), err, exact)}
 
-    def weighted_grad(
-        layer: nn.Module, acts: list[Tensor], bp: Tensor, weights: Tensor, cache: Cache | None = None
-    ) -> Samples:
-        gamma, _ = _scale_param(layer)
+    def weighted_grad(call: KernelCall, weights: Tensor) -> Grads:
+        cache = call.cache
+        gamma, _ = _scale_param(call.layer)
         if gamma is None:
             return {}
-        samples = {gamma: cache[gamma]} if cache and gamma in cache else _scale_samples(layer, acts, bp)
+        if cache and gamma in cache:
+            samples = {gamma: cache[gamma]}
+        else:
+            samples = _scale_samples(call.layer, call.activations, call.backprops)
         return materialized_weighted_grad(samples, weights)
 
     return FastClipper(sq_norms, weighted_grad)

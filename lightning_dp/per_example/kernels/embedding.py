@@ -15,7 +15,7 @@ from lightning_dp.per_example.kernels.certified import (
     sum_bound,
     weight_bias,
 )
-from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
+from lightning_dp.per_example.kernels.registry import Grads, KernelCall, KernelPair, register_fast_clipper
 
 
 def embedding_use_gram(T: int, embedding_dim: int) -> bool:
@@ -72,14 +72,13 @@ class _EmbeddingKernels(KernelPair):
     """Rows gathered by index: the per-example gradient is a sparse sum of δ_t into rows i_t."""
 
     @staticmethod
-    def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
-    ) -> dict[nn.Parameter, Tensor]:
+    def sq_norms(call: KernelCall) -> Grads:
+        layer = call.layer
         assert isinstance(layer, nn.Embedding)
         weight, _ = weight_bias(layer)
         if weight is None:
             return {}
-        idx, d = embedding_inputs(layer, activations, backprops)
+        idx, d = embedding_inputs(layer, call.activations, call.backprops)
         B, T = idx.shape
 
         def exact(i: Tensor) -> Tensor:
@@ -90,18 +89,13 @@ class _EmbeddingKernels(KernelPair):
         return {weight: certified_sq_norms(values, bound, exact, spread, B * T)}
 
     @staticmethod
-    def weighted_grad(
-        layer: nn.Module,
-        activations: list[Tensor],
-        backprops: Tensor,
-        weights: Tensor,
-        cache: Cache | None = None,
-    ) -> dict[nn.Parameter, Tensor]:
+    def weighted_grad(call: KernelCall, weights: Tensor) -> Grads:
+        layer = call.layer
         assert isinstance(layer, nn.Embedding)
         weight, _ = weight_bias(layer)
         if weight is None:
             return {}
-        wd, _ = fold_weights(weights, backprops)
-        idx, wd = embedding_inputs(layer, activations, wd)
+        wd, _ = fold_weights(weights, call.backprops)
+        idx, wd = embedding_inputs(layer, call.activations, wd)
         grad = wd.new_zeros(layer.num_embeddings, layer.embedding_dim)
         return {weight: embedding_weighted(layer, idx, wd, grad)}

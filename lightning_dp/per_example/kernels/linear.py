@@ -21,7 +21,7 @@ from lightning_dp.per_example.kernels.certified import (
     reuse_cached,
     weight_bias,
 )
-from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
+from lightning_dp.per_example.kernels.registry import Grads, KernelCall, KernelPair, register_fast_clipper
 from lightning_dp.per_example.materialized import materialized_sq_norm
 
 
@@ -62,13 +62,12 @@ class _LinearKernels(KernelPair):
     """y = W a + b: ‖g_W‖² = ‖δ‖²‖a‖² for 2-D input, Gram trick or materialise for sequences."""
 
     @staticmethod
-    def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
-    ) -> dict[nn.Parameter, Tensor]:
+    def sq_norms(call: KernelCall) -> Grads:
+        layer, cache = call.layer, call.cache
         assert isinstance(layer, nn.Linear)
-        a, d = _linear_inputs(layer, activations, backprops)
+        a, d = _linear_inputs(layer, call.activations, call.backprops)
         weight, bias = weight_bias(layer)
-        out: dict[nn.Parameter, Tensor] = {}
+        out: Grads = {}
         B, T = d.shape[0], d.shape[1]
         if weight is not None:
             if T == 1:  # ‖δ aᵀ‖² = ‖δ‖²‖a‖², reduced without a squared copy of either: nothing cancels
@@ -100,24 +99,24 @@ class _LinearKernels(KernelPair):
         return out
 
     @staticmethod
-    def weighted_grad(
-        layer: nn.Module,
-        activations: list[Tensor],
-        backprops: Tensor,
-        weights: Tensor,
-        cache: Cache | None = None,
-    ) -> dict[nn.Parameter, Tensor]:
+    def weighted_grad(call: KernelCall, weights: Tensor) -> Grads:
+        layer, cache = call.layer, call.cache
         assert isinstance(layer, nn.Linear)
         weight, bias = weight_bias(layer)
-        out: dict[nn.Parameter, Tensor] = {}
+        out: Grads = {}
         if bias is not None:  # per-example bias gradients are small: sum over positions, then weight
             out[bias] = bias_sum(
-                cache, bias, weights, lambda: _linear_inputs(layer, activations, backprops)[1].sum(1)
+                cache,
+                bias,
+                weights,
+                lambda: _linear_inputs(layer, call.activations, call.backprops)[1].sum(1),
             )
         if weight is not None:
             reused = reuse_cached(cache, weight, weights)
             out[weight] = (
-                _linear_folded_matmul(layer, activations[0], backprops, weights) if reused is None else reused
+                _linear_folded_matmul(layer, call.activations[0], call.backprops, weights)
+                if reused is None
+                else reused
             )
         return out
 

@@ -19,7 +19,7 @@ from lightning_dp.per_example.kernels.certified import (
     rounding_gamma,
     weight_bias,
 )
-from lightning_dp.per_example.kernels.registry import Cache, KernelPair, register_fast_clipper
+from lightning_dp.per_example.kernels.registry import Grads, KernelCall, KernelPair, register_fast_clipper
 from lightning_dp.per_example.materialized import materialized_weighted_grad
 
 
@@ -123,49 +123,41 @@ class _NormKernels(KernelPair):
     """LayerNorm / GroupNorm / eval-mode BatchNorm: norms and weighted sums of the (small) materialised affine gradients."""
 
     @staticmethod
-    def sq_norms(
-        layer: nn.Module, activations: list[Tensor], backprops: Tensor, cache: Cache | None = None
-    ) -> dict[nn.Parameter, Tensor]:
+    def sq_norms(call: KernelCall) -> Grads:
+        layer, backprops = call.layer, call.backprops
         if isinstance(layer, nn.GroupNorm) and backprops.dim() > 2 and backprops.shape[0] > 0:
-            return _group_norm_sq_norms(layer, activations, backprops, cache)
-        terms, positions, dim = _norm_layer_terms(layer, activations, backprops)
+            return _group_norm_sq_norms(layer, call)
+        terms, positions, dim = _norm_layer_terms(layer, call.activations, backprops)
         if positions == 1:  # one position per example: nothing summed, nothing cancels
-            return {p: cache_samples(cache, p, t.select(dim, 0)) for p, t in terms.items()}
-
-        def exact(p: nn.Parameter) -> Callable[[Tensor], Tensor]:
-            return lambda i: _norm_layer_grad_samples(
-                layer, [activations[0][i]], backprops[i], torch.float64
-            )[p]
-
+            return {p: cache_samples(call.cache, p, t.select(dim, 0)) for p, t in terms.items()}
         return {
-            p: certified_cached(cache, p, t.sum(dim), position_norms_err(t, positions, dim), exact(p))
+            p: certified_cached(
+                call.cache, p, t.sum(dim), position_norms_err(t, positions, dim), _exact_samples(call, p)
+            )
             for p, t in terms.items()
         }
 
     @staticmethod
-    def weighted_grad(
-        layer: nn.Module,
-        activations: list[Tensor],
-        backprops: Tensor,
-        weights: Tensor,
-        cache: Cache | None = None,
-    ) -> dict[nn.Parameter, Tensor]:
-        params = [p for p in weight_bias(layer) if p is not None]
-        out = {p: g for p in params if (g := reuse_cached(cache, p, weights)) is not None}
+    def weighted_grad(call: KernelCall, weights: Tensor) -> Grads:
+        params = [p for p in weight_bias(call.layer) if p is not None]
+        out = {p: g for p in params if (g := reuse_cached(call.cache, p, weights)) is not None}
         if len(out) < len(params):
-            samples = _norm_layer_grad_samples(layer, activations, backprops)
+            samples = _norm_layer_grad_samples(call.layer, call.activations, call.backprops)
             out.update(materialized_weighted_grad({p: samples[p] for p in params if p not in out}, weights))
         return out
 
 
-def _group_norm_sq_norms(
-    layer: nn.GroupNorm, activations: list[Tensor], backprops: Tensor, cache: Cache | None
-) -> dict[nn.Parameter, Tensor]:
-    """Certified squared norms of GroupNorm's per-example affine gradients from
-    :func:`_group_norm_samples`; flagged examples are recomputed in fp64 from the normalised input."""
-    samples, errors = _group_norm_samples(layer, activations[0], backprops)
+def _exact_samples(call: KernelCall, p: nn.Parameter) -> Callable[[Tensor], Tensor]:
+    """The guard's recompute: the per-example gradients of ``p`` in fp64 of the examples ``i``."""
+    return lambda i: _norm_layer_grad_samples(
+        call.layer, [call.activations[0][i]], call.backprops[i], torch.float64
+    )[p]
 
-    def exact(p: nn.Parameter) -> Callable[[Tensor], Tensor]:
-        return lambda i: _norm_layer_grad_samples(layer, [activations[0][i]], backprops[i], torch.float64)[p]
 
-    return {p: certified_cached(cache, p, g, errors[p], exact(p)) for p, g in samples.items()}
+def _group_norm_sq_norms(layer: nn.GroupNorm, call: KernelCall) -> Grads:
+    """Certified squared norms of GroupNorm's per-example affine gradients (``layer`` is ``call.layer``)
+    from :func:`_group_norm_samples`; flagged examples are recomputed in fp64 from the normalised input."""
+    samples, errors = _group_norm_samples(layer, call.activations[0], call.backprops)
+    return {
+        p: certified_cached(call.cache, p, g, errors[p], _exact_samples(call, p)) for p, g in samples.items()
+    }

@@ -26,20 +26,16 @@ from lightning_dp.per_example.kernels.certified import (
 )
 from lightning_dp.per_example.kernels.embedding import embedding_inputs, embedding_terms, embedding_weighted
 from lightning_dp.per_example.kernels.linear import _linear_folded_matmul, _linear_inputs, use_gram
+from lightning_dp.per_example.kernels.registry import KernelCall
 from lightning_dp.per_example.materialized import materialized_sq_norm
 
-Call = tuple[nn.Module, list[Tensor], Tensor]
-"""(layer, its recorded inputs, its raw output gradient)."""
 
-
-def tied_sq_norms(embedding: Call, linear: Call) -> Tensor:
-    """Certified per-example ‖E_i + L_i‖² [B] (fp32) of the weight an Embedding and a Linear share."""
-    emb, emb_inputs, emb_grads = embedding
-    lin, lin_inputs, lin_grads = linear
-    assert isinstance(emb, nn.Embedding)
-    assert isinstance(lin, nn.Linear)
-    idx, u = embedding_inputs(emb, emb_inputs, emb_grads)  # [B, S], [B, S, D]
-    a, d = _linear_inputs(lin, lin_inputs, lin_grads)  # [B, T, D], [B, T, V]
+def tied_sq_norms(embedding: KernelCall, linear: KernelCall) -> Tensor:
+    """Certified per-example ‖E_i + L_i‖² [B] (fp32) of the weight an Embedding call and a Linear call
+    share (their caches are not read)."""
+    emb, lin = _layers(embedding, linear)
+    idx, u = embedding_inputs(emb, embedding.activations, embedding.backprops)  # [B, S], [B, S, D]
+    a, d = _linear_inputs(lin, linear.activations, linear.backprops)  # [B, T, D], [B, T, V]
     B, T, S = d.shape[0], d.shape[1], idx.shape[1]
     spread = _spread(a, d, u)
     terms = B * (T + S) + 1  # the clipped sum: a B·T-term matmul, a B·S-term index_add, their sum
@@ -67,17 +63,21 @@ def tied_sq_norms(embedding: Call, linear: Call) -> Tensor:
     return certified_sq_norms(values, bound, exact, spread, terms)
 
 
-def tied_weighted(embedding: Call, linear: Call, weights: Tensor) -> Tensor:
+def tied_weighted(embedding: KernelCall, linear: KernelCall, weights: Tensor) -> Tensor:
     """Σ_i w_i (E_i + L_i) in fp32: the Linear's weight-folded matmul, the embedding's rows added into it
     (weight-0 examples contribute exactly nothing, even if not finite)."""
-    emb, emb_inputs, emb_grads = embedding
-    lin, lin_inputs, lin_grads = linear
+    emb, lin = _layers(embedding, linear)
+    total = _linear_folded_matmul(lin, linear.activations[0], linear.backprops, weights)
+    wu, _ = fold_weights(weights, embedding.backprops)
+    idx, wu = embedding_inputs(emb, embedding.activations, wu)
+    return embedding_weighted(emb, idx, wu, total)
+
+
+def _layers(embedding: KernelCall, linear: KernelCall) -> tuple[nn.Embedding, nn.Linear]:
+    emb, lin = embedding.layer, linear.layer
     assert isinstance(emb, nn.Embedding)
     assert isinstance(lin, nn.Linear)
-    total = _linear_folded_matmul(lin, lin_inputs[0], lin_grads, weights)
-    wu, _ = fold_weights(weights, emb_grads)
-    idx, wu = embedding_inputs(emb, emb_inputs, wu)
-    return embedding_weighted(emb, idx, wu, total)
+    return emb, lin
 
 
 def _joint(emb: nn.Embedding, idx: Tensor, u: Tensor, a: Tensor, d: Tensor, dtype: torch.dtype) -> Tensor:
