@@ -1,5 +1,5 @@
-"""What the audit tests share (``tests/test_audit.py``, ``tests/test_audit_users.py``): the noise bug every
-audit must catch, and the quiet Trainer an audited run trains under."""
+"""What the audit tests share (``tests/commands/test_audit.py``, ``tests/commands/test_audit_users.py``): the
+noise bug every audit must catch, and the quiet Trainer an audited run trains under."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LineSearch under 2-process CPU DDP (gloo); launched by tests/test_dp_line_search.py as a script.
+"""LineSearch under 2-process CPU DDP (gloo); launched by tests/steps/test_line_search.py as a script.
 
 Near-noiseless budgets (σ = 1e-8, so the SVT is an exact Armijo test) and q = 1, so the run must match a
 single-process run; each rank writes its final weights and search statistics to ``OUT``.

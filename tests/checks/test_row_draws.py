@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TinyModule, make_trainer
-from test_unit_travel import LOSSES, SMALL, UserNet, rows_of, users_dp
 from torch import Tensor
 
 from lightning_dp import DPConfigurationError, DPStrategy
 from lightning_dp.checks.row_draws import RowDraws
+from tests.checks.test_unit_travel import LOSSES, SMALL, UserNet, rows_of, users_dp
 
 LAW_MOVED = "drew with other arguments"
 MIXING = "Sensitivity check failed"

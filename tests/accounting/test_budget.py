@@ -1,4 +1,5 @@
-"""Every release of every mechanism is checked before it is spent, and a refusal names the mechanism."""
+"""Check-before-spend (``accounting/budget.py``'s ``charge``): every release of every mechanism is checked
+before it is spent, and a refusal names the mechanism."""
 
 from __future__ import annotations
 

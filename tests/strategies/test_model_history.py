@@ -1,5 +1,6 @@
-"""Issue #37 item 5: a model privately trained before carries its ledger (in memory and in its checkpoint);
-a new strategy fitting it continues that ledger, or refuses naming why the two cannot be added up."""
+"""A model's history (``ModelHistory``, ``strategies/checkpoints.py``; issue #37 item 5): a model privately
+trained before carries its ledger (in memory and in its checkpoint); a new strategy fitting it continues that
+ledger, or refuses naming why the two cannot be added up."""
 
 from __future__ import annotations
 

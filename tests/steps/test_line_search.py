@@ -582,7 +582,7 @@ def test_mnist_line_search_config_from_yaml(tmp_path, monkeypatch):
     from lightning_dp.commands.cli import main
 
     monkeypatch.setenv("LIGHTNING_DP_CACHE", str(tmp_path / "cache"))
-    config = Path(__file__).resolve().parents[1] / "configs" / "mnist_line_search.yaml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "mnist_line_search.yaml"
     args = ["fit", "--config", str(config), "--data.root", str(DATA_ROOT), "--data.download", "false"]
     args += ["--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"]
     args += ["--trainer.num_sanity_val_steps", "0", "--trainer.enable_progress_bar", "false"]

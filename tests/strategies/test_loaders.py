@@ -1,4 +1,5 @@
-"""Lightning's batch hooks get the batch the user's collate made, in every kind of private run.
+"""The private train loader (``strategies/loaders.py``): Lightning's batch hooks get the batch the user's
+collate made, in every kind of private run.
 
 User-level runs, augmentation multiplicity and DPIS send per-batch info (the privacy units, the sampler's
 snapshot) from the loader to the step. That info is taken off the batch as the private loader yields it, so

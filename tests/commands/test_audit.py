@@ -22,7 +22,7 @@ from lightning_dp import DPIS, AdaCliP, DPStrategy, HeavyBall, LineSearch
 from lightning_dp.commands.audit import audit, default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
 from recipes import DigitsDataModule, ImageClassifier
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLAIMED = 1.0  # the target ε of every audited run
 
 # name → extra DPStrategy arguments: every mechanism of the library passes its audit.

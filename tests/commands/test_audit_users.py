@@ -29,7 +29,7 @@ from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.sampling.user_ids import UserIds, resolve_user_ids, with_new_users
 from recipes import DigitsDataModule, ImageClassifier
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLAIMED = 1.0
 K, USERS_PER_STEP, NUM_USERS = 10, 13, 126  # configs/digits_users.yaml: 126 synthetic users of 10 digits
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import DATA_ROOT, MNIST_FILES, requires_data
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
