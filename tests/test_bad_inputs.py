@@ -18,12 +18,17 @@ from conftest import TinyModule, make_trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from test_runtime_checks import TimeMajorTagger, TwoLoaders, TwoOptimizers, sequence_first_subclass
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from lightning_dp import ConstantNoise, DPConfigurationError, DPStrategy, FlatClipping, Poisson
 from lightning_dp.accounting import PrivacyEvent
+from tests.engine.test_runtime_checks import (
+    TimeMajorTagger,
+    TwoLoaders,
+    TwoOptimizers,
+    sequence_first_subclass,
+)
 
 
 @dataclass

@@ -381,7 +381,7 @@ def test_experts_that_put_tokens_back_into_another_example_are_refused():
 
 
 def test_a_time_major_layer_is_refused_also_when_the_time_length_equals_the_batch():
-    from test_runtime_checks import TimeMajorTagger
+    from tests.engine.test_runtime_checks import TimeMajorTagger
 
     module = TimeMajorTagger(steps=3)
     module.x, module.y, module.batch_size = module.x[:3], module.y[:3], 3  # q = 1: every batch has 3 rows
