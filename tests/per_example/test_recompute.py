@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TinyModule, make_trainer
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_dp import DPStrategy
 from lightning_dp.core.errors import DPConfigurationError
@@ -100,3 +100,35 @@ def test_a_recomputation_that_fails_both_ways_is_refused_quoting_no_size(
         make_trainer(strategy, max_steps=1).fit(_OffsetModel(batch))
     assert "RuntimeError: shape […, …] is invalid" in str(refusal.value)
     assert strategy.engine.ledger.steps == 0
+
+
+# -- a custom layer that writes a buffer in place in its forward --------------------------------------------
+
+
+class RunningMean(nn.Module):
+    """A custom layer (no per-example formula: recomputed per example) keeping a running mean of its input."""
+
+    def __init__(self, d: int = 10) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+        self.register_buffer("mean", torch.zeros(d))
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x * self.scale - self.mean
+
+
+class WithRunningMean(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(RunningMean(), nn.Tanh(), nn.Linear(10, 3))
+
+
+@pytest.mark.parametrize("check_sensitivity", [True, False], ids=["default", "checks-off"])
+def test_a_layer_writing_its_buffer_in_place_under_no_grad_is_refused_by_name(check_sensitivity):
+    strategy = DPStrategy(noise_multiplier=1.0, seed=0, check_sensitivity=check_sensitivity)
+    module = WithRunningMean()
+    with pytest.raises(DPConfigurationError, match=r"writes its buffers \['mean'\] in its forward"):
+        make_trainer(strategy, max_steps=2).fit(module)
+    assert strategy.engine.steps == 0
