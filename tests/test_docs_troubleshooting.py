@@ -109,7 +109,7 @@ FORWARDED = {
     "lightning_dp/checks/capture.py::_mixed_or_untraced": "the tracer's refusals (per_example/uses.py)",
     "lightning_dp/strategies/collectives.py::refuse_gather": "_GATHER_REFUSAL: collective-in-training-step",
     "lightning_dp/checks/capture.py::collected": "coverage.missed_use_message(): per-example-gradients-do-not-add-up",
-    "lightning_dp/engine.py::_check_consistency": "checks.missed_use_message(): per-example-gradients-do-not-add-up",
+    "lightning_dp/engine/step.py::_check_consistency": "checks.missed_use_message(): per-example-gradients-do-not-add-up",
     "lightning_dp/checks/mixing.py::run": "self.refusal(...) and a note: sensitivity-check-failed",
     "lightning_dp/strategies/base.py::load_checkpoint": "unreadable_checkpoint(): checkpoint-damaged & co.",
     "lightning_dp/strategies/base.py::_bind_sampler": "a sampler's ValueError from bind(): the data entries",

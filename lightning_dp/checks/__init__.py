@@ -23,7 +23,7 @@ hooks only call these methods; ``docs/guarantees.md`` has the table):
   (``per_example.observations``), which the package installs at import.
 
 The engine's own release checks (one release per sampled batch, the per-example rows against the sampler's
-draw, the budget, sequence-first layers at set-up) are in ``engine.py``; resume checks in
+draw, the budget, sequence-first layers at set-up) are in ``engine/``; resume checks in
 ``strategies/checkpoints.py``.
 """
 
