@@ -1,4 +1,4 @@
-"""The swapped recurrent layers' one-Function recurrence (``recurrent._Recurrence``) in fp64: the same
+"""The swapped recurrent layers' one-Function recurrence (``recurrence.Recurrence``) in fp64: the same
 outputs, final states and parameter gradients as torch's own ``nn.RNN``/``nn.LSTM``/``nn.GRU`` (padded
 and packed sequences, both directions, several layers, a given initial state), and per-example gradients
 equal to autograd on each example alone."""
