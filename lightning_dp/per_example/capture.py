@@ -27,9 +27,10 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_dp.per_example import broadcast, kernels, recurrent
 from lightning_dp.per_example.batchnorm import BatchNormCalls
-from lightning_dp.per_example.gradients import LayerCall, PerExampleGradients, Registered, tie
+from lightning_dp.per_example.gradients import PerExampleGradients, Registered
 from lightning_dp.per_example.kernels import ecosystem
 from lightning_dp.per_example.kernels.conv_autotune import ConvAutotuner
+from lightning_dp.per_example.layer_calls import LayerCall, tie
 from lightning_dp.per_example.layers import (
     expands_params,
     is_opacus_rnn,

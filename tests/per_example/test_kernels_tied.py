@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from lightning_dp.clipping.flat import clip_factors
 from lightning_dp.per_example import GradientCapture
-from lightning_dp.per_example.gradients import TiedCalls
 from lightning_dp.per_example.kernels import KernelCall, linear
 from lightning_dp.per_example.kernels.tied import magnitude_gram, tied_sq_norms, tied_weighted
+from lightning_dp.per_example.layer_calls import TiedCalls
 
 V, D = 11, 6
 
