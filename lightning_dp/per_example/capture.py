@@ -44,8 +44,9 @@ from lightning_dp.per_example.observations import CaptureChecks, Observed, insta
 from lightning_dp.per_example.parameters import GradientWatch, ParameterPaths
 from lightning_dp.per_example.precision import ieee_fp32
 from lightning_dp.per_example.recompute import Recompute
+from lightning_dp.per_example.row_labels import to_examples
 from lightning_dp.per_example.rows import RowMap, RowProvenance, input_sizes, to_batch
-from lightning_dp.per_example.uses import UseTracer, _to_examples
+from lightning_dp.per_example.uses import UseTracer
 
 GradMode = Literal["auto", "fast", "materialize"]
 
@@ -409,7 +410,7 @@ class GradientCapture:
         self.calls.append((module, batch))
         with ieee_fp32():
             samples = grad_sampler(module)(module, activations, grad.detach() * self._scale(batch))
-        add_samples(self.grad_samples, {p: _to_examples(g, rows.rows, batch) for p, g in samples.items()})
+        add_samples(self.grad_samples, {p: to_examples(g, rows.rows, batch) for p, g in samples.items()})
         self.batch_size = batch
 
     # -- the step's per-example gradients ---------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from lightning_dp.per_example import broadcast, vmap
 from lightning_dp.per_example.materialized import direct_params
 from lightning_dp.per_example.precision import ieee_fp32
 from lightning_dp.per_example.reparametrized import reparametrized
+from lightning_dp.per_example.row_labels import to_examples
 from lightning_dp.per_example.rows import RowMap, RowProvenance
-from lightning_dp.per_example.uses import _to_examples
 
 Buffers = list[tuple[nn.Module, str, Tensor, Tensor]]
 """Buffers saved before a recomputation, as (owner, name, object, values)."""
@@ -177,7 +177,7 @@ class Recompute:
                 m.training = mode
             _put_back(buffers)
         if rows is not None:
-            samples = {p: _to_examples(g, rows.rows, batch) for p, g in samples.items()}
+            samples = {p: to_examples(g, rows.rows, batch) for p, g in samples.items()}
         self.host.add_per_example(samples, batch)
 
     def _per_example(

@@ -10,7 +10,8 @@ follows:
 * **Rows**: the example each row (dimension 0) of a tensor belongs to. A tensor whose dimension 0 is the
   batch is the batch's rows; rows taken from it (``x[mask]``, ``index_select``), regrouped (``reshape(B*T,
   d)`` and back) or put back (``index_add``) keep the examples they came from (``-1``: a row of no example,
-  a constant; ``-2``: a row several examples reach, which nothing may use).
+  a constant; ``-2``: a row several examples reach, which nothing may use); what each op does to the rows is
+  :mod:`.row_labels`.
 * **Meetings**: an op where a tracked tensor meets rows. Its per-example gradient is the op recomputed per
   row (``vmap``), the rows summed into their examples, pulled back to the parameters through the tracked
   tensor's own graph (``is_grads_batched``). A tracked tensor added to a loss already reduced over the batch
@@ -37,6 +38,22 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_dp.per_example.broadcast import METADATA
+from lightning_dp.per_example.row_labels import (
+    ALONG,
+    FOLLOWED,
+    MIXED,
+    NONE,
+    PUTS,
+    RESHAPES,
+    ROW_WISE,
+    SWAPS,
+    dim_of,
+    keeps_first,
+    regrouped_rows,
+    selected_rows,
+    swaps_first_two,
+    to_examples,
+)
 
 
 class TracedCapture(Protocol):
@@ -62,9 +79,6 @@ class TracedCapture(Protocol):
     def ignoring_backward(self) -> contextlib.AbstractContextManager[None]: ...
 
 
-NONE, MIXED = -1, -2
-"""Row labels: a row of no example (a constant) and a row several examples reach."""
-
 IGNORED = (METADATA - {"__get__"}) | {
     *("requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad"),
     *("detach", "detach_", "backward", "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"),
@@ -75,38 +89,6 @@ ADDITIVE = frozenset(
     {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__"}
 )
 """Ops whose gradient to one operand does not depend on the other's value."""
-
-ROW_WISE = frozenset(
-    {
-        *("add", "sub", "mul", "div", "true_divide", "pow", "neg", "abs", "exp", "log", "sqrt", "rsqrt"),
-        *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"),
-        *("__pow__", "__neg__", "__iadd__", "__imul__", "add_", "mul_", "where", "masked_fill", "clamp"),
-        *("tanh", "sigmoid", "relu", "gelu", "silu", "elu", "leaky_relu", "softplus", "dropout", "hardtanh"),
-        *("linear", "matmul", "__matmul__", "embedding", "to", "float", "double", "half", "type_as"),
-        *("contiguous", "clone", "relu_", "tanh_", "sigmoid_"),
-    }
-)
-"""Ops whose output row i is computed from row i of their row-carrying operands alone."""
-
-ALONG = frozenset({"softmax", "log_softmax", "normalize", "mean", "sum", "amax", "amin", "layer_norm"})
-"""Ops that reduce or normalise along a dimension: row-wise when that dimension is not 0."""
-
-SWAPS = frozenset({"t", "transpose", "swapaxes", "swapdims", "permute", "movedim"})
-"""Ops that may swap dimensions 0 and 1 (a batch-first tensor made time-major, or back)."""
-
-RESHAPES = frozenset({"reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"})
-PUTS = frozenset({"index_add", "index_add_", "index_copy", "index_copy_"})
-FOLLOWED = SWAPS | RESHAPES | PUTS | {"__getitem__", "index_select", "cat"}
-"""Ops that may give rows of the batch another order or grouping (followed whatever their operands)."""
-
-
-def _dim_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The ``dim`` argument of an op that takes one (keyword or second positional), else None."""
-    if "dim" in kwargs:
-        return kwargs["dim"]
-    if name == "layer_norm":
-        return -1
-    return args[1] if len(args) > 1 and isinstance(args[1], (int, tuple, list)) else None
 
 
 class UseTracer(TorchFunctionMode):
@@ -222,18 +204,18 @@ class UseTracer(TorchFunctionMode):
         if not isinstance(out, Tensor) or out.dim() == 0:
             return
         base = args[0] if args and isinstance(args[0], Tensor) else None
-        if name in SWAPS and base is not None and base.dim() > 1 and _swaps_first_two(name, args, kwargs):
+        if name in SWAPS and base is not None and base.dim() > 1 and swaps_first_two(name, args, kwargs):
             if base not in self.moved and self.capture.batch_hint == base.shape[0] and base not in self.rows:
                 self.moved[out] = True  # the batch's rows moved to dimension 1 (swapped back: not marked)
         elif any(t in self.moved for t in tensors) and name in ROW_WISE:
             self.moved[out] = True
         elif name == "__getitem__" and base is not None and base.dim() > 0:
-            whole = _keeps_first(args[1])
+            whole = keeps_first(args[1])
             if base in self.rows and whole:
                 self.rows[out] = self.rows[base]
             elif not whole and (rows := self.rows_of(base)) is not None:
-                self.set_rows(out, _select(rows, args[1]))
-        elif name == "index_select" and base is not None and _dim_of(name, args, kwargs) == 0:
+                self.set_rows(out, selected_rows(rows, args[1]))
+        elif name == "index_select" and base is not None and dim_of(name, args, kwargs) == 0:
             rows = self.rows_of(base)
             index = args[2] if len(args) > 2 else kwargs.get("index")
             if rows is not None and isinstance(index, Tensor):
@@ -243,12 +225,12 @@ class UseTracer(TorchFunctionMode):
                 return  # the batch's rows in order stay so
             rows = self.rows_of(base)
             if rows is not None:
-                self.set_rows(out, _regrouped(rows, base, out))
-        elif name in PUTS and base is not None and _dim_of(name, args, kwargs) in (0, None):
+                self.set_rows(out, regrouped_rows(rows, base, out))
+        elif name in PUTS and base is not None and dim_of(name, args, kwargs) in (0, None):
             self._put(base, args, kwargs, out)
         elif (
             name == "cat"
-            and _dim_of(name, args, kwargs) in (0, None)
+            and dim_of(name, args, kwargs) in (0, None)
             and args
             and isinstance(args[0], (list, tuple))
         ):
@@ -273,11 +255,11 @@ class UseTracer(TorchFunctionMode):
         if name in ROW_WISE:
             return True
         if name in ALONG:
-            dim = _dim_of(name, args, kwargs)
+            dim = dim_of(name, args, kwargs)
             dims = dim if isinstance(dim, (tuple, list)) else (dim,)
             return dim is not None and all(d not in (0, -args[0].dim()) for d in dims)
         if name == "unsqueeze":
-            return _dim_of(name, args, kwargs) not in (0, None)
+            return dim_of(name, args, kwargs) not in (0, None)
         return False
 
     def _put(self, base: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
@@ -383,7 +365,7 @@ class UseTracer(TorchFunctionMode):
                     self.refusals.append(unmatched_message(label, str(error)[:200]))
                     return
             for i, g in zip(tracked, grads, strict=True):
-                self._add(flat[i], sources[flat[i]], _to_examples(g, rows, batch), label)
+                self._add(flat[i], sources[flat[i]], to_examples(g, rows, batch), label)
 
         out.register_hook(on_grad)
 
@@ -443,21 +425,6 @@ class UseTracer(TorchFunctionMode):
         self.covered.update(pulled)
 
 
-def _swaps_first_two(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a ``SWAPS`` op puts dimension 0 at position 1 and dimension 1 at position 0."""
-    base: Tensor = args[0]
-    rank = base.dim()
-    rest = [*args[1:], *kwargs.values()]
-    if name == "t":
-        return rank == 2
-    if name == "permute":
-        order = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else list(rest)
-        return len(order) == rank and order[0] % rank == 1 and order[1] % rank == 0
-    if name == "movedim":
-        return len(rest) == 2 and rest[0] in (0, 1) and rest[1] == 1 - rest[0]
-    return len(rest) == 2 and {int(d) % rank for d in rest} == {0, 1}
-
-
 def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """The tensor operands of a call: its arguments, and the items of list or tuple arguments."""
     found: list[Tensor] = []
@@ -467,66 +434,6 @@ def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tens
         elif isinstance(value, (list, tuple)):
             found.extend(v for v in value if isinstance(v, Tensor))
     return found
-
-
-def _keeps_first(index: Any) -> bool:
-    """An index that keeps dimension 0 whole (``h[:, 0]``, ``h[..., :2]`` with more than one dimension)."""
-    first = index[0] if isinstance(index, tuple) and index else index
-    if first is Ellipsis:
-        return isinstance(index, tuple) and len(index) > 1
-    return (
-        isinstance(first, slice)
-        and first == slice(None)
-        and not any(
-            isinstance(i, Tensor) or i is None or isinstance(i, list)
-            for i in (index[1:] if isinstance(index, tuple) else ())
-        )
-    )
-
-
-def _select(rows: Tensor, index: Any) -> Tensor | None:
-    """The examples of the rows ``t[index]`` keeps, or None where dimension 0 is not simply selected."""
-    first = index[0] if isinstance(index, tuple) and index else index
-    rest = index[1:] if isinstance(index, tuple) else ()
-    if any(isinstance(i, Tensor) or i is None or isinstance(i, list) for i in rest):
-        return None  # advanced or new-axis indexing beyond dimension 0 moves rows or adds one in front
-    if first is Ellipsis:
-        return rows if len(rest) > 0 and rest[-1] is not Ellipsis else None
-    if isinstance(first, int) and not isinstance(first, bool):
-        return None  # dimension 0 removed
-    if isinstance(first, Tensor) and first.dim() != 1:
-        return None
-    try:
-        picked = rows[first.to(rows.device) if isinstance(first, Tensor) else first]
-    except (IndexError, TypeError, RuntimeError):
-        return None
-    return picked if picked.dim() == 1 else None
-
-
-def _regrouped(rows: Tensor, before: Tensor, after: Tensor) -> Tensor | None:
-    """The examples of ``after``'s rows when it is ``before`` with its leading rows merged or split."""
-    if after.dim() == 0 or before.numel() != after.numel() or before.numel() == 0:
-        return None
-    inner_before, inner_after = before.numel() // before.shape[0], after.numel() // after.shape[0]
-    if inner_before == inner_after:
-        return rows
-    if inner_before % inner_after == 0:  # each row split into several
-        return rows.repeat_interleave(inner_before // inner_after)
-    if inner_after % inner_before == 0:  # several rows merged into one
-        groups = rows.view(after.shape[0], inner_after // inner_before)
-        lowest = torch.where(groups >= 0, groups, groups.max() + 1).amin(1)
-        one = ((groups == lowest[:, None]) | (groups == NONE)).all(1) & (groups != MIXED).all(1)
-        return torch.where(one, torch.where(lowest > groups.max(), NONE, lowest), MIXED)
-    return None
-
-
-def _to_examples(per_row: Tensor, rows: Tensor, batch: int) -> Tensor:
-    """Per-row gradients [n, ...] summed into their examples [batch, ...] (rows of no example dropped)."""
-    if rows.numel() == batch and torch.equal(rows, torch.arange(batch, device=rows.device)):
-        return per_row
-    keep = (rows >= 0).to(per_row.device)
-    out = per_row.new_zeros((batch, *per_row.shape[1:]))
-    return out.index_add_(0, rows.to(per_row.device)[keep], per_row[keep])
 
 
 def unmatched_message(label: str, error: str = "") -> str:

@@ -1,0 +1,122 @@
+"""Which example each row (dimension 0) of a tensor is, through the torch ops that select, regroup or put back
+rows: the labels (an example's index in the batch, :data:`NONE`, :data:`MIXED`), the families of ops that keep,
+move or regroup rows, and the pure functions that give an op's output rows from its input's. The tracer
+(:mod:`.uses`) applies them as ``training_step`` runs; the capture and the recomputed layers sum per-row
+gradients into their examples with :func:`to_examples`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+NONE, MIXED = -1, -2
+"""Row labels: a row of no example (a constant) and a row several examples reach."""
+
+ROW_WISE = frozenset(
+    {
+        *("add", "sub", "mul", "div", "true_divide", "pow", "neg", "abs", "exp", "log", "sqrt", "rsqrt"),
+        *("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__"),
+        *("__pow__", "__neg__", "__iadd__", "__imul__", "add_", "mul_", "where", "masked_fill", "clamp"),
+        *("tanh", "sigmoid", "relu", "gelu", "silu", "elu", "leaky_relu", "softplus", "dropout", "hardtanh"),
+        *("linear", "matmul", "__matmul__", "embedding", "to", "float", "double", "half", "type_as"),
+        *("contiguous", "clone", "relu_", "tanh_", "sigmoid_"),
+    }
+)
+"""Ops whose output row i is computed from row i of their row-carrying operands alone."""
+
+ALONG = frozenset({"softmax", "log_softmax", "normalize", "mean", "sum", "amax", "amin", "layer_norm"})
+"""Ops that reduce or normalise along a dimension: row-wise when that dimension is not 0."""
+
+SWAPS = frozenset({"t", "transpose", "swapaxes", "swapdims", "permute", "movedim"})
+"""Ops that may swap dimensions 0 and 1 (a batch-first tensor made time-major, or back)."""
+
+RESHAPES = frozenset({"reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"})
+PUTS = frozenset({"index_add", "index_add_", "index_copy", "index_copy_"})
+FOLLOWED = SWAPS | RESHAPES | PUTS | {"__getitem__", "index_select", "cat"}
+"""Ops that may give rows of the batch another order or grouping (followed whatever their operands)."""
+
+
+def dim_of(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The ``dim`` argument of an op that takes one (keyword or second positional), else None."""
+    if "dim" in kwargs:
+        return kwargs["dim"]
+    if name == "layer_norm":
+        return -1
+    return args[1] if len(args) > 1 and isinstance(args[1], (int, tuple, list)) else None
+
+
+def swaps_first_two(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``SWAPS`` op puts dimension 0 at position 1 and dimension 1 at position 0."""
+    base: Tensor = args[0]
+    rank = base.dim()
+    rest = [*args[1:], *kwargs.values()]
+    if name == "t":
+        return rank == 2
+    if name == "permute":
+        order = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else list(rest)
+        return len(order) == rank and order[0] % rank == 1 and order[1] % rank == 0
+    if name == "movedim":
+        return len(rest) == 2 and rest[0] in (0, 1) and rest[1] == 1 - rest[0]
+    return len(rest) == 2 and {int(d) % rank for d in rest} == {0, 1}
+
+
+def keeps_first(index: Any) -> bool:
+    """An index that keeps dimension 0 whole (``h[:, 0]``, ``h[..., :2]`` with more than one dimension)."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    if first is Ellipsis:
+        return isinstance(index, tuple) and len(index) > 1
+    return (
+        isinstance(first, slice)
+        and first == slice(None)
+        and not any(
+            isinstance(i, Tensor) or i is None or isinstance(i, list)
+            for i in (index[1:] if isinstance(index, tuple) else ())
+        )
+    )
+
+
+def selected_rows(rows: Tensor, index: Any) -> Tensor | None:
+    """The examples of the rows ``t[index]`` keeps, or None where dimension 0 is not simply selected."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    rest = index[1:] if isinstance(index, tuple) else ()
+    if any(isinstance(i, Tensor) or i is None or isinstance(i, list) for i in rest):
+        return None  # advanced or new-axis indexing beyond dimension 0 moves rows or adds one in front
+    if first is Ellipsis:
+        return rows if len(rest) > 0 and rest[-1] is not Ellipsis else None
+    if isinstance(first, int) and not isinstance(first, bool):
+        return None  # dimension 0 removed
+    if isinstance(first, Tensor) and first.dim() != 1:
+        return None
+    try:
+        picked = rows[first.to(rows.device) if isinstance(first, Tensor) else first]
+    except (IndexError, TypeError, RuntimeError):
+        return None
+    return picked if picked.dim() == 1 else None
+
+
+def regrouped_rows(rows: Tensor, before: Tensor, after: Tensor) -> Tensor | None:
+    """The examples of ``after``'s rows when it is ``before`` with its leading rows merged or split."""
+    if after.dim() == 0 or before.numel() != after.numel() or before.numel() == 0:
+        return None
+    inner_before, inner_after = before.numel() // before.shape[0], after.numel() // after.shape[0]
+    if inner_before == inner_after:
+        return rows
+    if inner_before % inner_after == 0:  # each row split into several
+        return rows.repeat_interleave(inner_before // inner_after)
+    if inner_after % inner_before == 0:  # several rows merged into one
+        groups = rows.view(after.shape[0], inner_after // inner_before)
+        lowest = torch.where(groups >= 0, groups, groups.max() + 1).amin(1)
+        one = ((groups == lowest[:, None]) | (groups == NONE)).all(1) & (groups != MIXED).all(1)
+        return torch.where(one, torch.where(lowest > groups.max(), NONE, lowest), MIXED)
+    return None
+
+
+def to_examples(per_row: Tensor, rows: Tensor, batch: int) -> Tensor:
+    """Per-row gradients [n, ...] summed into their examples [batch, ...] (rows of no example dropped)."""
+    if rows.numel() == batch and torch.equal(rows, torch.arange(batch, device=rows.device)):
+        return per_row
+    keep = (rows >= 0).to(per_row.device)
+    out = per_row.new_zeros((batch, *per_row.shape[1:]))
+    return out.index_add_(0, rows.to(per_row.device)[keep], per_row[keep])
