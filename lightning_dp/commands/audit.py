@@ -25,7 +25,7 @@ input canary is a canary user with k examples (the canary input and small pertur
 fresh user id), sampled, grouped and clipped by the run's own ``UserPoisson`` and scored by its mean margin.
 
 A lower bound that stays below the claimed ε is what a correct implementation must show; it is not a
-proof of privacy (see docs/audit.md).
+proof of privacy (see docs/audit.md). The bound itself (Theorem 3, the guesses) is :mod:`.audit_bound`.
 """
 
 from __future__ import annotations
@@ -37,12 +37,11 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
-from scipy import stats
 from torch import Tensor
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
 
+from lightning_dp.commands.audit_bound import default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.rng import make_generator
 from lightning_dp.engine import PrivateStepEngine
@@ -50,59 +49,29 @@ from lightning_dp.sampling.user_ids import resolve_user_ids, with_new_users
 from lightning_dp.slots import StepContext
 from lightning_dp.slots.release import ReleaseHook
 
+__all__ = [
+    "AUDIT_PLOT_NAME",
+    "JITTER",
+    "AuditResult",
+    "CanaryKind",
+    "GradientCanaries",
+    "Placement",
+    "audit",
+    "canary_scores",
+    "default_guesses",
+    "epsilon_lower_bound",
+    "evaluate_guesses",
+    "logit_margins",
+    "make_input_canaries",
+    "p_value",
+    "plot_audit",
+]
+
 CanaryKind = Literal["gradient", "input"]
 Placement = Literal["isolated", "model"]
 AUDIT_PLOT_NAME = "privacy_audit.png"
 JITTER = 0.25
 """How far a canary user's examples lie from its direction, relative to the direction's length."""
-
-
-# -- the bound (Theorem 3) ------------------------------------------------------------------------
-def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
-    """Upper bound on P[≥ v of r guesses correct] for an (ε, δ)-DP run with m canaries (Theorem 3).
-
-    P[W ≥ v] + 2mδ · max_{i=1..v} P[v−i ≤ W < v] / i with W ~ Binomial(r, e^ε/(1+e^ε)).
-    """
-    if not 0 <= v <= r <= m:
-        raise ValueError(f"need 0 ≤ v ≤ r ≤ m, got v={v}, r={r}, m={m}")
-    q = 1.0 / (1.0 + math.exp(-epsilon))
-    tail = float(stats.binom.sf(v - 1, r, q))
-    if delta == 0 or v == 0:
-        return min(1.0, tail)
-    i = np.arange(1, v + 1)
-    window = np.cumsum(stats.binom.pmf(v - i, r, q))  # P[v−i ≤ W < v] for i = 1..v
-    return min(1.0, tail + 2.0 * m * delta * float((window / i).max()))
-
-
-def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float = 0.95) -> float:
-    """Largest ε that ``v`` correct of ``r`` guesses rejects at ``confidence`` (0 when none is rejected).
-
-    The p-value grows with ε, so bisection on [0, ε_max] finds the boundary to 1e-6.
-    """
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
-    alpha = 1.0 - confidence
-    if r == 0 or p_value(m, r, v, 0.0, delta) >= alpha:
-        return 0.0
-    high = 1.0
-    while p_value(m, r, v, high, delta) < alpha:
-        high *= 2.0
-        if high > 1e3:  # only reachable with δ = 0 and absurd counts; the bound is then vacuous
-            return high
-    low = 0.0
-    while high - low > 1e-6:
-        mid = (low + high) / 2
-        if p_value(m, r, v, mid, delta) < alpha:
-            low = mid
-        else:
-            high = mid
-    return low
-
-
-def default_guesses(m: int) -> list[tuple[int, int]]:
-    """(k₊, k₋) pairs tried by default: top-only and symmetric, at 1/16 … 1/2 of the canaries."""
-    ks = sorted({max(1, m // d) for d in (16, 8, 4, 2)})
-    return [(k, 0) for k in ks] + [(k, k) for k in ks]
 
 
 @dataclass
@@ -157,35 +126,6 @@ class AuditResult:
         data["guesses_tried"] = [list(g) for g in self.guesses_tried]
         data["passed"] = self.passed
         return data
-
-
-def evaluate_guesses(
-    scores: Tensor,
-    included: Tensor,
-    delta: float,
-    confidence: float = 0.95,
-    guesses: Sequence[tuple[int, int]] | None = None,
-) -> tuple[float, int, int]:
-    """Best (ε lower bound, guesses, correct) over the (k₊, k₋) choices, each at (1−confidence)/len.
-
-    Trying several k and keeping the best is paid for by a union bound, so the result still holds
-    at ``confidence``.
-    """
-    m = int(scores.numel())
-    candidates = list(guesses) if guesses is not None else default_guesses(m)
-    per_test = 1.0 - (1.0 - confidence) / len(candidates)
-    order = torch.argsort(scores.double(), descending=True, stable=True)
-    ranked = included[order].bool()
-    best = (0.0, 0, 0)
-    for k_plus, k_minus in candidates:
-        if k_plus < 0 or k_minus < 0 or k_plus + k_minus > m:
-            raise ValueError(f"guess counts ({k_plus}, {k_minus}) do not fit {m} canaries")
-        correct = int(ranked[:k_plus].sum()) + int((~ranked[m - k_minus :]).sum() if k_minus else 0)
-        r = k_plus + k_minus
-        eps = epsilon_lower_bound(m, r, correct, delta, per_test)
-        if eps > best[0] or best[1] == 0:
-            best = (eps, r, correct)
-    return best
 
 
 # -- white-box canaries -------------------------------------------------------------------------------
@@ -342,7 +282,7 @@ def audit(
         seed: fixes the canaries and which are included (default None: ``os.urandom``).
         write_report: add the result to ``privacy_report.json`` and plot ``privacy_audit.png`` (default True).
     """
-    from lightning_dp.run.callbacks import PrivacyCallback, dp_strategy_of
+    from lightning_dp.run.callbacks import dp_strategy_of
 
     if canary not in ("gradient", "input"):
         raise ValueError(f"canary must be 'gradient' or 'input', got {canary!r}")
@@ -353,39 +293,32 @@ def audit(
     user_level = engine.sampler.unit == "user"
     per_canary = _examples_per_canary(canary, examples_per_canary, engine, user_level)
     included = torch.rand(num_canaries, generator=make_generator(seed, stream="audit/included")) < 0.5
-    if canary == "gradient" and engine.noise.correlated:
-        raise DPConfigurationError(
-            f"The gradient canaries are Poisson-sampled at every step and scored as i.i.d. noise, but "
-            f"{engine.noise.name}'s noise is correlated across steps and its examples join one step in b: the "
-            "audit would test another mechanism. Audit this run with canary='input' (the canaries then go "
-            "through the real sampler and noise)."
-        )
     if canary == "gradient":
-        hook = GradientCanaries(engine, included, seed=seed, placement=placement)
-        engine.release_hooks.append(hook)
-        try:
-            trainer.fit(model, datamodule=datamodule)
-        finally:
-            engine.release_hooks.remove(hook)
-        scores = hook.scores
+        scores = _fit_with_gradient_canaries(trainer, model, datamodule, engine, included, seed, placement)
     else:
-        loader = _train_loader(model, datamodule)
-        with torch.no_grad():
-            num_classes = int(model(torch.as_tensor(loader.dataset[0][0])[None].float()).shape[-1])
-        k = per_canary or 1
-        canaries = make_input_canaries(loader.dataset, num_canaries, num_classes, seed, k)
-        before = canary_scores(model, canaries, k)  # initial weights: fixed before seeing data
-        rows = [int(i) * k + j for i in torch.nonzero(included).flatten() for j in range(k)]
-        train: DataLoader[Any] = DataLoader(
-            ConcatDataset([loader.dataset, Subset(canaries, rows)]),
-            batch_size=loader.batch_size,
-            collate_fn=loader.collate_fn,
+        scores = _fit_with_input_canaries(
+            trainer, model, datamodule, strategy, included, seed, per_canary or 1
         )
-        with _canary_users(strategy, loader.dataset, [k] * int(included.sum())):
-            trainer.fit(model, train_dataloaders=train)
-        scores = canary_scores(model, canaries, k) - before
+    result = _judge(strategy, scores, included, canary, per_canary, confidence, guesses)
+    if write_report:
+        _write_to_report(trainer, result)
+    return result
+
+
+def _judge(
+    strategy: Any,
+    scores: Tensor,
+    included: Tensor,
+    canary: CanaryKind,
+    per_canary: int | None,
+    confidence: float,
+    guesses: Sequence[tuple[int, int]] | None,
+) -> AuditResult:
+    """The best guesses' lower bound on ε from the canaries' scores, against the ε the run's ledger claims."""
+    engine = strategy.engine
+    num_canaries = int(included.numel())
     eps, r, v = evaluate_guesses(scores, included, engine.delta, confidence, guesses)
-    result = AuditResult(
+    return AuditResult(
         claimed_epsilon=float(engine.ledger.epsilon()),
         epsilon_lower_bound=eps,
         confidence=confidence,
@@ -402,14 +335,68 @@ def audit(
         scores=[float(s) for s in scores],
         included=[bool(b) for b in included],
     )
+
+
+def _fit_with_gradient_canaries(
+    trainer: Any,
+    model: Any,
+    datamodule: Any,
+    engine: PrivateStepEngine,
+    included: Tensor,
+    seed: int | None,
+    placement: Placement,
+) -> Tensor:
+    """Fit with the gradient canaries on the engine's releases; each canary's score (its released coordinate,
+    summed over the steps)."""
+    if engine.noise.correlated:
+        raise DPConfigurationError(
+            f"The gradient canaries are Poisson-sampled at every step and scored as i.i.d. noise, but "
+            f"{engine.noise.name}'s noise is correlated across steps and its examples join one step in b: the "
+            "audit would test another mechanism. Audit this run with canary='input' (the canaries then go "
+            "through the real sampler and noise)."
+        )
+    hook = GradientCanaries(engine, included, seed=seed, placement=placement)
+    engine.release_hooks.append(hook)
+    try:
+        trainer.fit(model, datamodule=datamodule)
+    finally:
+        engine.release_hooks.remove(hook)
+    return hook.scores
+
+
+def _fit_with_input_canaries(
+    trainer: Any, model: Any, datamodule: Any, strategy: Any, included: Tensor, seed: int | None, k: int
+) -> Tensor:
+    """Fit on the training set with the included input canaries (``k`` examples each) appended; each canary's
+    score (its margin on the final model less its margin on the initial weights)."""
+    loader = _train_loader(model, datamodule)
+    with torch.no_grad():
+        num_classes = int(model(torch.as_tensor(loader.dataset[0][0])[None].float()).shape[-1])
+    canaries = make_input_canaries(loader.dataset, int(included.numel()), num_classes, seed, k)
+    before = canary_scores(model, canaries, k)  # initial weights: fixed before seeing data
+    rows = [int(i) * k + j for i in torch.nonzero(included).flatten() for j in range(k)]
+    train: DataLoader[Any] = DataLoader(
+        ConcatDataset([loader.dataset, Subset(canaries, rows)]),
+        batch_size=loader.batch_size,
+        collate_fn=loader.collate_fn,
+    )
+    with _canary_users(strategy, loader.dataset, [k] * int(included.sum())):
+        trainer.fit(model, train_dataloaders=train)
+    return canary_scores(model, canaries, k) - before
+
+
+def _write_to_report(trainer: Any, result: AuditResult) -> None:
+    """Add the result to the run's ``privacy_report.json`` and plot its scores beside it (rank 0, when the run
+    writes a report)."""
+    from lightning_dp.run.callbacks import PrivacyCallback
+
     callback = next((c for c in trainer.callbacks if isinstance(c, PrivacyCallback)), None)
-    if write_report and callback is not None and callback.report_path and trainer.is_global_zero:
+    if callback is not None and callback.report_path and trainer.is_global_zero:
         from lightning_dp.run.report import add_audit
 
         directory = os.path.dirname(callback.report_path)
         add_audit(callback.report_path, result.summary())
         plot_audit(result, os.path.join(directory, AUDIT_PLOT_NAME))
-    return result
 
 
 def _unit_kind(strategy: Any) -> str:

@@ -19,7 +19,8 @@ from audits import audit_trainer, dropped_noise
 from scipy import stats
 
 from lightning_dp import DPIS, AdaCliP, DPStrategy, HeavyBall, LineSearch
-from lightning_dp.commands.audit import audit, default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
+from lightning_dp.commands.audit import audit
+from lightning_dp.commands.audit_bound import default_guesses, epsilon_lower_bound, evaluate_guesses, p_value
 from recipes import DigitsDataModule, ImageClassifier
 
 ROOT = Path(__file__).resolve().parents[2]
