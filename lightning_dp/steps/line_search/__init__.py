@@ -15,32 +15,35 @@ reproduces the paper literally: Thms 2/3 for SVT, Lemma 4 (general) amplificatio
 one batch shared by the gradient and its searches, and the ln(1/δ) multi-order stopping rule.
 
 Layout: ``config.py`` holds the settings (``LineSearchConfig``) and the checkpointed state
-(``LineSearchState``); ``svt.py`` the search, ``cheb.py`` CHEB, ``budget.py`` the planner's solver,
-``noise.py`` the noise slot. This module is the one class that drives them per step (a little over 500
-lines: the wiring, the budget plan and the step read the same state, so they stay together).
+(``LineSearchState``); ``svt.py`` the search and its direction, ``cheb.py`` CHEB, ``budget.py`` the
+planner's solver and what an iteration costs, ``noise.py`` the noise slot. This module is the one class that
+drives them per step (about 500 lines: the wiring, the budget's sizing and the step read and write the same
+state, so they stay together).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from lightning_dp.accounting import PrivacyEvent, PrivacyFilter
 from lightning_dp.accounting.line_search_events import LineSearchGradient, LineSearchJoint, LineSearchSVT
-from lightning_dp.accounting.rdp import event_rdp
 from lightning_dp.core.batches import EmptyBatch
 from lightning_dp.core.draws import poisson_share
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.rng import make_generator, saved_states
 from lightning_dp.slots import Sampler, Step, StepContext, StepHost, StepPlan, StepSetup, takes_config
 from lightning_dp.steps.line_search.advice import warn_if_capped_by_eta0
-from lightning_dp.steps.line_search.budget import LINE_SEARCH_ORDERS, plan_budget
+from lightning_dp.steps.line_search.budget import (
+    LINE_SEARCH_ORDERS,
+    iteration_cost,
+    plan_budget,
+    split_budget,
+)
 from lightning_dp.steps.line_search.cheb import (
     angle_degrees,
     angle_ema,
@@ -54,6 +57,7 @@ from lightning_dp.steps.line_search.svt import (
     SearchResult,
     candidate_steps,
     noisy_backtracking,
+    search_direction,
     svt_calibration,
 )
 from lightning_dp.steps.loss_queries import USER_LEVEL_REFUSAL, LossProbe
@@ -189,15 +193,8 @@ class LineSearch(Step):
         return self.config.mode == "adaptive"
 
     def _set_from_rho(self, rho: float) -> None:
-        """NN mode: ρ is the per-iteration budget ρ_iter; adaptive: ρ is ρ_grad (ε_iter = √(2ρ), A22)."""
-        if self.config.mode == "nn":
-            self.state.rho_grad = self.config.grad_fraction * rho
-            rho_bt = (1 - self.config.grad_fraction) * rho
-            self.state.search_budget = math.sqrt(2 * rho_bt) if self.config.noise == "laplace" else rho_bt
-        else:
-            self.state.rho_grad = rho
-            eps_iter = math.sqrt(2 * rho)
-            self.state.search_budget = eps_iter if self.config.noise == "laplace" else eps_iter**2 / 2
+        """ρ_grad and the search budget of ρ (:func:`~.budget.split_budget`)."""
+        self.state.rho_grad, self.state.search_budget = split_budget(self.config, rho)
 
     @property
     def _q(self) -> float:
@@ -241,42 +238,18 @@ class LineSearch(Step):
                 "LineSearch needs target_epsilon (or noise_multiplier) to set its budget."
             )
         budgets = ledger.rdp_budgets()
-        orders = ledger.orders
-        k = self.config.max_it
+        cost = iteration_cost(self.config, sample_rate, ledger.orders)
         if self.config.mode == "adaptive":
             iterations = self.config.planned_iterations or 50
             if self.config.accounting == "paper":  # the paper's heuristic: ε_iter = ε / (2·T)
                 self._set_from_rho((self._target_epsilon / (2 * iterations)) ** 2 / 2)
                 self._refresh_reserve()
                 return
-
-            def adaptive_cost(eps_iter: float) -> np.ndarray:
-                budget = eps_iter if self.config.noise == "laplace" else eps_iter**2 / 2
-                grad = LineSearchGradient(eps_iter**2 / 2, sample_rate, self.config.accounting)
-                svt = LineSearchSVT(self.config.noise, budget, sample_rate, k, self.config.accounting)
-                return event_rdp(grad, orders) + event_rdp(svt, orders)
-
-            eps_iter = plan_budget(adaptive_cost, budgets, iterations)
+            eps_iter = plan_budget(cost, budgets, iterations)
             self._set_from_rho(eps_iter**2 / 2)
         else:
             iterations = self.config.planned_iterations or steps
-
-            def nn_cost(rho_iter: float) -> np.ndarray:
-                rho_grad = self.config.grad_fraction * rho_iter
-                rho_bt = (1 - self.config.grad_fraction) * rho_iter
-                budget = math.sqrt(2 * rho_bt) if self.config.noise == "laplace" else rho_bt
-                if self._joint:
-                    return event_rdp(
-                        LineSearchJoint(
-                            rho_grad, self.config.noise, budget, sample_rate, k, self.config.accounting
-                        ),
-                        orders,
-                    )
-                grad = LineSearchGradient(rho_grad, sample_rate, self.config.accounting)
-                svt = LineSearchSVT(self.config.noise, budget, sample_rate, k, self.config.accounting)
-                return event_rdp(grad, orders) + event_rdp(svt, orders)
-
-            self._set_from_rho(plan_budget(nn_cost, budgets, iterations))
+            self._set_from_rho(plan_budget(cost, budgets, iterations))
         self._refresh_reserve()
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -325,7 +298,7 @@ class LineSearch(Step):
             # Priced before the search reads the data: check-before-spend, then the release.
             releases.spend(event, mechanism="LineSearch's sparse-vector search")
         params = host.params
-        direction, d_sq, reg = self._direction(data)
+        direction, d_sq, reg = search_direction(data, params, self.config.weight_decay)
         m = float(host.sampler.expected_batch_size)
         probe = self._loss_probe()
         probe.clip = self.state.c_obj
@@ -367,23 +340,6 @@ class LineSearch(Step):
         self._record(result)
         self._move(direction, result.eta)
         return result.eta
-
-    def _direction(self, data: list[Tensor]) -> tuple[list[Tensor], float, Callable[[float], float]]:
-        """d = data + μw, ‖d‖² and the regulariser's value at w − η·d (0 without weight decay)."""
-        params, mu = self.host.params, self.config.weight_decay
-        with torch.no_grad():
-            direction = [g + mu * p.detach().to(g.dtype) for g, p in zip(data, params, strict=True)]
-            d_sq = math.fsum(float((x.double() ** 2).sum()) for x in direction)
-            w_sq = math.fsum(float((p.detach().double() ** 2).sum()) for p in params)
-            w_d = math.fsum(
-                float((p.detach().double() * x.double()).sum())
-                for p, x in zip(params, direction, strict=True)
-            )
-
-        def reg(eta: float) -> float:
-            return 0.5 * mu * (w_sq - 2 * eta * w_d + eta * eta * d_sq) if mu else 0.0
-
-        return direction, d_sq, reg
 
     def _record(self, result: SearchResult) -> None:
         """The search's released outcome in the counters, the accepted steps and ``last``."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import Tensor, nn
 
 SVTNoise = Literal["laplace", "gaussian"]
 
@@ -94,3 +95,22 @@ def noisy_backtracking(
             return SearchResult(eta, i + 1, i + 1)
     fallback = eta0 * beta**max_it if on_fail == "smallest" else 0.0
     return SearchResult(fallback, 0, max_it)
+
+
+def search_direction(
+    data: list[Tensor], params: list[nn.Parameter], mu: float
+) -> tuple[list[Tensor], float, Callable[[float], float]]:
+    """d = data + μw (``mu``: the weight decay μ), ‖d‖² and the regulariser's value at w − η·d (0 without
+    weight decay): what the search moves along and adds to the loss it queries."""
+    with torch.no_grad():
+        direction = [g + mu * p.detach().to(g.dtype) for g, p in zip(data, params, strict=True)]
+        d_sq = math.fsum(float((x.double() ** 2).sum()) for x in direction)
+        w_sq = math.fsum(float((p.detach().double() ** 2).sum()) for p in params)
+        w_d = math.fsum(
+            float((p.detach().double() * x.double()).sum()) for p, x in zip(params, direction, strict=True)
+        )
+
+    def reg(eta: float) -> float:
+        return 0.5 * mu * (w_sq - 2 * eta * w_d + eta * eta * d_sq) if mu else 0.0
+
+    return direction, d_sq, reg
