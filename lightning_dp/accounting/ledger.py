@@ -1,4 +1,8 @@
-"""The privacy ledger: a run-length history of privacy events, ε readout, and check-before-spend."""
+"""The privacy ledger: a run-length history of privacy events, ε readout, and check-before-spend.
+
+Over 500 lines, one class: the readout, check-before-spend, ``affordable_count``'s search, the curve and the
+saved state all read one run-length history and its caches, which only the ledger may update.
+"""
 
 from __future__ import annotations
 

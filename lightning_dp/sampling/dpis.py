@@ -8,6 +8,9 @@ each is accepted with probability ``c_i/ghat_i``. One step is exactly a Poisson-
 with ``q = b/(N~·r)`` and noise multiplier ``σ_G/r``, ``r = K~/(N~·C)`` (Eq. 13 reparametrised), so
 the ordinary ledger prices it. Follows ``specs/dpis.md``; the paper's weight (off by ``b``) and its
 lower clamp ``b·C`` (which lets first-round probabilities saturate) are corrected, see §7 A1/A4.
+
+A little over 500 lines, one file per paper (CONTRIBUTING.md): the paper's equations and the sampler slot
+that applies them at each epoch (the released K~ and N~, σ's schedule) and step (the two rounds, the weights).
 """
 
 from __future__ import annotations

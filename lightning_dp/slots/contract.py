@@ -1,7 +1,9 @@
 """The four slots of a private step (see CONTRIBUTING.md): sampler, clipping, noise, step.
 
 Every mechanism is one small object in one slot. The strategy only wires them together and asks
-the ledger to price what they release; a slot never touches Lightning itself.
+the ledger to price what they release; a slot never touches Lightning itself. Over 500 lines by design:
+every hook and capability a slot may implement is declared here with its default and docstring, so the
+whole contract reads in one file (CONTRIBUTING.md).
 """
 
 from __future__ import annotations
