@@ -11,24 +11,29 @@ import numpy as np
 
 from .events import PrivacyEvent
 
-__all__ = ["MAX_COUNT", "check_count", "check_event", "check_target"]
+__all__ = ["MAX_COUNT", "check_count", "check_event", "check_integer", "check_target"]
 
 #: Upper end of the search in ``affordable_count``; an event that stays under target this many times
 #: is treated as affordable "forever".
 MAX_COUNT = 2**62
 
 
+def check_integer(value: Any, minimum: int, message: str) -> int:
+    """``value`` as an integer ≥ ``minimum`` (bools rejected); anything else raises ``ValueError(message)``."""
+    if isinstance(value, bool):
+        raise ValueError(message)
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(message) from None
+    if number < minimum:
+        raise ValueError(message)
+    return number
+
+
 def check_count(count: Any) -> int:
     """Validate an event count: a non-negative integer (bools rejected)."""
-    if isinstance(count, bool):
-        raise ValueError(f"count must be a non-negative integer, got {count!r}")
-    try:
-        value = operator.index(count)
-    except TypeError:
-        raise ValueError(f"count must be a non-negative integer, got {count!r}") from None
-    if value < 0:
-        raise ValueError(f"count must be a non-negative integer, got {count!r}")
-    return value
+    return check_integer(count, 0, f"count must be a non-negative integer, got {count!r}")
 
 
 def check_target(target_epsilon: Any) -> float:

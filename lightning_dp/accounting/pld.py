@@ -9,12 +9,10 @@ checks at construction that it is installed.
 from __future__ import annotations
 
 import importlib.util
-import math
 from collections.abc import Iterable
 
-from .analytic_gaussian import unsampled_epsilon
 from .events import PrivacyEvent
-from .prv import PRVNumericalError, prv_segments
+from .prv import PRVNumericalError, closed_form_epsilon, prv_segments, valid_epsilon
 from .rdp import check_delta
 
 __all__ = ["PLDNumericalError", "pld_epsilon", "require_dp_accounting"]
@@ -51,13 +49,9 @@ def pld_epsilon(
     """
     delta = check_delta(delta)
     segments = prv_segments(history, accountant="pld")
-    if not segments:
-        return 0.0
-    if any(sigma == 0.0 for sigma, _, _ in segments):
-        return math.inf
-    exact = unsampled_epsilon(segments, delta)  # only q = 1 Gaussians: one Gaussian, read exactly
-    if exact is not None:
-        return exact
+    closed = closed_form_epsilon(segments, delta)
+    if closed is not None:
+        return closed
     require_dp_accounting()
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
@@ -76,9 +70,4 @@ def pld_epsilon(
             f"PLD accounting failed for segments {segments} at delta={delta}: {exc}; "
             "use accountant='rdp' for this history"
         ) from exc
-    if math.isnan(eps) or eps < 0:
-        raise PLDNumericalError(
-            f"PLD accounting returned an invalid epsilon ({eps}) for segments {segments} at delta={delta}; "
-            "use accountant='rdp' for this history"
-        )
-    return eps
+    return valid_epsilon(eps, segments, delta, PLDNumericalError, "PLD")

@@ -25,7 +25,14 @@ from .analytic_gaussian import unsampled_epsilon
 from .events import PrivacyEvent
 from .rdp import check_delta
 
-__all__ = ["MAX_DOMAIN_SIZE", "PRVNumericalError", "prv_epsilon", "prv_segments"]
+__all__ = [
+    "MAX_DOMAIN_SIZE",
+    "PRVNumericalError",
+    "closed_form_epsilon",
+    "prv_epsilon",
+    "prv_segments",
+    "valid_epsilon",
+]
 
 #: Largest discretisation grid we allow (float64 points); beyond it memory/time explode (~1 GB).
 MAX_DOMAIN_SIZE = 2**24
@@ -80,40 +87,11 @@ def prv_epsilon(
         raise ValueError(f"delta_error must be in (0, delta={delta}), got {delta_error!r}")
 
     segments = prv_segments(history)
-    if not segments:
-        return 0.0
-    if any(sigma == 0.0 for sigma, _, _ in segments):
-        return math.inf
-    exact = unsampled_epsilon(segments, delta)  # only q = 1 Gaussians: one Gaussian, read exactly
-    if exact is not None:
-        return exact
-
-    total = sum(n for _, _, n in segments)
-    counts = [n for _, _, n in segments]
+    closed = closed_form_epsilon(segments, delta)
+    if closed is not None:
+        return closed
     try:
-        with warnings.catch_warnings(), np.errstate(all="ignore"):
-            warnings.simplefilter("ignore")
-            prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in segments]
-            half_width = compute_safe_domain_size(
-                prvs=prvs, max_self_compositions=counts, eps_error=eps_error, delta_error=delta_error
-            )
-            if not math.isfinite(half_width):
-                raise PRVNumericalError(f"PRV domain is unbounded (L={half_width})")
-            # Mesh from Gopi et al. 2021 (Thm 5.5): error eps_error after `total` compositions.
-            mesh = eps_error / math.sqrt(total * math.log(12.0 / delta_error) / 2.0)
-            size = 2.0 * half_width / mesh
-            if size > MAX_DOMAIN_SIZE:
-                raise PRVNumericalError(
-                    f"PRV discretisation needs ~{size:.3g} points (> {MAX_DOMAIN_SIZE}) for {total} steps "
-                    f"at eps_error={eps_error}; use accountant='rdp' or a larger eps_error"
-                )
-            domain = Domain.create_aligned(-half_width, half_width, mesh)
-            dprvs = [
-                discretize(TruncatedPrivacyRandomVariable(prv, domain.t_min, domain.t_max), domain)
-                for prv in prvs
-            ]
-            composed = compose_heterogeneous(dprvs=dprvs, num_self_compositions=counts)
-            _, _, eps_upper = composed.compute_epsilon(delta, delta_error, eps_error)
+        eps_upper = _discretised_epsilon(segments, delta, eps_error, delta_error)
     except PRVNumericalError:
         raise
     except (
@@ -128,10 +106,62 @@ def prv_epsilon(
             f"PRV accounting failed for segments {segments} at delta={delta}: {exc}; "
             "use accountant='rdp' for this history"
         ) from exc
-    eps = float(eps_upper)
+    return valid_epsilon(float(eps_upper), segments, delta, PRVNumericalError, "PRV")
+
+
+def closed_form_epsilon(segments: list[tuple[float, float, int]], delta: float) -> float | None:
+    """ε of ``(σ, q, count)`` segments where no numerical accountant is needed: 0 for none, ``inf`` when an
+    event has σ = 0, the exact ε when all are unsampled Gaussians (q = 1: one Gaussian); None otherwise."""
+    if not segments:
+        return 0.0
+    if any(sigma == 0.0 for sigma, _, _ in segments):
+        return math.inf
+    return unsampled_epsilon(segments, delta)  # only q = 1 Gaussians: one Gaussian, read exactly
+
+
+def valid_epsilon(
+    eps: float,
+    segments: list[tuple[float, float, int]],
+    delta: float,
+    error: type[PRVNumericalError],
+    accountant: str,
+) -> float:
+    """``eps`` as a numerical accountant returned it, refused (``error``) when it is NaN or negative."""
     if math.isnan(eps) or eps < 0:
-        raise PRVNumericalError(
-            f"PRV accounting returned an invalid epsilon ({eps}) for segments {segments} at delta={delta}; "
+        raise error(
+            f"{accountant} accounting returned an invalid epsilon ({eps}) for segments {segments} at delta={delta}; "
             "use accountant='rdp' for this history"
         )
     return eps
+
+
+def _discretised_epsilon(
+    segments: list[tuple[float, float, int]], delta: float, eps_error: float, delta_error: float
+) -> float:
+    """The PRVs of the segments discretised on one grid (Gopi et al. 2021), composed, and ε's upper bound read."""
+    total = sum(n for _, _, n in segments)
+    counts = [n for _, _, n in segments]
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in segments]
+        half_width = compute_safe_domain_size(
+            prvs=prvs, max_self_compositions=counts, eps_error=eps_error, delta_error=delta_error
+        )
+        if not math.isfinite(half_width):
+            raise PRVNumericalError(f"PRV domain is unbounded (L={half_width})")
+        # Mesh from Gopi et al. 2021 (Thm 5.5): error eps_error after `total` compositions.
+        mesh = eps_error / math.sqrt(total * math.log(12.0 / delta_error) / 2.0)
+        size = 2.0 * half_width / mesh
+        if size > MAX_DOMAIN_SIZE:
+            raise PRVNumericalError(
+                f"PRV discretisation needs ~{size:.3g} points (> {MAX_DOMAIN_SIZE}) for {total} steps "
+                f"at eps_error={eps_error}; use accountant='rdp' or a larger eps_error"
+            )
+        domain = Domain.create_aligned(-half_width, half_width, mesh)
+        dprvs = [
+            discretize(TruncatedPrivacyRandomVariable(prv, domain.t_min, domain.t_max), domain)
+            for prv in prvs
+        ]
+        composed = compose_heterogeneous(dprvs=dprvs, num_self_compositions=counts)
+        _, _, eps_upper = composed.compute_epsilon(delta, delta_error, eps_error)
+    return eps_upper
