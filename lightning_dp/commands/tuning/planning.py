@@ -296,27 +296,53 @@ def calibrate_tuning(
     eps_hi, sigmas_hi = at(hi)
     if eps_hi <= target_epsilon:
         return sigmas_hi, [hi] * len(trials)
+    lo, eps_lo, sigmas_lo = _halve_until_feasible(at, hi, target_epsilon, lambda: refuse(floor))
+    lo, sigmas_lo = _regula_falsi(at, target_epsilon, tol, lo, eps_lo, sigmas_lo, hi, eps_hi)
+    return sigmas_lo, [lo] * len(trials)
+
+
+Pricing = Callable[[float], tuple[float, list[float]]]
+"""A per-trial target t → (the tuned ε of the whole search, σ per combination)."""
+
+
+def _halve_until_feasible(
+    at: Pricing, hi: float, target: float, refusal: Callable[[], DPConfigurationError]
+) -> tuple[float, float, list[float]]:
+    """(t, ε, σs) at the first t = hi/2, hi/4, … whose tuned ε meets ``target`` (the floor is below target, so
+    a small enough t does); ``refusal()`` is raised when σ would pass ``MAX_NOISE_MULTIPLIER`` first."""
     lo = hi
-    best: tuple[float, list[float]] | None = None
-    while best is None:  # halve until feasible (the floor is below target, so small enough t works)
+    while True:
         lo /= 2
         try:
             eps_lo, sigmas_lo = at(lo)
         except ValueError:  # σ would pass MAX_NOISE_MULTIPLIER: the margin above the floor is too thin
-            raise refuse(floor) from None
-        if eps_lo <= target_epsilon:
-            best = (lo, sigmas_lo)
-    lo, sigmas_lo = best
-    # Safeguarded regula falsi on ε(t): each step stays inside the middle 80% of the bracket, so it shrinks.
-    while hi - lo > tol * hi and eps_lo < target_epsilon * (1 - tol / 2):  # at(lo) meets it, at(hi) does not
-        frac = (target_epsilon - eps_lo) / (eps_hi - eps_lo) if math.isfinite(eps_hi) else 0.5
+            raise refusal() from None
+        if eps_lo <= target:
+            return lo, eps_lo, sigmas_lo
+
+
+def _regula_falsi(
+    at: Pricing,
+    target: float,
+    tol: float,
+    lo: float,
+    eps_lo: float,
+    sigmas_lo: list[float],
+    hi: float,
+    eps_hi: float,
+) -> tuple[float, list[float]]:
+    """The largest t found (and its σs) whose tuned ε meets ``target``, from a bracket [lo, hi] where ``lo``
+    meets it and ``hi`` does not: safeguarded regula falsi on ε(t), each step inside the middle 80% of the
+    bracket, so it shrinks, until it is within ``tol`` or ε(lo) within ``tol / 2`` of the target."""
+    while hi - lo > tol * hi and eps_lo < target * (1 - tol / 2):  # at(lo) meets it, at(hi) does not
+        frac = (target - eps_lo) / (eps_hi - eps_lo) if math.isfinite(eps_hi) else 0.5
         mid = lo + min(0.9, max(0.1, frac)) * (hi - lo)
         eps_mid, sigmas_mid = at(mid)
-        if eps_mid <= target_epsilon:
+        if eps_mid <= target:
             lo, eps_lo, sigmas_lo = mid, eps_mid, sigmas_mid
         else:
             hi, eps_hi = mid, eps_mid
-    return sigmas_lo, [lo] * len(trials)
+    return lo, sigmas_lo
 
 
 def naive_epsilon(curve: np.ndarray, orders: tuple[float, ...], k: int, delta: float) -> float:

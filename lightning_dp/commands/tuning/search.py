@@ -23,7 +23,7 @@ from lightning_dp.commands.tuning.reporting import (
     public_checkpoint,
     tuning_report,
 )
-from lightning_dp.commands.tuning.space import SearchSpec, load_search
+from lightning_dp.commands.tuning.space import Score, SearchSpec, load_search
 from lightning_dp.commands.tuning.trials import TrialRun, TrialRunner, check_realised, run_lightning_trial
 from lightning_dp.core.errors import DPConfigurationError
 
@@ -152,7 +152,20 @@ def tune(
     out = Path(out_dir)
     private, release = out / "private", out / "release"
     state_path = private / "state.json"
-    fingerprint = _fingerprint(base_args, spec)
+    state = _open_state(state_path, out, _fingerprint(base_args, spec), spec, seed, resume)
+    run_trial = runner or run_lightning_trial
+    for i, trial in enumerate(state["trials"]):
+        if trial["status"] in ("done", "failed"):
+            continue  # never rerun a finished trial (I9); a failed one still counts (I8)
+        _run_one(run_trial, tuning_plan, state, i, base_args, private / f"trial_{i}", spec.score)
+        _write_json(state_path, state)
+    return _release(tuning_plan, state, release, log_release, base_args, ledger)
+
+
+def _open_state(
+    state_path: Path, out: Path, fingerprint: str, spec: SearchSpec, seed: int | None, resume: bool
+) -> dict[str, Any]:
+    """The search's private state: the stored one (``resume``), else a new draw of K and θ, written at once."""
     if resume:
         if not state_path.exists():
             raise DPConfigurationError(
@@ -160,60 +173,64 @@ def tune(
             )
         state = _load_state(state_path, fingerprint, spec)
         if seed is not None:
-            warnings.warn("--seed is ignored on --resume: K and θ come from the stored state", stacklevel=2)
+            warnings.warn("--seed is ignored on --resume: K and θ come from the stored state", stacklevel=3)
+        return state
+    if state_path.exists():
+        raise DPConfigurationError(
+            f"{out} already holds a search; pass --resume to finish it, or choose a new --out_dir (a new "
+            "draw of K on the same data would be a second, separately priced search)"
+        )
+    if seed is not None:
+        warnings.warn(
+            "tune(seed=...) makes K and the hyperparameter draws reproducible, hence public: the tuned ε does "
+            "not cover that. Use it for tests only",
+            stacklevel=3,
+        )
+    state = _new_state(spec, fingerprint, seed)
+    _write_json(state_path, state)
+    return state
+
+
+def _run_one(
+    run_trial: TrialRunner,
+    tuning_plan: TuningPlan,
+    state: dict[str, Any],
+    i: int,
+    base_args: Sequence[str],
+    directory: Path,
+    score: Score,
+) -> None:
+    """Run trial ``i`` in a fresh ``directory`` and record its outcome in ``state`` (a crash scores −∞)."""
+    trial, theta = state["trials"][i], state["thetas"][i]
+    if directory.exists():
+        shutil.rmtree(directory)  # an interrupted trial restarts from scratch with the same θ
+    directory.mkdir(parents=True)
+    overrides = tuning_plan.trial_overrides(theta)
+    args = [
+        *base_args,
+        *override_args(overrides),
+        *(["--trainer.limit_val_batches=0"] if score.private else []),
+        "--trainer.enable_progress_bar=false",  # one bar per trial on the console would count K
+        f"--trainer.default_root_dir={directory}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.init_args.save_dir={directory}",
+    ]
+    index = tuning_plan.combination_of(theta)
+    planned = tuning_plan.trials[index].history(tuning_plan.sigmas[index])
+    try:
+        outcome = run_trial(TrialRun(args, directory, score))
+    except DPConfigurationError:
+        raise
+    except Exception as err:  # a crashed trial counts as one of the K and scores −∞ (I8)
+        trial.update(status="failed", score=None, error=f"{type(err).__name__}: {err}")
     else:
-        if state_path.exists():
-            raise DPConfigurationError(
-                f"{out} already holds a search; pass --resume to finish it, or choose a new --out_dir (a new "
-                "draw of K on the same data would be a second, separately priced search)"
-            )
-        if seed is not None:
-            warnings.warn(
-                "tune(seed=...) makes K and the hyperparameter draws reproducible, hence public: the tuned ε does "
-                "not cover that. Use it for tests only",
-                stacklevel=2,
-            )
-        state = _new_state(spec, fingerprint, seed)
-        _write_json(state_path, state)
-    run_trial = runner or run_lightning_trial
-    score = spec.score
-    extra_args = ["--trainer.limit_val_batches=0"] if score.private else []
-    for i, trial in enumerate(state["trials"]):
-        if trial["status"] in ("done", "failed"):
-            continue  # never rerun a finished trial (I9); a failed one still counts (I8)
-        theta = state["thetas"][i]
-        directory = private / f"trial_{i}"
-        if directory.exists():
-            shutil.rmtree(directory)  # an interrupted trial restarts from scratch with the same θ
-        directory.mkdir(parents=True)
-        overrides = tuning_plan.trial_overrides(theta)
-        args = [
-            *base_args,
-            *override_args(overrides),
-            *extra_args,
-            "--trainer.enable_progress_bar=false",  # one bar per trial on the console would count K
-            f"--trainer.default_root_dir={directory}",
-            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-            f"--trainer.logger.init_args.save_dir={directory}",
-        ]
-        index = tuning_plan.combination_of(theta)
-        planned = tuning_plan.trials[index].history(tuning_plan.sigmas[index])
-        try:
-            outcome = run_trial(TrialRun(args, directory, score))
-        except DPConfigurationError:
-            raise
-        except Exception as err:  # a crashed trial counts as one of the K and scores −∞ (I8)
-            trial.update(status="failed", score=None, error=f"{type(err).__name__}: {err}")
-        else:
-            check_realised(outcome, planned)
-            noisy = outcome.correct + (score.noise_multiplier * state["z"][i] if score.private else 0.0)
-            trial.update(
-                status="done",
-                score=noisy / max(outcome.n, 1),
-                checkpoint=None if outcome.checkpoint is None else str(outcome.checkpoint),
-            )
-        _write_json(state_path, state)
-    return _release(tuning_plan, state, release, log_release, base_args, ledger)
+        check_realised(outcome, planned)
+        noisy = outcome.correct + (score.noise_multiplier * state["z"][i] if score.private else 0.0)
+        trial.update(
+            status="done",
+            score=noisy / max(outcome.n, 1),
+            checkpoint=None if outcome.checkpoint is None else str(outcome.checkpoint),
+        )
 
 
 def _release(

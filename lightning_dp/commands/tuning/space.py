@@ -246,7 +246,13 @@ def load_search(
         metric=str(score_data.get("metric", "accuracy")),
         noise_multiplier=float(score_data.get("noise_multiplier", 10.0)),
     )
-    budget = data.get("budget") or {}
+    target, delta = _budget(data.get("budget") or {}, space)
+    return SearchSpec(space, repetitions, score, target, delta)
+
+
+def _budget(budget: Mapping[str, Any], space: SearchSpace) -> tuple[float | None, float | None]:
+    """The search file's ``budget``: (target ε of the whole search, δ), each None when not given; a target
+    refuses candidates that set σ or the trial target, which it calibrates."""
     target = budget.get("target_epsilon")
     delta = budget.get("delta")
     if target is not None:
@@ -259,4 +265,4 @@ def load_search(
                 f"candidates {bad} set σ or the trial target while budget.target_epsilon calibrates them; remove "
                 "one of the two"
             )
-    return SearchSpec(space, repetitions, score, target, None if delta is None else check_delta(delta))
+    return target, None if delta is None else check_delta(delta)
