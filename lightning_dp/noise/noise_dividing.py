@@ -112,6 +112,20 @@ def gaussian_schedule(
             hi = mid
         else:
             lo = mid
+    return _refined(shape, snapped, eps, lo, hi, target, rel_tol)
+
+
+def _refined(
+    shape: np.ndarray,
+    snapped: Callable[[float], np.ndarray],
+    eps: Callable[[np.ndarray], float],
+    lo: float,
+    hi: float,
+    target: float,
+    rel_tol: float,
+) -> np.ndarray:
+    """The exact schedule z̄·shape refined inside the grid's bracket [lo, hi] by a few regula-falsi steps in
+    log z̄: the best one priced that fits (the snapped schedule at ``hi`` if none is closer to the target)."""
     # Exact schedule: σ ≥ snapped at hi (fits); at lo/1.01 σ ≤ snapped(lo) (does not fit).
     best = snapped(hi)
     best_eps = eps(best)

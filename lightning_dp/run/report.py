@@ -43,6 +43,26 @@ def privacy_report(
         "stopped_on_budget": stopped_on_budget,
         "lightning_dp_version": __version__,
     }
+    data.update(_slot_facts(strategy, float(epsilon)))
+    data["released_constants"] = released_constants(strategy)
+    data["public_constants"] = public_constants_statement(engine.sampler)
+    if isinstance(engine.ledger, PrivacyFilter):
+        data.update(_filter_fields(engine.ledger, float(epsilon)))
+    data.update(unit_fields(strategy, float(data["epsilon"])))
+    if data.get("privacy_unit") == "user":
+        del data["dataset_size"]  # sampler.num_samples is U there; the number of examples is never reported
+    if test_metrics:
+        data["test_metrics"] = dict(test_metrics)
+        for key in ("test_acc", "test_accuracy"):
+            if key in test_metrics:
+                data["test_accuracy"] = test_metrics[key]
+    return data
+
+
+def _slot_facts(strategy: Any, epsilon: float) -> dict[str, Any]:
+    """What the checks, the ledger and the slots add to the report, each only where it has something."""
+    engine = strategy.engine
+    data: dict[str, Any] = {}
     checks = getattr(strategy, "checks", None)  # the audit reports a strategy-less run too
     if isinstance(checks, RunChecks):
         data["checks"] = checks.summary()
@@ -59,27 +79,19 @@ def privacy_report(
     if facts is not None and engine.noise.correlated:  # BandMF / BLT: the strategy matrix, its accounting
         data["correlated_noise"] = facts
     elif facts is not None:  # secure noise: the grid, the generator, the bound used and the sampler's δ
-        data["noise_mechanism"] = facts | secure_delta(engine, float(epsilon))
-    data["released_constants"] = released_constants(strategy)
-    data["public_constants"] = public_constants_statement(engine.sampler)
-    if isinstance(engine.ledger, PrivacyFilter):
-        # Adaptively chosen releases: the guarantee is the budget fixed in advance (the filter's target);
-        # the composition of what happened to be released is an odometer reading beside it.
-        data["epsilon"] = float(engine.ledger.target_epsilon)
-        data["epsilon_kind"] = "privacy filter: epsilon is the guarantee (the budget fixed in advance)"
-        data["realised_epsilon"] = float(epsilon)
-        data["realised_epsilon_kind"] = (
-            "odometer: the composition of the releases this run made; not a guarantee by itself"
-        )
-    data.update(unit_fields(strategy, float(data["epsilon"])))
-    if data.get("privacy_unit") == "user":
-        del data["dataset_size"]  # sampler.num_samples is U there; the number of examples is never reported
-    if test_metrics:
-        data["test_metrics"] = dict(test_metrics)
-        for key in ("test_acc", "test_accuracy"):
-            if key in test_metrics:
-                data["test_accuracy"] = test_metrics[key]
+        data["noise_mechanism"] = facts | secure_delta(engine, epsilon)
     return data
+
+
+def _filter_fields(ledger: PrivacyFilter, epsilon: float) -> dict[str, Any]:
+    """Adaptively chosen releases: the guarantee is the budget fixed in advance (the filter's target); the
+    composition of what happened to be released (``epsilon``) is an odometer reading beside it."""
+    return {
+        "epsilon": float(ledger.target_epsilon),
+        "epsilon_kind": "privacy filter: epsilon is the guarantee (the budget fixed in advance)",
+        "realised_epsilon": epsilon,
+        "realised_epsilon_kind": "odometer: the composition of the releases this run made; not a guarantee by itself",
+    }
 
 
 def secure_delta(engine: Any, epsilon: float) -> dict[str, Any]:

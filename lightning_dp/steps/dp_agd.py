@@ -286,6 +286,10 @@ class AdaptiveGD(Step):
             estimate = grad_avg(estimate, precision, again, rho_new)
             precision = self.rho_ng = rho_new
             ledger.reserve = self._noisy_min_event()
+        self._record(chosen, rejected)
+
+    def _record(self, chosen: float, rejected: int) -> None:
+        """The iteration's released outcome: the counters, ``last``, and α_max grown every τ accepted steps."""
         self.rejections += rejected
         self.last = {
             "alpha": chosen,
