@@ -1,37 +1,7 @@
-"""Kept for users' imports: re-exports :mod:`lightning_dp.commands.audit`, this module's new home."""
+"""Kept for users' imports: re-exports :mod:`lightning_dp.commands.audit`, this module's new home (its
+``__all__``, so a name exported there is exported here)."""
 
-from lightning_dp.commands.audit import (
-    AUDIT_PLOT_NAME,
-    JITTER,
-    AuditResult,
-    CanaryKind,
-    GradientCanaries,
-    Placement,
-    audit,
-    canary_scores,
-    default_guesses,
-    epsilon_lower_bound,
-    evaluate_guesses,
-    logit_margins,
-    make_input_canaries,
-    p_value,
-    plot_audit,
-)
+from lightning_dp.commands import audit as _home
+from lightning_dp.commands.audit import *  # noqa: F403  (the names of its __all__)
 
-__all__ = [
-    "AUDIT_PLOT_NAME",
-    "JITTER",
-    "AuditResult",
-    "CanaryKind",
-    "GradientCanaries",
-    "Placement",
-    "audit",
-    "canary_scores",
-    "default_guesses",
-    "epsilon_lower_bound",
-    "evaluate_guesses",
-    "logit_margins",
-    "make_input_canaries",
-    "p_value",
-    "plot_audit",
-]
+__all__ = list(_home.__all__)

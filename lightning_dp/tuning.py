@@ -1,39 +1,7 @@
-"""Kept for users' imports: re-exports :mod:`lightning_dp.commands.tuning`, this module's new home."""
+"""Kept for users' imports: re-exports :mod:`lightning_dp.commands.tuning`, this module's new home (its
+``__all__``, so a name exported there is exported here)."""
 
-from lightning_dp.commands.tuning import (
-    Choice,
-    LogUniform,
-    Repetitions,
-    Score,
-    SearchSpace,
-    SearchSpec,
-    TrialOutcome,
-    TrialRun,
-    TuningPlan,
-    TuningResult,
-    Uniform,
-    calibrate_tuning,
-    load_search,
-    plan,
-    plan_summary,
-    tune,
-)
+from lightning_dp.commands import tuning as _home
+from lightning_dp.commands.tuning import *  # noqa: F403  (the names of its __all__)
 
-__all__ = [
-    "Choice",
-    "LogUniform",
-    "Repetitions",
-    "Score",
-    "SearchSpace",
-    "SearchSpec",
-    "TrialOutcome",
-    "TrialRun",
-    "TuningPlan",
-    "TuningResult",
-    "Uniform",
-    "calibrate_tuning",
-    "load_search",
-    "plan",
-    "plan_summary",
-    "tune",
-]
+__all__ = list(_home.__all__)

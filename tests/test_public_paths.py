@@ -46,6 +46,15 @@ def test_an_alias_hands_on_the_objects_of_its_new_home(alias: str) -> None:
         assert getattr(kept, name) is getattr(home, name), f"lightning_dp.{alias}.{name}"
 
 
+@pytest.mark.parametrize("alias", ["audit", "tuning"])
+def test_an_alias_of_a_home_with_all_exports_the_whole_of_it(alias: str) -> None:
+    """``lightning_dp.audit`` and ``lightning_dp.tuning`` take their names from their home's ``__all__``: a
+    name added there is exported by the kept path too, with no second list to keep in step."""
+    kept = importlib.import_module(f"lightning_dp.{alias}")
+    home = importlib.import_module(f"lightning_dp.{HOMES[alias]}")
+    assert list(kept.__all__) == list(home.__all__), alias
+
+
 def test_the_users_paths_named_in_the_docs() -> None:
     from lightning_dp.callbacks import PrivacyCallback
     from lightning_dp.checkpointing import latest_valid_checkpoint
