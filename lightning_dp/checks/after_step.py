@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_dp.checks.batch_hooks import hook_failure_message, users_hooks
 from lightning_dp.checks.dry_flag import _dry
-from lightning_dp.checks.snapshot import ModuleState, same_values
+from lightning_dp.checks.snapshot import ModuleState
 from lightning_dp.checks.state import ParameterValues
 from lightning_dp.checks.user_step import (
     DryPass,
@@ -171,11 +171,6 @@ def _step_tracker(trainer: Any) -> Any:
         return loop.manual_optimization.optim_step_progress.total
     except AttributeError:  # not a fitting trainer
         return None
-
-
-def differing_writes(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
-    """The names written in one pass and not the other, or with other values (NaN equal to NaN)."""
-    return sorted(n for n in a.keys() | b.keys() if n not in a or n not in b or not same_values(a[n], b[n]))
 
 
 def after_step_write_message(names: list[str], hooks: list[str]) -> str:

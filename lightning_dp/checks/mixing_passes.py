@@ -24,7 +24,6 @@ from lightning_dp.checks.after_step import (
     after_step_hooks,
     after_step_write_message,
     after_step_writes,
-    differing_writes,
 )
 from lightning_dp.checks.batch_edit import remove_rows, run_on_changed_batch
 from lightning_dp.checks.mixing_rows import _Items, _Plan, choose_rows, choose_units, pick, plan
@@ -225,7 +224,7 @@ def _refuse_hook_writes(
     if stepped:
         names = [hook.name for hook in step_hooks(module)]
         raise DPConfigurationError(step_hook_write_message(stepped, names))
-    after = [n for n in differing_writes(full.after_step, other.after_step) if n not in buffers]
+    after = [n for n in differing(full.after_step, other.after_step) if n not in buffers]
     if after:
         hooks = [hook.name for hook in after_step_hooks(module, batch_idx)]
         raise DPConfigurationError(after_step_write_message(after, hooks))

@@ -317,7 +317,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def differing(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """What one pass's hooks wrote and the other's did not, or wrote differently."""
+    """What one pass's hooks wrote and the other's did not, or wrote differently (the step hooks' values, and
+    the tensors the after-step hooks wrote)."""
     return sorted(n for n in a.keys() | b.keys() if n not in a or n not in b or not _same(a[n], b[n]))
 
 
