@@ -10,7 +10,23 @@ from lightning_dp.core.validation import number
 from lightning_dp.slots import Noise, Sampler
 
 
-class ConstantNoise(Noise):
+class FixedSigma(Noise):
+    """A noise slot whose σ is one number for every step (``sigma``), None until it is given or calibrated:
+    DP-SGD's constant noise, correlated noise (its correlation is in the draws, not in σ), secure noise."""
+
+    sigma: float | None
+
+    @property
+    def is_set(self) -> bool:
+        return self.sigma is not None
+
+    def noise_multiplier(self, step: int) -> float:
+        if self.sigma is None:
+            raise RuntimeError("The noise multiplier is not set: give noise_multiplier or target_epsilon.")
+        return self.sigma
+
+
+class ConstantNoise(FixedSigma):
     """The same σ at every step (DP-SGD). ``calibrate`` picks the smallest σ that stays under target.
 
     Args:
@@ -23,15 +39,6 @@ class ConstantNoise(Noise):
     def __init__(self, noise_multiplier: float | None = None) -> None:
         number(noise_multiplier, "noise_multiplier", owner="ConstantNoise", low=0, optional=True)
         self.sigma = noise_multiplier
-
-    @property
-    def is_set(self) -> bool:
-        return self.sigma is not None
-
-    def noise_multiplier(self, step: int) -> float:
-        if self.sigma is None:
-            raise RuntimeError("The noise multiplier is not set: give noise_multiplier or target_epsilon.")
-        return self.sigma
 
     def calibrate(
         self, target_epsilon: float, delta: float, sampler: Sampler, steps: int, accountant: str

@@ -21,14 +21,15 @@ from torch import Tensor
 from lightning_dp.accounting import calibrate_noise
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.validation import number
-from lightning_dp.slots import NOISE_SLICE, Noise, Sampler
+from lightning_dp.noise.constant import FixedSigma
+from lightning_dp.slots import NOISE_SLICE, Sampler
 
 __all__ = ["CONVENTION", "CorrelatedNoise", "coefficient_list"]
 
 CONVENTION = "relative to unit max column norm"
 
 
-class CorrelatedNoise(Noise):
+class CorrelatedNoise(FixedSigma):
     """Base of the matrix-factorization noise slots: a constant σ and an online recursion over buffers."""
 
     correlated = True
@@ -79,15 +80,6 @@ class CorrelatedNoise(Noise):
         return horizon
 
     # -- σ ------------------------------------------------------------------------------------------
-    @property
-    def is_set(self) -> bool:
-        return self.sigma is not None
-
-    def noise_multiplier(self, step: int) -> float:
-        if self.sigma is None:
-            raise RuntimeError("The noise multiplier is not set: give noise_multiplier or target_epsilon.")
-        return self.sigma
-
     def _dpsgd_reference(self, epsilon: float, steps: int, delta: float, accountant: str) -> float | None:
         """σ of DP-SGD (Poisson at B/N, ``steps`` steps) at ``epsilon``: the baseline of the predicted error."""
         sampler = self._sampler()

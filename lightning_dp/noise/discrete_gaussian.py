@@ -39,7 +39,8 @@ from lightning_dp.accounting.discrete_gaussian import IntegerGrid, PoissonDiscre
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.rng import SECURE_WORD, secure_words
 from lightning_dp.core.validation import number
-from lightning_dp.slots import Noise, Sampler
+from lightning_dp.noise.constant import FixedSigma
+from lightning_dp.slots import Sampler
 
 __all__ = ["BULK_EXPONENT", "CKSSampler", "DiscreteGaussian"]
 
@@ -160,7 +161,7 @@ class CKSSampler:
         return torch.where(negative == 1, -x, x), accepted
 
 
-class DiscreteGaussian(Noise):
+class DiscreteGaussian(FixedSigma):
     """Secure noise for DP-SGD (``DPStrategy(secure=True)`` selects it): integer sums, discrete Gaussian
     shares from ``os.urandom``, priced as a Poisson-subsampled discrete Gaussian.
 
@@ -192,15 +193,6 @@ class DiscreteGaussian(Noise):
     @property
     def integer_grid(self) -> IntegerGrid:
         return self.grid
-
-    @property
-    def is_set(self) -> bool:
-        return self.sigma is not None
-
-    def noise_multiplier(self, step: int) -> float:
-        if self.sigma is None:
-            raise RuntimeError("The noise multiplier is not set: give noise_multiplier or target_epsilon.")
-        return self.sigma
 
     def link_sampler(self, sampler: Sampler) -> None:
         self._sampler = sampler
