@@ -5,6 +5,7 @@ on one batch, each on a Poisson subsample and amplified (see docs/mechanisms.md)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,18 @@ def svt_base(noise: str, budget: float, max_queries: int, accounting: str) -> Pr
     if noise == "laplace":
         return LaplaceSVT(budget, max_queries, accounting)
     return GaussianSVT(budget, max_queries, accounting)
+
+
+def _lemma4(
+    orders: np.ndarray, base: Callable[[np.ndarray], np.ndarray], sample_rate: float, paper: bool
+) -> np.ndarray:
+    """Lemma 4 (general amplification) on the unamplified curve ``base``: ``paper``, the bound where it is
+    finite (the unamplified curve elsewhere), as the paper charges it; else its minimum with the unamplified."""
+    unamplified = base(orders)
+    general = amplify_general(orders, base, sample_rate)
+    if paper:
+        return np.where(np.isfinite(general), general, unamplified)
+    return np.minimum(unamplified, general)
 
 
 def _check_positive(name: str, value: float) -> float:
@@ -66,11 +79,9 @@ class LineSearchGradient(PrivacyEvent, kind="line_search_gradient"):
 
     def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
         a = orders_array(orders)
-        unamplified = a * self.rho
         if self.accounting == "paper":
-            general = amplify_general(a, lambda x: x * self.rho, self.sample_rate)
-            return np.where(np.isfinite(general), general, unamplified)
-        return np.minimum(unamplified, gaussian_rdp_sgm(a, self.rho, self.sample_rate))
+            return _lemma4(a, lambda x: x * self.rho, self.sample_rate, paper=True)
+        return np.minimum(a * self.rho, gaussian_rdp_sgm(a, self.rho, self.sample_rate))
 
 
 @dataclass(frozen=True)
@@ -102,13 +113,9 @@ class LineSearchSVT(PrivacyEvent, kind="line_search_svt"):
         return np.asarray(event.rdp(tuple(float(a) for a in orders)), dtype=np.float64)
 
     def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = orders_array(orders)
-        unamplified = self.base(a)
-        general = amplify_general(a, self.base, self.sample_rate)
-        if self.accounting == "paper":
-            return np.where(np.isfinite(general), general, unamplified)
-        best = np.minimum(unamplified, general)
-        if self.noise == "laplace":
+        paper = self.accounting == "paper"
+        best = _lemma4(orders_array(orders), self.base, self.sample_rate, paper)
+        if not paper and self.noise == "laplace":
             best = np.minimum(best, pure_dp_rdp(orders, pure_dp_amplified(self.budget, self.sample_rate)))
         return best
 
@@ -139,9 +146,4 @@ class LineSearchJoint(PrivacyEvent, kind="line_search_joint"):
         return orders * self.rho_grad + np.asarray(svt.rdp(tuple(float(a) for a in orders)))
 
     def rdp(self, orders: tuple[float, ...]) -> np.ndarray:
-        a = orders_array(orders)
-        unamplified = self.base(a)
-        general = amplify_general(a, self.base, self.sample_rate)
-        if self.accounting == "paper":
-            return np.where(np.isfinite(general), general, unamplified)
-        return np.minimum(unamplified, general)
+        return _lemma4(orders_array(orders), self.base, self.sample_rate, self.accounting == "paper")
