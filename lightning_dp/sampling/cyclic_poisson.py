@@ -25,12 +25,12 @@ from torch import Tensor
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
 from lightning_dp.core.batches import IndicesWithInfo
-from lightning_dp.core.draws import check_population, poisson_share
+from lightning_dp.core.draws import poisson_share
 from lightning_dp.core.errors import DPConfigurationError
 from lightning_dp.core.rng import make_generator
 from lightning_dp.core.validation import number
 from lightning_dp.per_example import PerExampleGradients
-from lightning_dp.sampling.seeded import SeededSampler
+from lightning_dp.sampling.seeded import SeededSampler, check_sizes
 from lightning_dp.slots import SamplerRuntime, StepContext
 from lightning_dp.slots.release import Releases
 
@@ -115,11 +115,7 @@ class CyclicPoisson(SeededSampler):
 
     # -- set-up ---------------------------------------------------------------------------------------
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
-        if num_samples <= 0:
-            raise ValueError("The training set is empty: DP training needs at least one example.")
-        check_population(num_samples)
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+        check_sizes(num_samples, batch_size)
         self.num_samples, self.batch_size = num_samples, batch_size
         self.rank, self.world_size = rank, world_size
         self._start_stream(f"poisson/{rank}")  # bands=1 draws exactly Poisson()'s batches

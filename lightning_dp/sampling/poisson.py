@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import torch
 
 from lightning_dp.accounting import PoissonGaussian, PrivacyEvent
-from lightning_dp.core.draws import check_population, poisson_share
-from lightning_dp.sampling.seeded import SeededSampler
+from lightning_dp.core.draws import poisson_share
+from lightning_dp.sampling.seeded import SeededSampler, check_sizes
 
 
 class PoissonBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -66,11 +66,7 @@ class Poisson(SeededSampler):
         self.world_size = 1
 
     def bind(self, num_samples: int, batch_size: int, rank: int = 0, world_size: int = 1) -> None:
-        if num_samples <= 0:
-            raise ValueError("The training set is empty: DP training needs at least one example.")
-        check_population(num_samples)
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+        check_sizes(num_samples, batch_size)
         size = num_samples if self.public_size is None else self.public_size
         if batch_size > size:
             raise ValueError(

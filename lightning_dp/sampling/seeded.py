@@ -1,4 +1,5 @@
-"""The piece every single-stream sampler shares: its own generator, saved and restored with it."""
+"""The piece every single-stream sampler shares: its own generator, saved and restored with it (and the sizes
+a Poisson sampler refuses when bound)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,19 @@ from typing import Any
 import torch
 
 from lightning_dp.core import validation
+from lightning_dp.core.draws import check_population
 from lightning_dp.core.rng import make_generator, saved_state
 from lightning_dp.slots import Sampler
+
+
+def check_sizes(num_samples: int, batch_size: int) -> None:
+    """What a Poisson sampler refuses when it is bound: an empty training set, one the draws cannot sample
+    exactly (``check_population``), a batch size that is not positive."""
+    if num_samples <= 0:
+        raise ValueError("The training set is empty: DP training needs at least one example.")
+    check_population(num_samples)
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}.")
 
 
 class SeededSampler(Sampler):
