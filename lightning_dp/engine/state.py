@@ -22,16 +22,13 @@ class EngineState(StepInputs):
 
     def __init__(
         self,
-        sampler: Sampler,
-        clipping: Clipping,
-        noise: Noise,
-        step: Step,
+        slots: tuple[Sampler, Clipping, Noise, Step],
         releases: Releases,
         max_grad_norm: float,
         seed: int | None,
     ) -> None:
         super().__init__()  # the inputs the strategy hands in (StepInputs), all unset
-        self.sampler, self.clipping, self.noise, self.step_slot = sampler, clipping, noise, step
+        self.sampler, self.clipping, self.noise, self.step_slot = slots
         self.releases = releases
         self._max_grad_norm = max_grad_norm
         self.seed = seed

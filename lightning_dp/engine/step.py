@@ -72,7 +72,7 @@ class PrivateStepEngine(EngineState):
             clipping=clipping,
             gradient_name=f"the private gradient step ({sampler.name}, {clipping.name}, {step.name})",
         )
-        super().__init__(sampler, clipping, noise, step, releases, max_grad_norm, seed)
+        super().__init__((sampler, clipping, noise, step), releases, max_grad_norm, seed)
         self.delta = delta
         self.target_epsilon = target_epsilon
         self.accountant = accountant
