@@ -382,7 +382,9 @@ class MixingCheck:
             "batch's label counts, weights relative to the batch's largest loss, top-k hard-example mining, "
             "a running mean or an observer updated from the batch): normalise each example on its own "
             "(LayerNorm, GroupNorm) with constants fixed from public data; a loss summed over the batch while "
-            "loss_reduction='mean': return the mean. To train such a model unchanged, pass "
+            "loss_reduction='mean': return the mean; a mean over the batch's rows while loss_reduction='sum' "
+            "(each row's gradient then divided by the batch's size): return the sum. To train such a model "
+            "unchanged, pass "
             f"DPStrategy(checks=Checks(isolate_examples=True)): {isolate}. See docs/writing-a-loss.md. Only if the model "
             "is verified otherwise (the neighbour test), DPStrategy(checks=Checks(sensitivity=False)) turns the check off."
         )

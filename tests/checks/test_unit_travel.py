@@ -342,6 +342,15 @@ def test_a_loss_that_reads_other_users_counts_is_refused_with_and_without_random
     assert "removed" in str(refusal.value)  # one whole user removed, also when the step draws random numbers
 
 
+def test_a_mean_over_the_rows_returned_under_loss_reduction_sum_is_refused_with_its_fix():
+    """Under loss_reduction="sum" a mean over the batch's rows divides each user's gradient by the batch's
+    rows, the other users' counts: refused, and the refusal says to return the sum."""
+    with pytest.raises(DPConfigurationError, match=MIXING) as refusal:
+        fit(UserNet(rows_of(SMALL), "row_mean"), users_dp(loss_reduction="sum"), steps=2)
+    assert "while loss_reduction='sum'" in str(refusal.value)
+    assert "return the sum" in str(refusal.value)
+
+
 class SizeTimesLoss(LightningModule):
     """Example level: dropout, and a loss scaled by the parity of the batch's size (on the size alone)."""
 
