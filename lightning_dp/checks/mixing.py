@@ -56,10 +56,11 @@ is ``mixing_rows.py``, the rounding allowance ``mixing_tolerance.py``, and the t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -77,6 +78,8 @@ from lightning_dp.checks.mixing_passes import (
     compare,
     confirm_public,
     in_run_precision,
+    order_moves,
+    step_order_message,
 )
 from lightning_dp.checks.mixing_rows import _Items, draw, pick
 from lightning_dp.checks.mixing_tolerance import (
@@ -93,6 +96,7 @@ from lightning_dp.core.rng import make_generator
 
 if TYPE_CHECKING:
     from lightning_dp.engine import PrivateStepEngine
+    from lightning_dp.per_example.capture import GradientCapture
 
 CheckSetting = bool | Literal["every_step"]
 
@@ -285,22 +289,24 @@ class MixingCheck:
         if items.count < 2:  # one unit may mix its own rows: nothing to compare it with
             return _vacuous(items.count)
         saved = Saved.take(checked.module, checked.device)
-        hint, public_scale = grads._batch_hint, grads.public_scale
-        grads.public_scale = None  # both passes at the batch's scale: each normalisation is read from them
-        try:
-            results = self._results(checked, saved, items, path)
-        finally:
-            saved.restore()
-            grads.clear()
-            grads.expect_batch(hint)
-            grads.public_scale = public_scale
-        return None if results is None else self._judge(checked.engine, results)
+        with _passes(grads, saved):
+            measured = self._results(checked, saved, items, path)
+        if measured is None:
+            return None
+        compared, results = measured
+        result = self._judge(checked.engine, results)
+        if not result.passed and items.units is not None and compared.aligned:
+            with _passes(grads, saved):  # the refusal stands: named after its cause if the step reorders rows
+                reorders = order_moves(checked, saved, items, compared.full, compared.log)
+            if reorders:
+                raise DPConfigurationError(step_order_message(checked.noun, checked.engine.steps))
+        return result
 
     def _results(
         self, checked: CheckedBatch, saved: Saved, items: _Items, path: PathReference | None
-    ) -> dict[str, MixingResult] | None:
-        """What each reading of the normalisation measured (None: no loss to check); raises on a random draw
-        whose law moved and on what the hooks wrote differently."""
+    ) -> tuple[_Compared, dict[str, MixingResult]] | None:
+        """Both passes and what each reading of the normalisation measured (None: no loss to check); raises on
+        a random draw whose law moved and on what the hooks wrote differently."""
         compared = compare(checked, saved, items, self.generator, path)
         if compared is None:
             return None
@@ -319,7 +325,7 @@ class MixingCheck:
             checked, saved, compared, results["public"].move_tolerance, results["public"].tolerance
         ):
             del results["public"]  # one removal left the others' counts in place: not shown
-        return results
+        return compared, results
 
     def _judge(self, engine: PrivateStepEngine, results: dict[str, MixingResult]) -> MixingResult:
         """The result under the engine's reading of the loss's normalisation; where that reading fails and the
@@ -376,7 +382,9 @@ class MixingCheck:
             "batch's label counts, weights relative to the batch's largest loss, top-k hard-example mining, "
             "a running mean or an observer updated from the batch): normalise each example on its own "
             "(LayerNorm, GroupNorm) with constants fixed from public data; a loss summed over the batch while "
-            "loss_reduction='mean': return the mean. To train such a model unchanged, pass "
+            "loss_reduction='mean': return the mean; a mean over the batch's rows while loss_reduction='sum' "
+            "(each row's gradient then divided by the batch's size): return the sum. To train such a model "
+            "unchanged, pass "
             f"DPStrategy(checks=Checks(isolate_examples=True)): {isolate}. See docs/writing-a-loss.md. Only if the model "
             "is verified otherwise (the neighbour test), DPStrategy(checks=Checks(sensitivity=False)) turns the check off."
         )
@@ -425,6 +433,21 @@ class MixingCheck:
             "last_checked_step": self.checked_steps[-1] if self.checked_steps else None,
             "moved_for_no_loss": self.moved,
         }
+
+
+@contextlib.contextmanager
+def _passes(grads: GradientCapture, saved: Saved) -> Iterator[None]:
+    """Dry passes at the batch's scale (each normalisation is read from them); afterwards the module, the
+    random streams and the gradient capture are as they were (its batch hint and its scale)."""
+    hint, public_scale = grads._batch_hint, grads.public_scale
+    grads.public_scale = None
+    try:
+        yield
+    finally:
+        saved.restore()
+        grads.clear()
+        grads.expect_batch(hint)
+        grads.public_scale = public_scale
 
 
 def _precision_fallback_message(precision: str, error: BaseException) -> str:

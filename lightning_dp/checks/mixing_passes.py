@@ -25,7 +25,7 @@ from lightning_dp.checks.after_step import (
     after_step_write_message,
     after_step_writes,
 )
-from lightning_dp.checks.batch_edit import remove_rows, run_on_changed_batch
+from lightning_dp.checks.batch_edit import map_examples, remove_rows, run_on_changed_batch, unit_id_fields
 from lightning_dp.checks.mixing_rows import _Items, _Plan, choose_rows, choose_units, pick, plan
 from lightning_dp.checks.mixing_tolerance import _distance, _kept_sums, _worst_norm_change, example_rounding
 from lightning_dp.checks.precision_path import OpTrace, PathReference, path_message
@@ -35,7 +35,7 @@ from lightning_dp.checks.state import ParameterValues, parameter_write_message
 from lightning_dp.checks.step_hooks import StepHookRun, differing, step_hook_write_message, step_hooks
 from lightning_dp.checks.user_step import dry_training_step
 from lightning_dp.clipping import clip_factors
-from lightning_dp.core.batches import UnitInfo, batch_length
+from lightning_dp.core.batches import UnitInfo, batch_length, tensor_leaves
 from lightning_dp.core.errors import DPConfigurationError
 
 if TYPE_CHECKING:
@@ -199,6 +199,8 @@ class _Compared:
     """Pass A's random draws, which every later pass replays row by row."""
     moved_draws: tuple[str, ...] = ()
     """The random functions pass B called with another law than pass A (``RowDraws.moved``)."""
+    aligned: bool = True
+    """Whether every random draw of pass A can be replayed row by row (:class:`RowDraws`, no other stream)."""
 
 
 def _written_differently(full: _Pass, other: _Pass) -> tuple[str, ...]:
@@ -337,8 +339,117 @@ def compare(
     sums = dict(zip(readings, full_sums, strict=True))
     return _Compared(
         full, other, items, changed, kept_full, kept_changed, removed, replaced, readings, sums, draws.log,
-        tuple(moved),
+        tuple(moved), aligned,
     )  # fmt: skip
+
+
+ORDER_RTOL = 0.03
+"""How much a unit's gradient norm may differ when its rows sit elsewhere in the batch: the norms compared are
+certified bounds (up to 1 % above the exact norm, ``mixing_tolerance.GUARD_FRACTION``), on both sides."""
+
+
+def order_moves(checked: CheckedBatch, saved: Saved, items: _Items, full: _Pass, log: DrawLog) -> bool:
+    """Whether a unit's gradient changes when the batch's units sit in another order (each unit's rows kept
+    together and in their order, each row with pass A's own random draws, the unit map moved with them).
+
+    The engine groups the per-example gradients by position: row r of every layer call is taken for the r-th
+    row of the batch, whose unit is known. A step that reorders the batch's rows before its layers see them
+    (``x[perm]``, ``x.flip(0)``, the halves swapped; data carry no autograd history, so no layer call shows
+    the permutation) has each unit clipped with other units' rows and one unit split over several, and so
+    does a term pairing rows by position (``z - z.roll(1, 0)``). Such a step gives the units other gradients
+    when they sit elsewhere; a step that computes each row from its own data (and its unit's) does not.
+
+    Run only on a batch the comparison already refuses (one or two more dry passes, on refused batches
+    alone): it names the cause, and refuses nothing the removal passed."""
+    units = items.units
+    assert units is not None
+    rows = items.rows
+    if items.count < 2 or any(
+        t.dim() > 1 and t.shape[0] != rows and t.shape[1] == rows for t in tensor_leaves(checked.batch)
+    ):
+        return False  # one unit, or a time-major field the batch edits do not move: nothing to compare
+    moved = _other_order(items.count)
+    fields = unit_id_fields(checked.batch, rows, units.unit_of_row.tolist(), units.ids)
+    # First the ids travel with their rows; where that moves a unit, they stay in their places too (the unit
+    # at each place takes the id of the one that sat there): a step may rely on the batch's users coming in
+    # the sampler's order of their ids (torch.unique's counts splitting the rows), which every real batch has.
+    for ids_in_place in (False, True) if fields else (False,):
+        norms = _reordered_norms(checked, saved, items, log, moved, fields if ids_in_place else frozenset())
+        if norms is None:
+            return False  # no loss, or draws that cannot follow their rows: pass B's comparison decides
+        a = full.norms.double()
+        b = norms[torch.argsort(moved)]  # unit u sat at place argsort(moved)[u]
+        floor = 1e-6 * float(a.max()) + 1e-30
+        if not bool(((a - b).abs() > ORDER_RTOL * torch.maximum(a, b) + floor).any()):
+            return False
+    return True
+
+
+def _reordered_norms(
+    checked: CheckedBatch, saved: Saved, items: _Items, log: DrawLog, moved: Tensor, id_fields: frozenset[int]
+) -> Tensor | None:
+    """Each unit's gradient norm (fp64, by place) with unit ``moved[i]`` at place i (its rows together, in
+    their order, with pass A's draws); the fields ``id_fields`` (:func:`unit_id_fields`) left in their places,
+    or every field moved when it is empty. None: no loss, or draws that cannot follow their rows."""
+    units = items.units
+    assert units is not None
+    rows = items.rows
+    counts = units.rows_per_unit().cpu()
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.cat([torch.arange(int(starts[u]), int(starts[u] + counts[u])) for u in moved.tolist()])
+    place_of_row = torch.repeat_interleave(torch.arange(items.count), counts[moved])
+    in_place = starts[place_of_row]  # the first row of the unit that sat at each row's place
+    kept_ids = units.ids if id_fields or units.ids is None else tuple(units.ids[u] for u in moved.tolist())
+    placed = UnitInfo(place_of_row.to(units.unit_of_row.device), units.reduction, units.views, kept_ids)
+    position = iter(range(1 << 62))  # the fields in per_example_fields' order
+
+    def pick(at: int) -> Tensor:
+        return in_place if at in id_fields else order
+
+    def tensor(t: Tensor) -> Tensor:
+        return t.index_select(0, pick(next(position)).to(t.device))
+
+    def values(v: list[Any]) -> list[Any]:
+        return [v[i] for i in pick(next(position)).tolist()]
+
+    batch = map_examples(checked.batch, rows, tensor, values)
+    rerun = RowDraws(rows, log, order.tolist(), checked.device, checked.rounding)
+    other = dry_pass(checked.on(batch, placed), saved, rows, False, rerun)
+    if other is None or not rerun.aligned or rerun.moved:
+        return None
+    return other.norms.double()
+
+
+def _other_order(count: int) -> Tensor:
+    """A fixed other order of ``count`` units: a permutation drawn from its own seeded generator (the check's
+    stream is left as it is, and a rerun names the same refusal). Not a rotation nor a reversal of the units,
+    where it can avoid them: a step that rolls, flips or swaps the batch's halves commutes with those when the
+    units have equal sizes, and would give each unit its gradient unchanged."""
+    generator = torch.Generator().manual_seed(0x5EED + count)
+    plain = torch.arange(count)
+    avoided = [plain.roll(k) for k in range(count)] + [plain.flip(0).roll(k) for k in range(count)]
+    for _ in range(16):
+        order = torch.randperm(count, generator=generator)
+        if not any(torch.equal(order, other) for other in avoided):
+            return order
+    return plain.roll(1)  # three units or fewer: every order is a rotation or a reversal
+
+
+def step_order_message(noun: str, releases_before: int) -> str:
+    """The refusal for a step whose units' gradients depend on where their rows sit in the batch."""
+    return (
+        f"Sensitivity check failed on step {releases_before} (a real sampled batch): with the batch's {noun}s "
+        f"in another order (each {noun}'s rows kept together, with their own random draws), a {noun}'s clipped "
+        "gradient changed, so the step's rows are not the batch's rows in their order. Each row's "
+        f"{noun} is known by its position in the batch: a training_step that reorders the batch's rows before "
+        "its layers (x[perm], x.flip(0), the batch's halves swapped, torch.cat of its parts in another order) "
+        f"has each {noun} clipped with other {noun}s' rows and one {noun} split over several, and a term that "
+        f"pairs rows by position (z - z.roll(1, 0), neighbouring rows) mixes {noun}s, so one {noun} can move "
+        "the released sum by more than max_grad_norm and the reported ε does not hold. This step releases "
+        "nothing. Keep the batch's rows in their order inside training_step (the order carries nothing the "
+        f"gradient needs), and pair or mix rows only within one {noun}; to train such a step unchanged, pass "
+        f"DPStrategy(checks=Checks(isolate_examples=True)): each {noun} then runs through training_step alone."
+    )
 
 
 def _changed_pass(

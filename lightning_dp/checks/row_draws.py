@@ -296,12 +296,14 @@ class RowDraws(TorchFunctionMode):
 
     def _rows_of(self, values: Tensor, shape: torch.Size | tuple[int, ...]) -> Tensor | None:
         """``values`` (pass A's) for a tensor of ``shape``: as they are, or the rows of this pass's rows
-        (None, and not aligned, when neither fits: the call then draws afresh)."""
-        if tuple(values.shape) == tuple(shape):
-            return values
+        (None, and not aligned, when neither fits: the call then draws afresh). With a row map, a tensor of
+        the batch's rows takes its rows' values also when this pass has as many rows as pass A (the same rows
+        in another order)."""
         fits = values.dim() > 0 and (self.rows, self._small) == (values.shape[0], shape[0] if shape else -1)
         if self._map is not None and fits and tuple(values.shape[1:]) == tuple(shape[1:]):
             return values.index_select(0, self._map.to(values.device))
+        if tuple(values.shape) == tuple(shape):
+            return values
         self.aligned = False
         return None
 

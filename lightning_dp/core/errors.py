@@ -77,6 +77,7 @@ TROUBLESHOOTING: dict[str, str] = {
     "manual-accumulation-in-dry-pass": "Several backward passes over parts",
     "per-example-batch-sizes-disagree": "Per-example gradients disagree on",
     "sensitivity-check-failed": "Likely causes and fixes: a token-level mean over the whole batch",
+    "step-reorders-rows": "so the step's rows are not the batch's rows in their order",
     "draw-law-from-batch": "drew with other arguments (a dropout's p",
     "precision-path-differs": "ran your training_step in fp32 and again in the",
     "sensitivity-check-in-run-precision": "could not run your training_step in fp32",

@@ -342,6 +342,15 @@ def test_a_loss_that_reads_other_users_counts_is_refused_with_and_without_random
     assert "removed" in str(refusal.value)  # one whole user removed, also when the step draws random numbers
 
 
+def test_a_mean_over_the_rows_returned_under_loss_reduction_sum_is_refused_with_its_fix():
+    """Under loss_reduction="sum" a mean over the batch's rows divides each user's gradient by the batch's
+    rows, the other users' counts: refused, and the refusal says to return the sum."""
+    with pytest.raises(DPConfigurationError, match=MIXING) as refusal:
+        fit(UserNet(rows_of(SMALL), "row_mean"), users_dp(loss_reduction="sum"), steps=2)
+    assert "while loss_reduction='sum'" in str(refusal.value)
+    assert "return the sum" in str(refusal.value)
+
+
 class SizeTimesLoss(LightningModule):
     """Example level: dropout, and a loss scaled by the parity of the batch's size (on the size alone)."""
 
@@ -440,6 +449,135 @@ def test_the_neighbour_test_sees_the_leak_of_a_per_user_loss_rescaled_by_the_bat
     as before issue #45: without the 500-record user every other user's gradient moves, far beyond C."""
     c = 5.0
     assert user_move(population, 7, c, check_sensitivity=False) > 3 * c
+
+
+# -- 2b. the step keeps the batch's rows in their order: a reordering inside training_step is refused by name ------
+STEP_ORDER = "so the step's rows are not the batch's rows in their order"
+
+
+def _halves_swapped(t: Tensor) -> Tensor:
+    return torch.cat([t[len(t) // 2 :], t[: len(t) // 2]])
+
+
+REORDERS: dict[str, Callable[[Tensor], Tensor]] = {
+    "randperm": lambda t: t[torch.randperm(len(t), generator=torch.Generator().manual_seed(len(t)))],
+    "drawn randperm": lambda t: t,  # replaced in the step by a permutation from the global stream
+    "flip": lambda t: t.flip(0),
+    "roll": lambda t: t.roll(3, 0),
+    "halves swapped": _halves_swapped,
+}
+
+
+class Reordering(UserNet):
+    """Reorders the batch's rows (x and y together, so every row keeps its label) before the layers."""
+
+    def __init__(self, data: Dataset, reorder: str, drop: float = 0.0) -> None:
+        super().__init__(data, drop=drop)
+        self.reorder = reorder
+
+    def training_step(self, batch, batch_idx):
+        x, y, user = batch[:3]
+        if self.reorder == "drawn randperm":
+            perm = torch.randperm(len(x))
+            x, y = x[perm], y[perm]
+        else:
+            x, y = REORDERS[self.reorder](x), REORDERS[self.reorder](y)
+        return super().training_step((x, y, user), batch_idx)
+
+
+@pytest.mark.parametrize("reorder", list(REORDERS))
+def test_a_step_that_reorders_the_batchs_rows_is_refused_by_name_before_the_first_release(reorder):
+    """Each row's user is known by its position: rows reordered in the step before any layer (the data carry no
+    autograd history) would be clipped with other users' rows. Refused on the first checked batch, by name."""
+    strategy = users_dp()
+    with pytest.raises(DPConfigurationError, match=STEP_ORDER) as refusal:
+        fit(Reordering(rows_of(SMALL), reorder), strategy, steps=2)
+    assert strategy.engine.steps == 0
+    assert "isolate_examples=True" in str(refusal.value)
+
+
+@pytest.mark.parametrize("reorder", ["flip", "drawn randperm"])
+def test_a_reordering_step_moves_the_released_sum_past_c_when_unchecked(reorder):
+    """Without the check the reordering moves the released sum by more than C when one whole user goes: what
+    the refusal above prevents."""
+    data = rows_of(SMALL)
+    users = len(torch.unique(data.users))
+    k = max(SMALL)
+    removed = 3 * SMALL.index(k) + 7  # the raw id of a largest user (rows_of: user u has raw id 3u + 7)
+    rest = Subset(data, [i for i in range(len(data)) if int(data.users[i]) != removed])
+    rest.users = data.users[rest.indices]  # type: ignore[attr-defined]
+    c = 1e-3
+    sums = []
+    for part, count in ((data, users), (rest, users - 1)):
+        torch.manual_seed(0)
+        capture = released_sum(
+            Reordering(part, reorder), part,
+            lambda count=count: users_dp(count, k, noise_multiplier=0.0, max_grad_norm=c, check_sensitivity=False),
+            batch_size=len(part),
+        )  # fmt: skip
+        assert capture.sums is not None
+        sums.append(capture.sums)
+    move = math.sqrt(sum(float((a - b).square().sum()) for a, b in zip(*sums, strict=True)))
+    assert move > c * 1.05
+
+
+def test_a_correct_per_user_step_with_dropout_trains_under_every_step_checks_with_units_in_another_order():
+    """The order pass gives every row its own dropout mask wherever its user sits (no false refusal)."""
+    strategy = fit(UserNet(rows_of(SMALL), "per_user_mean", drop=0.3), users_dp(loss_reduction="sum",
+                   check_sensitivity="every_step"), steps=4)  # fmt: skip
+    assert strategy.engine.steps == 4
+    assert len(strategy.checks.mixing.checked_steps) == 4
+
+
+def test_row_draws_replay_each_rows_own_draws_when_the_same_rows_come_in_another_order():
+    x = torch.randn(6, 5)
+    draws = RowDraws(6)
+    with draws:
+        a = (F.dropout(x, 0.5), torch.randn(6, 3), torch.rand(6, 2))
+    order = [3, 4, 5, 0, 1, 2]
+    again = RowDraws(6, draws.log, order)
+    with again:
+        b = (F.dropout(x[order], 0.5), torch.randn(6, 3), torch.rand(6, 2))
+    assert again.aligned
+    for full, moved in zip(a, b, strict=True):
+        assert torch.equal(full[order], moved)
+
+
+class BatchStandardised(UserNet):
+    """Standardises the batch by its own mean and std (mixes users) and keeps every row in its place."""
+
+    def training_step(self, batch, batch_idx):
+        x, y, user = batch[:3]
+        return super().training_step(((x - x.mean(0)) / (x.std(0) + 1e-3), y, user), batch_idx)
+
+
+def test_a_step_that_mixes_users_in_place_keeps_the_general_refusal_not_the_order_one():
+    """The order pass names a refusal only when the units' gradients depend on where they sit: a batch
+    statistic moves them wherever they sit, and it is refused as mixing, not as a reordering."""
+    with pytest.raises(DPConfigurationError, match=MIXING) as refusal:
+        fit(BatchStandardised(rows_of(SMALL)), users_dp(), steps=2)
+    assert STEP_ORDER not in str(refusal.value)
+
+
+def test_the_order_pass_runs_on_refused_batches_only(monkeypatch):
+    """No dry pass is added to a batch the removal passes (what a correct step pays is unchanged); a refused
+    batch of a reordering step runs it and is named."""
+    import lightning_dp.checks.mixing as mixing
+
+    calls: list[int] = []
+
+    def counted(*args: Any) -> bool:
+        calls.append(1)
+        return order_moves(*args)
+
+    order_moves = mixing.order_moves
+    monkeypatch.setattr(mixing, "order_moves", counted)
+    strategy = fit(UserNet(rows_of(SMALL), drop=0.3), users_dp(check_sensitivity="every_step"), steps=3)
+    assert len(strategy.checks.mixing.checked_steps) == 3
+    assert not calls
+    with pytest.raises(DPConfigurationError, match=STEP_ORDER):
+        fit(Reordering(rows_of(SMALL), "flip"), users_dp(), steps=2)
+    assert calls
 
 
 # -- 3. every physical chunk is checked ----------------------------------------------------------------------------
