@@ -194,6 +194,34 @@ def test_a_buffer_the_forward_writes_from_the_batch_is_refused_as_the_forwards_n
     assert AFTER_STEP not in message
 
 
+class GradientStashEveryThirdStep(Classifier):
+    """Copies the NON-private gradient into a buffer the next forward reads, in ``on_after_backward`` on every
+    third step only: the checked first batch runs at a step count on which it writes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.zeros(3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x) + self.shift, y)
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step % 3 == 2:
+            self.shift.copy_(self.l2.bias.grad)
+
+
+def test_a_step_hook_that_writes_on_some_steps_only_is_refused_on_the_next_step():
+    """The buffer written on an unchecked step makes the next batch a checked one, whose passes run the step
+    hooks on the previous step's count too: refused before the next release."""
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0)
+    loader = DataLoader(data(256), batch_size=16)
+    with pytest.raises(DPConfigurationError, match="were written inside the optimizer step by") as refusal:
+        make_trainer(strategy, max_steps=12).fit(GradientStashEveryThirdStep(), train_dataloaders=loader)
+    assert "GradientStashEveryThirdStep.on_after_backward" in str(refusal.value)
+    assert strategy.engine.steps == 3  # step 2 wrote it; nothing released after
+
+
 class Teacher(Classifier):
     """Post-processing after the step: an EMA teacher (frozen), clamping, a reset on a step schedule, a
     mask from the released gradient; and a counter of the hook's calls (Python state)."""
