@@ -107,7 +107,10 @@ def after_step_writes(
 ) -> dict[str, Tensor]:
     """Run :func:`after_step_hooks` in a dry pass, after its backward (:func:`run_after_step`); every
     parameter and buffer whose value then differs from the pass's start, by name, with its value (empty when
-    you wrote no such hook)."""
+    you wrote no such hook). From the second step on, the hooks run first on the previous step's counters:
+    what they write there beyond what the step itself wrote (a buffer of the forward's stays the forward's,
+    compared and refused as such) is kept under :data:`PREVIOUS_STEP` names, so a later write on this
+    step's counters cannot hide it."""
     if not users_hooks(module, "on_train_batch_end"):
         return {}
     outputs = lightning_outputs(module, dry.output)
