@@ -222,6 +222,30 @@ def test_a_step_hook_that_writes_on_some_steps_only_is_refused_on_the_next_step(
     assert strategy.engine.steps == 3  # step 2 wrote it; nothing released after
 
 
+class ShiftBeforeOptimizerStepEveryThirdStep(Classifier):
+    """Moves ``l2.bias`` by the batch's mean (kept on ``self`` in training_step) in ``on_before_optimizer_step``
+    on every third step only; the optimizer's own write follows and hides it from the between-step watch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.kept = batch[0].detach()
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.trainer.global_step % 3 == 2:
+            with torch.no_grad():
+                self.l2.bias.add_(self.kept.mean(0)[:3])
+
+
+def test_a_parameter_written_before_the_optimizer_step_on_some_steps_only_is_refused_on_the_next_step():
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0)
+    loader = DataLoader(data(256), batch_size=16)
+    module = ShiftBeforeOptimizerStepEveryThirdStep()
+    with pytest.raises(DPConfigurationError, match="were written inside the optimizer step by") as refusal:
+        make_trainer(strategy, max_steps=12).fit(module, train_dataloaders=loader)
+    assert "ShiftBeforeOptimizerStepEveryThirdStep.on_before_optimizer_step" in str(refusal.value)
+    assert strategy.engine.steps == 3  # step 2 wrote it; nothing released after
+
+
 class Teacher(Classifier):
     """Post-processing after the step: an EMA teacher (frozen), clamping, a reset on a step schedule, a
     mask from the released gradient; and a counter of the hook's calls (Python state)."""
