@@ -183,6 +183,12 @@ class RunChecks:
         if unverified and self.mixing.enabled:
             self.mixing.due_next = True  # verify them on the next batch, before its release
 
+    def after_closure(self) -> None:
+        """After ``on_before_optimizer_step``, before the weights move: what the hooks wrote since the release."""
+        if self.state is not None:
+            with self._counted():
+                self.state.after_closure()
+
     # -- after each optimizer step -----------------------------------------------------------------------------
     def after_step(self) -> None:
         if self.state is not None:

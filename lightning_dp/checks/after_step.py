@@ -11,6 +11,13 @@ passes: the trainer's step count advanced by one, the weights and learning rates
 every ``.grad`` as the previous release left it (zeros before the first), the loggers, optimizers, schedulers
 and ``trainer.save_checkpoint`` dry. What the hooks wrote is compared between the passes, value by value: a
 write that differs read the batch, and is refused before the release, naming the hooks and the tensors.
+
+A hook may write only on some steps (``if trainer.global_step % k == 0``, every ``k``-th ``batch_idx``), so
+the counters of the checked step alone may be ones on which it writes nothing. From the second step on, each
+pass therefore runs the hooks twice: first as the previous step's hooks saw the trainer (its
+``global_step`` and ``batch_idx``), then as this step's will. The first write of a parameter between two
+steps makes the next batch a checked one (``changes.py``), so a hook that wrote from the batch on the step
+before is run again on that step's counters, on this batch, and refused before the next release.
 """
 
 from __future__ import annotations
@@ -100,21 +107,49 @@ def after_step_writes(
 ) -> dict[str, Tensor]:
     """Run :func:`after_step_hooks` in a dry pass, after its backward (:func:`run_after_step`); every
     parameter and buffer whose value then differs from the pass's start, by name, with its value (empty when
-    you wrote no such hook)."""
-    hooks = after_step_hooks(module, batch_idx)
-    if not hooks:
+    you wrote no such hook). From the second step on, the hooks run first on the previous step's counters:
+    what they write there beyond what the step itself wrote (a buffer of the forward's stays the forward's,
+    compared and refused as such) is kept under :data:`PREVIOUS_STEP` names, so a later write on this
+    step's counters cannot hide it."""
+    if not users_hooks(module, "on_train_batch_end"):
         return {}
-    run_after_step(module, hooks, lightning_outputs(module, dry.output), batch, state)
+    outputs = lightning_outputs(module, dry.output)
+    out: dict[str, Tensor] = {}
+    tracker = _step_tracker(module._trainer)
+    if tracker is not None and tracker.completed >= 1:  # the previous step's counters, then this step's
+        by_the_step = _written(
+            module, state, values
+        ).keys()  # the forward's buffers: compared as the forward's
+        previous = after_step_hooks(module, batch_idx - 1 if batch_idx >= 1 else batch_idx)
+        run_after_step(module, previous, outputs, batch, state, advanced=False)
+        written = _written(module, state, values)
+        out = {PREVIOUS_STEP + name: value for name, value in written.items() if name not in by_the_step}
+    run_after_step(module, after_step_hooks(module, batch_idx), outputs, batch, state)
+    return {**out, **_written(module, state, values)}
+
+
+PREVIOUS_STEP = "\x00previous step: "
+"""Marks, in :func:`after_step_writes`, what the hooks wrote on the previous step's counters."""
+
+
+def _written(module: LightningModule, state: ModuleState, values: ParameterValues) -> dict[str, Tensor]:
+    """Every parameter and buffer whose value differs from the pass's start, by name, with its value."""
     params = dict(module.named_parameters())
     written = {n: params[n].detach().clone() for n in values.written() if n in params}
     return {**state.written_buffers(), **written}
 
 
 def run_after_step(
-    module: LightningModule, hooks: list[AfterStepHook], outputs: Any, batch: Any, state: ModuleState
+    module: LightningModule,
+    hooks: list[AfterStepHook],
+    outputs: Any,
+    batch: Any,
+    state: ModuleState,
+    advanced: bool = True,
 ) -> None:
     """Run ``hooks`` as Lightning does after the step, with nothing logged, stepped or saved; a hook that
-    raises is refused by name (:func:`hook_failure_message`)."""
+    raises is refused by name (:func:`hook_failure_message`). ``advanced``: the trainer's step count one
+    higher, as after this step; False: as it is, as the previous step's hooks saw it."""
     with torch.no_grad():
         for p, saved in state.grads:
             if saved is not None:
@@ -127,7 +162,7 @@ def run_after_step(
         _shadowed(module, **dry_shadows(module)),
         _detached_loggers(module),
         _detached_logging(module),
-        _trainer_as_after_step(trainer),
+        _trainer_as_after_step(trainer, advanced),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")
@@ -141,13 +176,13 @@ def run_after_step(
 
 
 @contextlib.contextmanager
-def _trainer_as_after_step(trainer: Any) -> Iterator[None]:
-    """The trainer as an after-step hook sees it: ``global_step`` one higher (the step just taken), and
-    ``save_checkpoint`` and ``should_stop`` that the hooks cannot act on."""
+def _trainer_as_after_step(trainer: Any, advanced: bool = True) -> Iterator[None]:
+    """The trainer as an after-step hook sees it: ``global_step`` one higher (the step just taken; as it is
+    when not ``advanced``), and ``save_checkpoint`` and ``should_stop`` that the hooks cannot act on."""
     if trainer is None:
         yield
         return
-    tracker = _step_tracker(trainer)
+    tracker = _step_tracker(trainer) if advanced else None
     should_stop = trainer.should_stop
     trainer.__dict__["save_checkpoint"] = _no_op
     if tracker is not None:
@@ -175,6 +210,7 @@ def _step_tracker(trainer: Any) -> Any:
 
 def after_step_write_message(names: list[str], hooks: list[str]) -> str:
     """The refusal for tensors an after-step hook wrote from the batch (one line: it is quoted)."""
+    names = sorted({name.removeprefix(PREVIOUS_STEP) for name in names})
     return (
         f"The tensors {names} were written after the optimizer step by {', '.join(hooks)} from the private "
         "batch: the sensitivity check ran these hooks in both of its passes (the batch, and the batch with some "

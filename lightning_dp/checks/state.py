@@ -114,6 +114,9 @@ class StateWatch:
     one (``checks/changes.py``)."""
     _after_step: _Snapshot | None = None
     _at_entry: _Snapshot | None = None
+    _released: _Snapshot | None = None
+    """The state at the release, until :meth:`after_closure` reads what the hooks after it wrote."""
+    _written_after_release: list[str] = field(default_factory=list)
     _modules: list[tuple[str, nn.Module]] = field(default_factory=list)
     _layout: (
         tuple[int, list[tuple[dict[str, Any], str]], list[str], list[tuple[dict[str, Any], str]], list[str]]
@@ -169,7 +172,8 @@ class StateWatch:
         before = self._after_step
         changed = _changed(before.buffer_names, before.buffers, now.buffer_names, now.buffers)
         self.written_between = _changed(before.param_names, before.params, now.param_names, now.params)
-        self.written_between += changed
+        self.written_between += changed + self._written_after_release
+        self._written_after_release = []
         written = [n for n in changed if not self._public(n)]
         if written:
             raise DPConfigurationError(
@@ -192,7 +196,7 @@ class StateWatch:
         wrote that no check has shown to be independent of the batch (the next step must be checked)."""
         if self._at_entry is None:
             return []
-        now = self._now()
+        now = self._released = self._now()
         entry = self._at_entry
         written_params = _changed(entry.param_names, entry.params, now.param_names, now.params)
         frozen = set(self.frozen_parameters()) if written_params else set()  # only when a step wrote one
@@ -208,6 +212,18 @@ class StateWatch:
         new = [n for n in written if n not in self.verified_buffers]
         self.unverified_buffers |= set(new)
         return new
+
+    def after_closure(self) -> None:
+        """Once ``on_before_optimizer_step`` ran, before the weights move: the parameters and buffers written
+        since the release (the optimizer's own write would hide them from :meth:`between_steps`) count as
+        written between steps, so a hook that starts writing them makes the next batch a checked one."""
+        released, self._released = self._released, None
+        if released is None:
+            return
+        now = self._now()
+        self._written_after_release += _changed(
+            released.param_names, released.params, now.param_names, now.params
+        ) + _changed(released.buffer_names, released.buffers, now.buffer_names, now.buffers)
 
     def frozen_parameters(self) -> list[str]:
         """Parameters that take no gradient now (an EMA copy, a teacher): no optimizer trains them, so a write

@@ -15,6 +15,11 @@ noisy and what is computed from it post-processing, so both passes see the same)
 the state right after ``training_step``, is compared between the passes value by value: a write that differs
 read the batch, and is refused before the release, naming the hooks and what they wrote. Hooks that read and
 log (the released gradient's norms in ``on_before_optimizer_step``, a counter) write nothing that differs.
+
+A hook may write only on some steps (``if trainer.global_step % k == 0``): from the second step on, each
+stage's hooks run twice in a pass, first with ``global_step`` as the previous step saw it, then as this step
+sees it. A buffer the step wrote on an unchecked step makes the next batch a checked one
+(``checks/state.py``), whose passes then run the hooks on the counters of the step that wrote it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from lightning_dp.checks.after_step import _step_tracker
 from lightning_dp.checks.batch_hooks import hook_failure_message, users_hooks
 from lightning_dp.checks.dry_flag import _dry
 from lightning_dp.checks.snapshot import (
@@ -146,6 +152,8 @@ class StepHookRun:
         module = self.module
         calls = [(o,) for o in _dry_optimizers(module)] if stage in _RELEASED else [args]
         gradients = _released_gradients(self.state) if stage in _RELEASED else contextlib.nullcontext()
+        tracker = _step_tracker(module._trainer)
+        shifts = (-1, 0) if tracker is not None and tracker.completed >= 1 else (0,)
         with (
             gradients,
             _dry(),
@@ -155,14 +163,29 @@ class StepHookRun:
             warnings.catch_warnings(),
         ):
             warnings.simplefilter("ignore")
-            for hook in hooks:
-                for arguments in calls:
-                    try:
-                        hook.call(*arguments)
-                    except DPConfigurationError:
-                        raise
-                    except Exception as error:  # the user's hook on a batch the check made: refused
-                        raise DPConfigurationError(hook_failure_message(hook.name, error)) from error
+            for shift in shifts:  # the previous step's global_step, then this step's (module docstring)
+                with _steps_shifted(tracker, shift):
+                    for hook in hooks:
+                        for arguments in calls:
+                            try:
+                                hook.call(*arguments)
+                            except DPConfigurationError:
+                                raise
+                            except Exception as error:  # the user's hook on a batch the check made: refused
+                                raise DPConfigurationError(hook_failure_message(hook.name, error)) from error
+
+
+@contextlib.contextmanager
+def _steps_shifted(tracker: Any, shift: int) -> Iterator[None]:
+    """``trainer.global_step`` moved by ``shift`` inside the block (the tracker :func:`_step_tracker` finds)."""
+    if tracker is None or shift == 0:
+        yield
+        return
+    tracker.completed += shift
+    try:
+        yield
+    finally:
+        tracker.completed -= shift
 
 
 def _dry_optimizers(module: LightningModule) -> list[Any]:

@@ -159,7 +159,9 @@ class DPStrategyBase(Strategy):
         super().setup_optimizers(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             refusals.refuse_uncovered_parameters(self.optimizers, self.engine)
-            self.optimizers = [DPOptimizer(o, self.engine) for o in self.optimizers]
+            self.optimizers = [
+                DPOptimizer(o, self.engine, after_closure=self.checks.after_closure) for o in self.optimizers
+            ]
 
     # -- 3. checkpoints --------------------------------------------------------------------------------------
     @property

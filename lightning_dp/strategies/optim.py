@@ -20,8 +20,13 @@ class DPOptimizer(Optimizer):
     """Wraps the user's optimizer; ``param_groups``/``state`` are shared, so LR schedulers keep working."""
 
     def __init__(
-        self, optimizer: Optimizer, engine: PrivateStepEngine
+        self,
+        optimizer: Optimizer,
+        engine: PrivateStepEngine,
+        after_closure: Callable[[], None] | None = None,
     ) -> None:  # no super().__init__: a proxy
+        """``after_closure``: called once the closure ran (the backward, the release and Lightning's
+        ``on_before_optimizer_step``), before the weights move: what the hooks wrote is read there."""
         if isinstance(optimizer, torch.optim.SparseAdam):
             raise DPConfigurationError(
                 "SparseAdam steps only sparse gradients, but the private gradient is dense: the noise is added to "
@@ -31,6 +36,7 @@ class DPOptimizer(Optimizer):
             )
         self.original_optimizer = optimizer
         self.engine = engine
+        self.after_closure = after_closure
 
     @property
     def optimizer(self) -> Optimizer:
@@ -72,6 +78,8 @@ class DPOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if self.after_closure is not None:
+                self.after_closure()
         if self.engine.halted:  # the budget is spent: no release and no move (the strategy stops training)
             self.zero_grad()
             return loss

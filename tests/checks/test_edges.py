@@ -134,6 +134,118 @@ def test_writes_after_the_step_that_read_the_batch_are_refused_before_any_releas
     assert "codebook.weight" in message
 
 
+class EveryThirdStep(Classifier):
+    """Writes the batch's mean into ``l2.bias`` after every third step only (by ``global_step``), or on every
+    third ``batch_idx``: the checked first batch sees counters on which it writes nothing."""
+
+    def __init__(self, by: str) -> None:
+        super().__init__()
+        self.by = by
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        counter = self.trainer.global_step if self.by == "global_step" else batch_idx
+        if counter % 3 == 2:
+            with torch.no_grad():
+                self.l2.bias.copy_(batch[0].mean(0)[:3])
+
+
+@pytest.mark.parametrize("by", ["global_step", "batch_idx"])
+def test_a_write_from_the_batch_on_some_steps_only_is_refused_before_the_next_release(by):
+    """Its first write makes the next batch a checked one, whose passes run the hooks on the previous step's
+    counters too: refused then, before the release that would follow the leaked write."""
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0)
+    loader = DataLoader(data(256), batch_size=16)
+    with pytest.raises(DPConfigurationError, match=AFTER_STEP) as refusal:
+        make_trainer(strategy, max_steps=12).fit(EveryThirdStep(by), train_dataloaders=loader)
+    assert "EveryThirdStep.on_train_batch_end" in str(refusal.value)
+    assert "'l2.bias'" in str(refusal.value)
+    first_write = 1 if by == "global_step" else 2  # global_step 2 is seen after step 1; batch_idx 2 is step 2
+    assert strategy.engine.steps == first_write + 1  # nothing released after the write
+
+
+class LateRunningMean(Classifier):
+    """From the third step on, its forward keeps the batch's mean in a buffer (a running statistic); its
+    ``on_train_batch_end`` only counts its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running", torch.zeros(4))
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.trainer.global_step >= 2:
+            with torch.no_grad():
+                self.running.copy_(x.mean(0))
+        return super().forward(x)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.calls += 1
+
+
+def test_a_buffer_the_forward_writes_from_the_batch_is_refused_as_the_forwards_not_the_hooks():
+    """The hooks' run on the previous step's counters starts from what the forward wrote: a forward's buffer
+    is refused as the forward's, not blamed on an after-step hook that wrote nothing."""
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0, check_sensitivity="every_step")
+    loader = DataLoader(data(64), batch_size=8)
+    with pytest.raises(DPConfigurationError) as refusal:
+        make_trainer(strategy, max_steps=6).fit(LateRunningMean(), train_dataloaders=loader)
+    message = str(refusal.value)
+    assert "buffers ['running'] were written from the batch in the forward" in message
+    assert AFTER_STEP not in message
+
+
+class GradientStashEveryThirdStep(Classifier):
+    """Copies the NON-private gradient into a buffer the next forward reads, in ``on_after_backward`` on every
+    third step only: the checked first batch runs at a step count on which it writes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.zeros(3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x) + self.shift, y)
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step % 3 == 2:
+            self.shift.copy_(self.l2.bias.grad)
+
+
+def test_a_step_hook_that_writes_on_some_steps_only_is_refused_on_the_next_step():
+    """The buffer written on an unchecked step makes the next batch a checked one, whose passes run the step
+    hooks on the previous step's count too: refused before the next release."""
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0)
+    loader = DataLoader(data(256), batch_size=16)
+    with pytest.raises(DPConfigurationError, match="were written inside the optimizer step by") as refusal:
+        make_trainer(strategy, max_steps=12).fit(GradientStashEveryThirdStep(), train_dataloaders=loader)
+    assert "GradientStashEveryThirdStep.on_after_backward" in str(refusal.value)
+    assert strategy.engine.steps == 3  # step 2 wrote it; nothing released after
+
+
+class ShiftBeforeOptimizerStepEveryThirdStep(Classifier):
+    """Moves ``l2.bias`` by the batch's mean (kept on ``self`` in training_step) in ``on_before_optimizer_step``
+    on every third step only; the optimizer's own write follows and hides it from the between-step watch."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.kept = batch[0].detach()
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.trainer.global_step % 3 == 2:
+            with torch.no_grad():
+                self.l2.bias.add_(self.kept.mean(0)[:3])
+
+
+def test_a_parameter_written_before_the_optimizer_step_on_some_steps_only_is_refused_on_the_next_step():
+    strategy = DPStrategy(noise_multiplier=0.0, max_grad_norm=0.1, seed=0)
+    loader = DataLoader(data(256), batch_size=16)
+    module = ShiftBeforeOptimizerStepEveryThirdStep()
+    with pytest.raises(DPConfigurationError, match="were written inside the optimizer step by") as refusal:
+        make_trainer(strategy, max_steps=12).fit(module, train_dataloaders=loader)
+    assert "ShiftBeforeOptimizerStepEveryThirdStep.on_before_optimizer_step" in str(refusal.value)
+    assert strategy.engine.steps == 3  # step 2 wrote it; nothing released after
+
+
 class Teacher(Classifier):
     """Post-processing after the step: an EMA teacher (frozen), clamping, a reset on a step schedule, a
     mask from the released gradient; and a counter of the hook's calls (Python state)."""
