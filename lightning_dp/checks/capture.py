@@ -22,8 +22,8 @@ class CaptureObligations:
     def coverage(self, root: nn.Module, covered: Sequence[nn.Parameter]) -> None:
         coverage.refuse_uncovered(root, covered)
 
-    def missed_use_message(self, names: list[str], gap: float | None = None) -> str:
-        return coverage.missed_use_message(names, gap)
+    def missed_use_message(self, names: list[str]) -> str:
+        return coverage.missed_use_message(names)
 
     def collected(self, seen: Observed) -> None:
         """In this order: examples mixed by a BatchNorm, untraceable uses, a batch split over backward passes,

@@ -43,12 +43,12 @@ def refuse_unreached(names: list[str]) -> None:
         )
 
 
-def missed_use_message(names: list[str], gap: float | None = None) -> str:
-    """The refusal for parameters whose gradient the per-example capture misses in part."""
-    measured = "" if gap is None else f" (relative gap up to {gap:.2g})"
+def missed_use_message(names: list[str]) -> str:
+    """The refusal for parameters whose gradient the per-example capture misses in part. It holds no
+    figure: the gap is computed from the batch's gradients, a statistic of private data."""
     return (
         f"The per-example gradients of the parameters {names} do not add up to their ordinary gradient"
-        f"{measured}: part of their gradient comes from a use outside the forward of the module that holds "
+        ": part of their gradient comes from a use outside the forward of the module that holds "
         "them (a tied output projection h @ emb.weight.T, a temperature or scale read in the loss, a weight "
         "penalty added to the loss), which per-example clipping cannot bound, so the private step would miss "
         "it. This step releases nothing. Use the parameter only through its module's call (tie the weight to an nn.Linear "

@@ -464,7 +464,7 @@ class PrivateStepEngine(EngineState):
         gaps = missed_gradients(params, totals, self.grads._scale(batch), names)
         if gaps:
             self._drop_step()
-            message = self.grads.checks.missed_use_message([n for n, _ in gaps], max(e for _, e in gaps))
+            message = self.grads.checks.missed_use_message([n for n, _ in gaps])
             raise DPConfigurationError(message)
 
     def _drop_step(self) -> None:

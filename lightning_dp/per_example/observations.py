@@ -57,8 +57,9 @@ class CaptureChecks(Protocol):
         """Before the per-example gradients of a step are used: raises the first obligation ``seen`` breaks."""
         ...
 
-    def missed_use_message(self, names: list[str], gap: float | None = None) -> str:
-        """The refusal for parameters whose per-example gradients miss part of their gradient."""
+    def missed_use_message(self, names: list[str]) -> str:
+        """The refusal for parameters whose per-example gradients miss part of their gradient (it names them;
+        the gap, a statistic of the batch's gradients, stays out of it)."""
         ...
 
 
