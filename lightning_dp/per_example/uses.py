@@ -44,13 +44,17 @@ from lightning_dp.per_example.row_labels import (
     MIXED,
     NONE,
     PUTS,
+    REPEATS,
     RESHAPES,
     ROW_WISE,
+    SPLITS,
     SWAPS,
     dim_of,
     keeps_first,
     regrouped_rows,
+    repeated_rows,
     selected_rows,
+    split_rows,
     swaps_first_two,
     to_examples,
 )
@@ -90,6 +94,9 @@ ADDITIVE = frozenset(
 )
 """Ops whose gradient to one operand does not depend on the other's value."""
 
+REPEATS_ROW = frozenset({"expand", "expand_as", "broadcast_to", "repeat"})
+"""Ops that make a ``[1, ...]`` tensor into the same row repeated along dimension 0."""
+
 
 class UseTracer(TorchFunctionMode):
     """The tracer of one :class:`~lightning_dp.per_example.capture.GradientCapture` (see the module doc)."""
@@ -105,6 +112,10 @@ class UseTracer(TorchFunctionMode):
         """Parameters whose uses outside a layer gave per-example gradients since the last ``reset``."""
         self.moved = WeakTensorKeyDictionary()
         """Tensors whose dimension 1, not 0, holds the batch's rows (``x.transpose(0, 1)``: time-major)."""
+        self.expanded = WeakTensorKeyDictionary()
+        """Tracked tensors that are one tracked row repeated along dimension 0 (``cls.expand(B, -1, -1)``,
+        ``pos.repeat(B, 1, 1)``) → that row: every row of theirs is the same value, so a meeting with the
+        batch's rows recomputes each row with the row itself (see ``_meet_rows``)."""
         self.refusals: list[str] = []
         self.second_order = False
         """A gradient of the model was differentiated again (``create_graph=True``) since the last reset."""
@@ -112,7 +123,7 @@ class UseTracer(TorchFunctionMode):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (with the engine) without this step's weak maps of tensors: a copy starts a step afresh."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "rows", "moved")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "rows", "moved", "expanded")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -120,7 +131,7 @@ class UseTracer(TorchFunctionMode):
 
     def reset(self) -> None:
         self.derived, self.rows = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
-        self.moved = WeakTensorKeyDictionary()
+        self.moved, self.expanded = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
         self.covered, self.refusals, self.second_order = set(), [], False
 
     @contextlib.contextmanager
@@ -200,10 +211,20 @@ class UseTracer(TorchFunctionMode):
     def _follow_rows(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Tensor], out: Any
     ) -> None:
-        """Give ``out`` the examples of its rows when an op selects, regroups or puts back rows."""
+        """Give ``out`` the examples of its rows when an op selects, regroups, repeats, splits or puts back
+        rows."""
+        base = args[0] if args and isinstance(args[0], Tensor) else None
+        if (
+            name in SPLITS
+            and base is not None
+            and base.dim() > 0
+            and (rows := self.rows_of(base)) is not None
+        ):
+            for part, part_rows in zip(out, split_rows(name, rows, args, kwargs, out)):
+                self.set_rows(part, part_rows)
+            return
         if not isinstance(out, Tensor) or out.dim() == 0:
             return
-        base = args[0] if args and isinstance(args[0], Tensor) else None
         if name in SWAPS and base is not None and base.dim() > 1 and swaps_first_two(name, args, kwargs):
             if base not in self.moved and self.capture.batch_hint == base.shape[0] and base not in self.rows:
                 self.moved[out] = True  # the batch's rows moved to dimension 1 (swapped back: not marked)
@@ -226,6 +247,9 @@ class UseTracer(TorchFunctionMode):
             rows = self.rows_of(base)
             if rows is not None:
                 self.set_rows(out, regrouped_rows(rows, base, out))
+        elif name in REPEATS and base is not None and base.dim() > 0:
+            if (rows := self.rows_of(base)) is not None:
+                self.set_rows(out, repeated_rows(name, rows, args, kwargs))
         elif name in PUTS and base is not None and dim_of(name, args, kwargs) in (0, None):
             self._put(base, args, kwargs, out)
         elif (
@@ -302,6 +326,7 @@ class UseTracer(TorchFunctionMode):
         if not rowed and not level and not unknown:
             if not isinstance(out, nn.Parameter):
                 self.derived[out] = params
+                self._note_expanded(name, args, sources, out)
             return
         label = self._label(name, params)
         if rowed and not level and not unknown:
@@ -315,6 +340,19 @@ class UseTracer(TorchFunctionMode):
             self._meet_batch_level(func, args, kwargs, sources, out, label)
             return
         self._refuse_if_reached(out, unmatched_message(label))
+
+    def _note_expanded(
+        self, name: str, args: tuple[Any, ...], sources: dict[Tensor, frozenset[nn.Parameter]], out: Tensor
+    ) -> None:
+        """Remember ``out`` as its one tracked row repeated along dimension 0 (:attr:`expanded`): a tracked
+        ``[1, ...]`` tensor expanded or repeated to more rows, its other dimensions unchanged."""
+        base = args[0] if args and isinstance(args[0], Tensor) else None
+        if name not in REPEATS_ROW or base is None or base not in sources or len(sources) != 1:
+            return
+        if base.dim() == 0 or out.dim() != base.dim() or base.shape[0] != 1 or out.shape[0] == 1:
+            return
+        if out.shape[1:] == base.shape[1:]:
+            self.expanded[out] = base
 
     def _label(self, name: str, params: frozenset[nn.Parameter]) -> str:
         names = sorted(self.capture.name_of(p) for p in params)
@@ -335,6 +373,10 @@ class UseTracer(TorchFunctionMode):
     ) -> None:
         """Per-row gradients of the tracked operands, recomputed per row, summed into the rows' examples."""
         flat, spec = tree_flatten((args, kwargs))
+        # a tracked row repeated over the rows (``cls.expand(B, -1, -1)``) is recomputed as that one row, and
+        # its per-example gradients pulled back through it: the same value, without a [B, B, ...] gradient
+        flat = [self.expanded.get(t, t) if isinstance(t, Tensor) and len(self.expanded) else t for t in flat]
+        sources = {**sources, **{self.expanded[t]: ps for t, ps in sources.items() if t in self.expanded}}
         tracked = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t in sources]
         per_row = [
             i
