@@ -94,8 +94,8 @@ ADDITIVE = frozenset(
 )
 """Ops whose gradient to one operand does not depend on the other's value."""
 
-REPEATS_ROW = frozenset({"expand", "expand_as", "broadcast_to", "repeat"})
-"""Ops that make a ``[1, ...]`` tensor into the same row repeated along dimension 0."""
+BROADCASTS = frozenset({"expand", "expand_as", "broadcast_to"})
+"""Ops that repeat a tensor along a new or size-1 dimension 0 without copying (``cls.expand(B, -1, -1)``)."""
 
 
 class UseTracer(TorchFunctionMode):
@@ -113,9 +113,10 @@ class UseTracer(TorchFunctionMode):
         self.moved = WeakTensorKeyDictionary()
         """Tensors whose dimension 1, not 0, holds the batch's rows (``x.transpose(0, 1)``: time-major)."""
         self.expanded = WeakTensorKeyDictionary()
-        """Tracked tensors that are one tracked row repeated along dimension 0 (``cls.expand(B, -1, -1)``,
-        ``pos.repeat(B, 1, 1)``) → that row: every row of theirs is the same value, so a meeting with the
-        batch's rows recomputes each row with the row itself (see ``_meet_rows``)."""
+        """Tracked tensors whose rows (dimension 0) are all one value → that row, a ``[1, ...]`` tensor
+        computed from the parameters (``cls.expand(B, -1, -1)``, ``pos.repeat(B, 1, 1)``, and what row-wise
+        ops make of them: ``* 2``, ``unsqueeze(1)``): a meeting with the batch's rows recomputes each row
+        with that one row (see ``_meet_rows`` and ``_note_expanded``)."""
         self.refusals: list[str] = []
         self.second_order = False
         """A gradient of the model was differentiated again (``create_graph=True``) since the last reset."""
@@ -276,15 +277,7 @@ class UseTracer(TorchFunctionMode):
         n = mapped[0].numel()
         if out.shape[0] != n or any(m is not mapped[0] and not torch.equal(m, mapped[0]) for m in mapped):
             return False
-        if name in ROW_WISE:
-            return True
-        if name in ALONG:
-            dim = dim_of(name, args, kwargs)
-            dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-            return dim is not None and all(d not in (0, -args[0].dim()) for d in dims)
-        if name == "unsqueeze":
-            return dim_of(name, args, kwargs) not in (0, None)
-        return False
+        return name in ROW_WISE or _along_rows(name, args, kwargs)
 
     def _put(self, base: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
         """``base.index_add(0, index, source)``: row ``index[j]`` gets source row j's example too."""
@@ -326,7 +319,7 @@ class UseTracer(TorchFunctionMode):
         if not rowed and not level and not unknown:
             if not isinstance(out, nn.Parameter):
                 self.derived[out] = params
-                self._note_expanded(name, args, sources, out)
+                self._note_expanded(name, func, args, kwargs, sources, out)
             return
         label = self._label(name, params)
         if rowed and not level and not unknown:
@@ -342,17 +335,44 @@ class UseTracer(TorchFunctionMode):
         self._refuse_if_reached(out, unmatched_message(label))
 
     def _note_expanded(
-        self, name: str, args: tuple[Any, ...], sources: dict[Tensor, frozenset[nn.Parameter]], out: Tensor
+        self,
+        name: str,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[Tensor, frozenset[nn.Parameter]],
+        out: Tensor,
     ) -> None:
-        """Remember ``out`` as its one tracked row repeated along dimension 0 (:attr:`expanded`): a tracked
-        ``[1, ...]`` tensor expanded or repeated to more rows, its other dimensions unchanged."""
-        base = args[0] if args and isinstance(args[0], Tensor) else None
-        if name not in REPEATS_ROW or base is None or base not in sources or len(sources) != 1:
+        """Remember a tracked ``out`` of several rows that are all one value, with that row (:attr:`expanded`):
+        a tracked tensor broadcast along a new or size-1 dimension 0 (``expand``, ``broadcast_to``,
+        ``repeat(B, ...)``), or a row-wise op's result whose operands with rows are all such tensors (the
+        row is the op on their rows: ``cls2d.expand(B, -1).unsqueeze(1)``, ``cls.expand(B, -1, -1) * s``)."""
+        if out.dim() == 0 or out.shape[0] == 1:
             return
-        if base.dim() == 0 or out.dim() != base.dim() or base.shape[0] != 1 or out.shape[0] == 1:
-            return
-        if out.shape[1:] == base.shape[1:]:
-            self.expanded[out] = base
+        base = args[0] if args and isinstance(args[0], Tensor) else out
+        row: Tensor | None = None
+        repeated = base in sources and (base.dim() < out.dim() or base.shape[0] == 1)
+        with self.paused(), contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError):
+            # a row the op cannot make again (a shape only the whole tensor has) is just not remembered
+            if repeated and name in BROADCASTS:
+                row = base.expand(1, *out.shape[1:])
+            elif repeated and name == "repeat" and len(sizes := _sizes(args[1:], kwargs)) == out.dim():
+                row = base.repeat(1, *sizes[1:])
+            elif len(self.expanded) and _keeps_rows(name, args, kwargs):
+                flat, spec = tree_flatten((args, kwargs))
+                # the operands with rows: of out's rank (broadcast ones are the same for every row), or the
+                # input of an op along another dimension (``unsqueeze(1)``, ``sum(-1)``)
+                many = [
+                    isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] > 1
+                    and (t.dim() == out.dim() or (t is base and name not in ROW_WISE))
+                    for t in flat
+                ]  # fmt: skip
+                if any(many) and all(t in self.expanded for t, m in zip(flat, many, strict=True) if m):
+                    leaves = [self.expanded[t] if m else t for t, m in zip(flat, many, strict=True)]
+                    a, k = tree_unflatten(leaves, spec)
+                    row = func(*a, **k)
+        if isinstance(row, Tensor) and row.shape == (1, *out.shape[1:]):
+            self.expanded[out] = row
 
     def _label(self, name: str, params: frozenset[nn.Parameter]) -> str:
         names = sorted(self.capture.name_of(p) for p in params)
@@ -465,6 +485,44 @@ class UseTracer(TorchFunctionMode):
             pulled = {p: g for p, g in zip(ordered, grads, strict=True) if g is not None}
         self.capture.add_outside({p: g.detach() * scale for p, g in pulled.items()})
         self.covered.update(pulled)
+
+
+JOINS = frozenset({"cat", "concat", "concatenate"})
+"""Ops that join a list of tensors along a dimension."""
+
+
+def _off_rows(dim: Any, rank: int) -> bool:
+    """Whether an op's ``dim`` argument (an int or a tuple) names dimensions other than 0 only."""
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return dim is not None and all(d not in (0, -rank) for d in dims)
+
+
+def _along_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op that takes a dimension (``softmax``, ``sum``, ``unsqueeze``, ...) keeps each row of its
+    input to itself: that dimension is not 0."""
+    if name in ALONG:
+        return _off_rows(dim_of(name, args, kwargs), args[0].dim())
+    if name == "unsqueeze":
+        return dim_of(name, args, kwargs) not in (0, None)
+    return False
+
+
+def _keeps_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op's output row i is computed from row i of its operands alone, and the op can be run again
+    on one row with the same result: no random draw (``dropout``) and no in-place write."""
+    if name == "dropout" or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
+        return False
+    if name in JOINS and args and isinstance(args[0], (list, tuple)) and args[0]:
+        return _off_rows(dim_of(name, args, kwargs), args[0][0].dim())
+    return name in ROW_WISE or _along_rows(name, args, kwargs)
+
+
+def _sizes(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """The sizes of ``t.repeat(*sizes)`` or ``t.repeat(sizes)``."""
+    found = kwargs.get("repeats", rest[0] if len(rest) == 1 else rest)
+    if isinstance(found, int):
+        return (found,)
+    return tuple(int(v) for v in found)
 
 
 def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
