@@ -345,34 +345,57 @@ class UseTracer(TorchFunctionMode):
     ) -> None:
         """Remember a tracked ``out`` of several rows that are all one value, with that row (:attr:`expanded`):
         a tracked tensor broadcast along a new or size-1 dimension 0 (``expand``, ``broadcast_to``,
-        ``repeat(B, ...)``), or a row-wise op's result whose operands with rows are all such tensors (the
-        row is the op on their rows: ``cls2d.expand(B, -1).unsqueeze(1)``, ``cls.expand(B, -1, -1) * s``)."""
+        ``repeat(B, ...)``); such a tensor expanded, repeated or indexed along its other dimensions
+        (``.repeat(1, 2, 1)[:, :5]``); or a row-wise op's result whose operands with rows are all such
+        tensors, the row being the op on their rows (``cls2d.expand(B, -1).unsqueeze(1)``, ``* s``, a
+        ``cat`` or ``stack`` along another dimension). Without it, a meeting with the batch's rows would see
+        the whole repeated tensor next to each row."""
         if out.dim() == 0 or out.shape[0] == 1:
             return
-        base = args[0] if args and isinstance(args[0], Tensor) else out
-        row: Tensor | None = None
-        repeated = base in sources and (base.dim() < out.dim() or base.shape[0] == 1)
+        row = None
         with self.paused(), contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError):
             # a row the op cannot make again (a shape only the whole tensor has) is just not remembered
-            if repeated and name in BROADCASTS:
-                row = base.expand(1, *out.shape[1:])
-            elif repeated and name == "repeat" and len(sizes := _sizes(args[1:], kwargs)) == out.dim():
-                row = base.repeat(1, *sizes[1:])
-            elif len(self.expanded) and _keeps_rows(name, args, kwargs):
-                flat, spec = tree_flatten((args, kwargs))
-                # the operands with rows: of out's rank (broadcast ones are the same for every row), or the
-                # input of an op along another dimension (``unsqueeze(1)``, ``sum(-1)``)
-                many = [
-                    isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] > 1
-                    and (t.dim() == out.dim() or (t is base and name not in ROW_WISE))
-                    for t in flat
-                ]  # fmt: skip
-                if any(many) and all(t in self.expanded for t, m in zip(flat, many, strict=True) if m):
-                    leaves = [self.expanded[t] if m else t for t, m in zip(flat, many, strict=True)]
-                    a, k = tree_unflatten(leaves, spec)
-                    row = func(*a, **k)
+            row = self._one_row(name, func, args, kwargs, sources, out)
         if isinstance(row, Tensor) and row.shape == (1, *out.shape[1:]):
             self.expanded[out] = row
+
+    def _one_row(
+        self,
+        name: str,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[Tensor, frozenset[nn.Parameter]],
+        out: Tensor,
+    ) -> Tensor | None:
+        """The one row every row of ``out`` is (see :meth:`_note_expanded`), or None."""
+        base = args[0] if args and isinstance(args[0], Tensor) else out
+        repeated = base in sources and (base.dim() < out.dim() or base.shape[0] == 1)
+        known = self.expanded.get(base) if len(self.expanded) else None
+        one = base if repeated else known  # the tensor whose one row ``out`` repeats, if it is a repeat
+        if name in BROADCASTS and one is not None:
+            return one.expand(1, *out.shape[1:])
+        if name == "repeat" and one is not None:
+            sizes = _sizes(args[1:], kwargs)
+            if repeated and len(sizes) == out.dim():
+                return one.repeat(1, *sizes[1:])
+            return one.repeat(1, *sizes[1:]) if len(sizes) == base.dim() and sizes[0] == 1 else None
+        if name == "__getitem__" and known is not None and len(args) > 1 and keeps_first(args[1]):
+            return known[args[1]]
+        if not len(self.expanded) or not _keeps_rows(name, args, kwargs):
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        # the operands with rows: the joined tensors, those of out's rank (broadcast ones are the same for
+        # every row), or the input of an op along another dimension (``unsqueeze(1)``, ``sum(-1)``)
+        many = [
+            isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] > 1
+            and (name in JOINS or t.dim() == out.dim() or (t is base and name not in ROW_WISE))
+            for t in flat
+        ]  # fmt: skip
+        if not any(many) or not all(t in self.expanded for t, m in zip(flat, many, strict=True) if m):
+            return None
+        a, k = tree_unflatten([self.expanded[t] if m else t for t, m in zip(flat, many, strict=True)], spec)
+        return func(*a, **k)
 
     def _label(self, name: str, params: frozenset[nn.Parameter]) -> str:
         names = sorted(self.capture.name_of(p) for p in params)
@@ -487,8 +510,8 @@ class UseTracer(TorchFunctionMode):
         self.covered.update(pulled)
 
 
-JOINS = frozenset({"cat", "concat", "concatenate"})
-"""Ops that join a list of tensors along a dimension."""
+JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+"""Ops that join a list of tensors along a dimension (``stack``: a new one)."""
 
 
 def _off_rows(dim: Any, rank: int) -> bool:
@@ -513,7 +536,7 @@ def _keeps_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
     if name == "dropout" or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
         return False
     if name in JOINS and args and isinstance(args[0], (list, tuple)) and args[0]:
-        return _off_rows(dim_of(name, args, kwargs), args[0][0].dim())
+        return _off_rows(dim_of(name, args, kwargs), args[0][0].dim() + (name == "stack"))
     return name in ROW_WISE or _along_rows(name, args, kwargs)
 
 
