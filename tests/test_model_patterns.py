@@ -291,6 +291,66 @@ class GradientPenalty(Patterned):
         return (score.squeeze(1) * (y.to(score) - 1)).mean() + ((slope.norm(dim=1) - 1) ** 2).mean()
 
 
+class ClsToken(Patterned):
+    """A ViT written on the LightningModule itself: a ``(1, 1, d)`` class token expanded to the batch and
+    concatenated in front of the patch tokens (or repeated), and a ``(1, T, d)`` position embedding
+    (``expand``ed or added as it is), into an encoder layer; the class token's output is classified."""
+
+    def __init__(self, repeat: bool = False) -> None:
+        super().__init__()
+        self.net = nn.ModuleDict(
+            {
+                "patch": nn.Linear(2, 6),
+                "enc": nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=True),
+                "head": nn.Linear(6, 3),
+            }
+        )
+        self.cls = nn.Parameter(0.1 * torch.randn(1, 1, 6))
+        self.pos = nn.Parameter(0.1 * torch.randn(1, 6, 6))
+        self.repeat = repeat
+
+    def forward(self, x: Tensor) -> Tensor:
+        b = len(x)
+        h = self.net["patch"](x.view(b, 5, 2))
+        if self.repeat:
+            h = torch.cat([self.cls.repeat(b, 1, 1), h], dim=1) + self.pos.expand(b, -1, -1)
+        else:
+            h = torch.cat([self.cls.expand(b, -1, -1), h], dim=1) + self.pos
+        return self.net["head"](self.net["enc"](h)[:, 0])
+
+
+class RepeatedViews(Patterned):
+    """Two noisy views of each example, made with ``repeat_interleave`` (or ``repeat``) along the batch and
+    split back with ``chunk``: each view's rows are its example's."""
+
+    def __init__(self, interleave: bool = True) -> None:
+        super().__init__()
+        self.interleave = interleave
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        if self.interleave:
+            views = x.repeat_interleave(2, 0) + 0.1 * torch.tensor([1.0, -1.0]).to(x).repeat(len(x))[:, None]
+            labels = y.repeat_interleave(2)
+            return F.cross_entropy(self(views), labels, reduction="sum") / (2 * len(x))
+        views = x.repeat(2, 1) * torch.tensor([1.0, -1.0]).to(x).repeat_interleave(len(x))[:, None]
+        first, second = self.net[0](views).chunk(2)
+        return F.cross_entropy(self.net[2](torch.tanh(first) * torch.tanh(second)), y)
+
+
+class Shuffled(Patterned):
+    """The batch shuffled inside the step, inputs and labels alike (``x[perm]``, ``y[perm]``): each row is
+    still its example's, in another order (refused today: a call on as many rows as the batch is taken in
+    order). ``labels_too=False``: the labels stay in place, each loss reads two examples (mixes)."""
+
+    def __init__(self, labels_too: bool = True) -> None:
+        super().__init__()
+        self.labels_too = labels_too
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        perm = torch.randperm(len(x))
+        return F.cross_entropy(self(x[perm]), y[perm] if self.labels_too else y)
+
+
 class TemperatureOnMean(Patterned):
     """A temperature multiplying the batch's mean loss: its gradient is the batch's mean (mixes)."""
 
@@ -320,10 +380,17 @@ EXACT = {
     "mixture-of-experts": (Experts, data, {}),
     "fgsm-input-gradient": (InputGradient, data, {}),
     "gradient-penalty-isolated": (GradientPenalty, data, {"dp": {"isolate_examples": True}}),
+    "cls-token-on-the-module": (ClsToken, data, {}),
+    "cls-token-repeated-pos-expanded": (lambda: ClsToken(repeat=True), data, {}),
+    "views-repeat-interleaved": (RepeatedViews, data, {}),
+    "views-repeated-and-chunked": (lambda: RepeatedViews(interleave=False), data, {}),
 }
 
 
-FP32 = ["batchnorm-affine-in-eval", "temperature-margin-cosine-head", "tied-projection", "mixture-of-experts"]
+FP32 = [
+    *("batchnorm-affine-in-eval", "temperature-margin-cosine-head", "tied-projection", "mixture-of-experts"),
+    *("cls-token-on-the-module", "views-repeat-interleaved", "views-repeated-and-chunked"),
+]
 """The patterns also run in fp32 (every one runs in fp64, where any gap is the capture's, not rounding)."""
 
 
@@ -339,7 +406,15 @@ def test_a_correct_model_trains_with_exact_per_example_gradients(pattern, dtype,
     assert_exact(module, make_data(8, dtype), neighbour, **fit)
 
 
-@pytest.mark.parametrize("pattern", ["mixture-of-experts", "temperature-margin-cosine-head"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "mixture-of-experts",
+        "temperature-margin-cosine-head",
+        "cls-token-on-the-module",
+        "views-repeat-interleaved",
+    ],
+)
 def test_at_a_large_batch_too(pattern, neighbour):
     build, make_data, fit = EXACT[pattern]
     seed_everything(0, verbose=False)
@@ -386,6 +461,25 @@ def test_a_time_major_layer_is_refused_also_when_the_time_length_equals_the_batc
     module = TimeMajorTagger(steps=3)
     module.x, module.y, module.batch_size = module.x[:3], module.y[:3], 3  # q = 1: every batch has 3 rows
     assert_refused(module, "time-major", "batch_first=True")
+
+
+class ShiftedViews(RepeatedViews):
+    """The chunked views with the second one rolled by a row: each example's loss reads another's view."""
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        first, second = self.net[0](x.repeat(2, 1)).chunk(2)
+        return F.cross_entropy(self.net[2](torch.tanh(first) * torch.tanh(second.roll(1, 0))), y)
+
+
+def test_views_paired_across_examples_stay_refused():
+    assert_refused(ShiftedViews(), "Sensitivity check failed")
+
+
+def test_inputs_shuffled_without_their_labels_stay_refused():
+    # seeded: the sensitivity check's edits and the step's permutation are both draws, and a few of their
+    # pairings (about 1 seed in 24 over 3 steps) change no kept example's gradient enough to be seen
+    seed_everything(0, verbose=False)
+    assert_refused(Shuffled(labels_too=False), "Sensitivity check failed")
 
 
 def test_a_gradient_penalty_is_refused_naming_isolation():

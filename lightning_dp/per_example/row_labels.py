@@ -34,7 +34,11 @@ SWAPS = frozenset({"t", "transpose", "swapaxes", "swapdims", "permute", "movedim
 
 RESHAPES = frozenset({"reshape", "view", "flatten", "view_as", "reshape_as", "unflatten"})
 PUTS = frozenset({"index_add", "index_add_", "index_copy", "index_copy_"})
-FOLLOWED = SWAPS | RESHAPES | PUTS | {"__getitem__", "index_select", "cat"}
+REPEATS = frozenset({"repeat_interleave", "repeat"})
+"""Ops that repeat the rows along dimension 0 (``x.repeat_interleave(k, 0)``: k views of each example)."""
+SPLITS = frozenset({"chunk", "split", "tensor_split"})
+"""Ops that cut a tensor into consecutive parts along a dimension (a tuple of tensors)."""
+FOLLOWED = SWAPS | RESHAPES | PUTS | REPEATS | SPLITS | {"__getitem__", "index_select", "cat"}
 """Ops that may give rows of the batch another order or grouping (followed whatever their operands)."""
 
 
@@ -111,6 +115,39 @@ def regrouped_rows(rows: Tensor, before: Tensor, after: Tensor) -> Tensor | None
         one = ((groups == lowest[:, None]) | (groups == NONE)).all(1) & (groups != MIXED).all(1)
         return torch.where(one, torch.where(lowest > groups.max(), NONE, lowest), MIXED)
     return None
+
+
+def repeated_rows(name: str, rows: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """The examples of the rows of ``x.repeat_interleave(k, dim=0)`` (each row k times in place) or
+    ``x.repeat(k, ...)`` (the rows k times over), or None where dimension 0 is not repeated that way."""
+    base: Tensor = args[0]
+    rest = [*args[1:], *kwargs.values()] if name == "repeat" else list(args[1:])
+    if name == "repeat":
+        sizes = list(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+        if len(sizes) != base.dim() or not all(isinstance(k, int) for k in sizes):
+            return None  # new leading dimensions: dimension 0 is no longer the rows
+        return rows.repeat(sizes[0])
+    repeats = rest[0] if rest else kwargs.get("repeats")
+    dim = rest[1] if len(rest) > 1 else kwargs.get("dim")
+    if dim is None or dim % max(base.dim(), 1) != 0 or not isinstance(repeats, (int, Tensor)):
+        return None
+    return rows.repeat_interleave(repeats.to(rows.device) if isinstance(repeats, Tensor) else repeats)
+
+
+def split_rows(name: str, rows: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], parts: Any) -> list:
+    """The examples of each part of ``x.chunk(n)``, ``x.split(size)`` or ``x.tensor_split(n)`` along dimension
+    0 (consecutive slices of the rows), or [] where the parts are cut along another dimension."""
+    base: Tensor = args[0]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+    if not isinstance(dim, int) or dim % max(base.dim(), 1) != 0 or not isinstance(parts, (tuple, list)):
+        return []
+    out, start = [], 0
+    for part in parts:
+        if not isinstance(part, Tensor) or part.dim() == 0:
+            return []
+        out.append(rows[start : start + part.shape[0]])
+        start += part.shape[0]
+    return out if start == rows.numel() else []
 
 
 def to_examples(per_row: Tensor, rows: Tensor, batch: int) -> Tensor:

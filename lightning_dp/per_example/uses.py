@@ -44,13 +44,17 @@ from lightning_dp.per_example.row_labels import (
     MIXED,
     NONE,
     PUTS,
+    REPEATS,
     RESHAPES,
     ROW_WISE,
+    SPLITS,
     SWAPS,
     dim_of,
     keeps_first,
     regrouped_rows,
+    repeated_rows,
     selected_rows,
+    split_rows,
     swaps_first_two,
     to_examples,
 )
@@ -90,6 +94,9 @@ ADDITIVE = frozenset(
 )
 """Ops whose gradient to one operand does not depend on the other's value."""
 
+BROADCASTS = frozenset({"expand", "expand_as", "broadcast_to"})
+"""Ops that repeat a tensor along a new or size-1 dimension 0 without copying (``cls.expand(B, -1, -1)``)."""
+
 
 class UseTracer(TorchFunctionMode):
     """The tracer of one :class:`~lightning_dp.per_example.capture.GradientCapture` (see the module doc)."""
@@ -105,6 +112,11 @@ class UseTracer(TorchFunctionMode):
         """Parameters whose uses outside a layer gave per-example gradients since the last ``reset``."""
         self.moved = WeakTensorKeyDictionary()
         """Tensors whose dimension 1, not 0, holds the batch's rows (``x.transpose(0, 1)``: time-major)."""
+        self.expanded = WeakTensorKeyDictionary()
+        """Tracked tensors whose rows (dimension 0) are all one value → that row, a ``[1, ...]`` tensor
+        computed from the parameters (``cls.expand(B, -1, -1)``, ``pos.repeat(B, 1, 1)``, and what row-wise
+        ops make of them: ``* 2``, ``unsqueeze(1)``): a meeting with the batch's rows recomputes each row
+        with that one row (see ``_meet_rows`` and ``_note_expanded``)."""
         self.refusals: list[str] = []
         self.second_order = False
         """A gradient of the model was differentiated again (``create_graph=True``) since the last reset."""
@@ -112,7 +124,7 @@ class UseTracer(TorchFunctionMode):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (with the engine) without this step's weak maps of tensors: a copy starts a step afresh."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "rows", "moved")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "rows", "moved", "expanded")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -120,7 +132,7 @@ class UseTracer(TorchFunctionMode):
 
     def reset(self) -> None:
         self.derived, self.rows = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
-        self.moved = WeakTensorKeyDictionary()
+        self.moved, self.expanded = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
         self.covered, self.refusals, self.second_order = set(), [], False
 
     @contextlib.contextmanager
@@ -200,10 +212,20 @@ class UseTracer(TorchFunctionMode):
     def _follow_rows(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], tensors: list[Tensor], out: Any
     ) -> None:
-        """Give ``out`` the examples of its rows when an op selects, regroups or puts back rows."""
+        """Give ``out`` the examples of its rows when an op selects, regroups, repeats, splits or puts back
+        rows."""
+        base = args[0] if args and isinstance(args[0], Tensor) else None
+        if (
+            name in SPLITS
+            and base is not None
+            and base.dim() > 0
+            and (rows := self.rows_of(base)) is not None
+        ):
+            for part, part_rows in zip(out, split_rows(name, rows, args, kwargs, out)):
+                self.set_rows(part, part_rows)
+            return
         if not isinstance(out, Tensor) or out.dim() == 0:
             return
-        base = args[0] if args and isinstance(args[0], Tensor) else None
         if name in SWAPS and base is not None and base.dim() > 1 and swaps_first_two(name, args, kwargs):
             if base not in self.moved and self.capture.batch_hint == base.shape[0] and base not in self.rows:
                 self.moved[out] = True  # the batch's rows moved to dimension 1 (swapped back: not marked)
@@ -226,6 +248,9 @@ class UseTracer(TorchFunctionMode):
             rows = self.rows_of(base)
             if rows is not None:
                 self.set_rows(out, regrouped_rows(rows, base, out))
+        elif name in REPEATS and base is not None and base.dim() > 0:
+            if (rows := self.rows_of(base)) is not None:
+                self.set_rows(out, repeated_rows(name, rows, args, kwargs))
         elif name in PUTS and base is not None and dim_of(name, args, kwargs) in (0, None):
             self._put(base, args, kwargs, out)
         elif (
@@ -252,15 +277,7 @@ class UseTracer(TorchFunctionMode):
         n = mapped[0].numel()
         if out.shape[0] != n or any(m is not mapped[0] and not torch.equal(m, mapped[0]) for m in mapped):
             return False
-        if name in ROW_WISE:
-            return True
-        if name in ALONG:
-            dim = dim_of(name, args, kwargs)
-            dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-            return dim is not None and all(d not in (0, -args[0].dim()) for d in dims)
-        if name == "unsqueeze":
-            return dim_of(name, args, kwargs) not in (0, None)
-        return False
+        return name in ROW_WISE or _along_rows(name, args, kwargs)
 
     def _put(self, base: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
         """``base.index_add(0, index, source)``: row ``index[j]`` gets source row j's example too."""
@@ -302,6 +319,7 @@ class UseTracer(TorchFunctionMode):
         if not rowed and not level and not unknown:
             if not isinstance(out, nn.Parameter):
                 self.derived[out] = params
+                self._note_expanded(name, func, args, kwargs, sources, out)
             return
         label = self._label(name, params)
         if rowed and not level and not unknown:
@@ -315,6 +333,69 @@ class UseTracer(TorchFunctionMode):
             self._meet_batch_level(func, args, kwargs, sources, out, label)
             return
         self._refuse_if_reached(out, unmatched_message(label))
+
+    def _note_expanded(
+        self,
+        name: str,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[Tensor, frozenset[nn.Parameter]],
+        out: Tensor,
+    ) -> None:
+        """Remember a tracked ``out`` of several rows that are all one value, with that row (:attr:`expanded`):
+        a tracked tensor broadcast along a new or size-1 dimension 0 (``expand``, ``broadcast_to``,
+        ``repeat(B, ...)``); such a tensor expanded, repeated or indexed along its other dimensions
+        (``.repeat(1, 2, 1)[:, :5]``); or a row-wise op's result whose operands with rows are all such
+        tensors, the row being the op on their rows (``cls2d.expand(B, -1).unsqueeze(1)``, ``* s``, a
+        ``cat`` or ``stack`` along another dimension). Without it, a meeting with the batch's rows would see
+        the whole repeated tensor next to each row."""
+        if out.dim() == 0 or out.shape[0] == 1:
+            return
+        row = None
+        with self.paused(), contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError):
+            # a row the op cannot make again (a shape only the whole tensor has) is just not remembered
+            row = self._one_row(name, func, args, kwargs, sources, out)
+        if isinstance(row, Tensor) and row.shape == (1, *out.shape[1:]):
+            self.expanded[out] = row
+
+    def _one_row(
+        self,
+        name: str,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        sources: dict[Tensor, frozenset[nn.Parameter]],
+        out: Tensor,
+    ) -> Tensor | None:
+        """The one row every row of ``out`` is (see :meth:`_note_expanded`), or None."""
+        base = args[0] if args and isinstance(args[0], Tensor) else out
+        repeated = base in sources and (base.dim() < out.dim() or base.shape[0] == 1)
+        known = self.expanded.get(base) if len(self.expanded) else None
+        one = base if repeated else known  # the tensor whose one row ``out`` repeats, if it is a repeat
+        if name in BROADCASTS and one is not None:
+            return one.expand(1, *out.shape[1:])
+        if name == "repeat" and one is not None:
+            sizes = _sizes(args[1:], kwargs)
+            if repeated and len(sizes) == out.dim():
+                return one.repeat(1, *sizes[1:])
+            return one.repeat(1, *sizes[1:]) if len(sizes) == base.dim() and sizes[0] == 1 else None
+        if name == "__getitem__" and known is not None and len(args) > 1 and keeps_first(args[1]):
+            return known[args[1]]
+        if not len(self.expanded) or not _keeps_rows(name, args, kwargs):
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        # the operands with rows: the joined tensors, those of out's rank (broadcast ones are the same for
+        # every row), or the input of an op along another dimension (``unsqueeze(1)``, ``sum(-1)``)
+        many = [
+            isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] > 1
+            and (name in JOINS or t.dim() == out.dim() or (t is base and name not in ROW_WISE))
+            for t in flat
+        ]  # fmt: skip
+        if not any(many) or not all(t in self.expanded for t, m in zip(flat, many, strict=True) if m):
+            return None
+        a, k = tree_unflatten([self.expanded[t] if m else t for t, m in zip(flat, many, strict=True)], spec)
+        return func(*a, **k)
 
     def _label(self, name: str, params: frozenset[nn.Parameter]) -> str:
         names = sorted(self.capture.name_of(p) for p in params)
@@ -335,6 +416,10 @@ class UseTracer(TorchFunctionMode):
     ) -> None:
         """Per-row gradients of the tracked operands, recomputed per row, summed into the rows' examples."""
         flat, spec = tree_flatten((args, kwargs))
+        # a tracked row repeated over the rows (``cls.expand(B, -1, -1)``) is recomputed as that one row, and
+        # its per-example gradients pulled back through it: the same value, without a [B, B, ...] gradient
+        flat = [self.expanded.get(t, t) if isinstance(t, Tensor) and len(self.expanded) else t for t in flat]
+        sources = {**sources, **{self.expanded[t]: ps for t, ps in sources.items() if t in self.expanded}}
         tracked = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t in sources]
         per_row = [
             i
@@ -423,6 +508,44 @@ class UseTracer(TorchFunctionMode):
             pulled = {p: g for p, g in zip(ordered, grads, strict=True) if g is not None}
         self.capture.add_outside({p: g.detach() * scale for p, g in pulled.items()})
         self.covered.update(pulled)
+
+
+JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+"""Ops that join a list of tensors along a dimension (``stack``: a new one)."""
+
+
+def _off_rows(dim: Any, rank: int) -> bool:
+    """Whether an op's ``dim`` argument (an int or a tuple) names dimensions other than 0 only."""
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return dim is not None and all(d not in (0, -rank) for d in dims)
+
+
+def _along_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op that takes a dimension (``softmax``, ``sum``, ``unsqueeze``, ...) keeps each row of its
+    input to itself: that dimension is not 0."""
+    if name in ALONG:
+        return _off_rows(dim_of(name, args, kwargs), args[0].dim())
+    if name == "unsqueeze":
+        return dim_of(name, args, kwargs) not in (0, None)
+    return False
+
+
+def _keeps_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op's output row i is computed from row i of its operands alone, and the op can be run again
+    on one row with the same result: no random draw (``dropout``) and no in-place write."""
+    if name == "dropout" or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
+        return False
+    if name in JOINS and args and isinstance(args[0], (list, tuple)) and args[0]:
+        return _off_rows(dim_of(name, args, kwargs), args[0][0].dim() + (name == "stack"))
+    return name in ROW_WISE or _along_rows(name, args, kwargs)
+
+
+def _sizes(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """The sizes of ``t.repeat(*sizes)`` or ``t.repeat(sizes)``."""
+    found = kwargs.get("repeats", rest[0] if len(rest) == 1 else rest)
+    if isinstance(found, int):
+        return (found,)
+    return tuple(int(v) for v in found)
 
 
 def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
