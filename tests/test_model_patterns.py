@@ -268,6 +268,34 @@ class Experts(Patterned):
         return self.net["out"](routed.view(len(x), 3, 8).mean(1))
 
 
+class Routed(Patterned):
+    """Each example routed by ``nonzero`` to one of two Linears and put back, the list read whole three ways;
+    ``"capacity"``: each Linear takes only the first ``capacity`` examples routed to it (a mixture of experts
+    with a capacity: which examples an expert takes depends on the examples before them, so it mixes)."""
+
+    def __init__(self, index: str, capacity: int = 2) -> None:
+        super().__init__()
+        self.index, self.capacity = index, capacity
+        self.net = nn.ModuleDict({"inp": nn.Linear(10, 8), "gate": nn.Linear(8, 2), "out": nn.Linear(8, 3)})
+        self.experts = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.net["inp"](x))
+        choice, routed = self.net["gate"](h).argmax(-1), torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            picked = choice == e
+            if self.index == "whole":
+                idx = picked.nonzero().squeeze(1)
+            elif self.index == "capacity":
+                idx = picked.nonzero().squeeze(1)[: self.capacity]
+            elif self.index == "column":
+                idx = picked.nonzero()[:, 0]
+            else:
+                idx = torch.nonzero(picked, as_tuple=True)[0]
+            routed = routed.index_add(0, idx, expert(h.index_select(0, idx)))
+        return self.net["out"](h + routed)
+
+
 class InputGradient(Patterned):
     """Adversarial training (FGSM): a first-order input gradient inside the step, then the loss on x + δ."""
 
@@ -453,6 +481,21 @@ def test_weights_on_losses_averaged_over_the_batch_are_refused_with_the_per_exam
 
 def test_experts_that_put_tokens_back_into_another_example_are_refused():
     assert_refused(Experts(mixing=True), "Sensitivity check failed")
+
+
+@pytest.mark.parametrize("batch_size", [8, 256])
+def test_experts_with_a_capacity_are_refused_before_any_release(batch_size):
+    """The first k tokens routed to an expert: a row is kept by its rank among the batch's rows, which the
+    removal check sees only when it removes a token inside the capacity; the tracer refuses the cut itself."""
+    module = Routed("capacity", capacity=batch_size // 4)
+    (module.x, module.y), module.batch_size = data(2 * batch_size).tensors, batch_size
+    assert_refused(module, "chooses the batch's rows by their rank", "isolate_examples=True")
+
+
+@pytest.mark.parametrize("index", ["whole", "column", "as_tuple"])
+def test_a_routing_that_keeps_every_listed_row_trains_exactly(index, neighbour):
+    """Every listed row kept, however the list is read (squeezed, its column, as a tuple): exact, ≤ C."""
+    assert_exact(Routed(index).double(), data(16, torch.float64), neighbour)
 
 
 def test_a_time_major_layer_is_refused_also_when_the_time_length_equals_the_batch():

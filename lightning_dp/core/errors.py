@@ -69,6 +69,7 @@ TROUBLESHOOTING: dict[str, str] = {
     "rank-refused-step": "refused this step before its",
     "low-precision-weights": "keeps no fp32 master weights; clipping",
     "parameter-use-not-traced": "A trainable parameter is used",
+    "rows-chosen-by-rank": "The step chooses the batch's rows by their rank",
     "parameter-term-in-summed-loss": "A trainable parameter's term (",
     "second-order-gradient": "The loss differentiates a gradient",
     "batchnorm-batch-statistics": "normalised this step's batch with",

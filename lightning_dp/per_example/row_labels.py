@@ -157,3 +157,50 @@ def to_examples(per_row: Tensor, rows: Tensor, batch: int) -> Tensor:
     keep = (rows >= 0).to(per_row.device)
     out = per_row.new_zeros((batch, *per_row.shape[1:]))
     return out.index_add_(0, rows.to(per_row.device)[keep], per_row[keep])
+
+
+POSITION_LISTS = frozenset({"nonzero", "argwhere"})
+"""Ops whose output lists positions of the rows that pass a test, row by row: which rows are listed depends on
+each row alone, but the k-th entry of the list depends on every row before it."""
+
+POSITION_KEEPING = frozenset(
+    {"squeeze", "flatten", "view", "reshape", "contiguous", "to", "long", "int", "t"}
+)
+"""Ops that hand a position list on whole (its entries in their order)."""
+
+JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
+"""Ops that join a list of tensors along a dimension (``stack``: a new one)."""
+
+
+def off_rows(dim: Any, rank: int) -> bool:
+    """Whether an op's ``dim`` argument (an int or a tuple) names dimensions other than 0 only."""
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return dim is not None and all(d not in (0, -rank) for d in dims)
+
+
+def along_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op that takes a dimension (``softmax``, ``sum``, ``unsqueeze``, ...) keeps each row of its
+    input to itself: that dimension is not 0."""
+    if name in ALONG:
+        return off_rows(dim_of(name, args, kwargs), args[0].dim())
+    if name == "unsqueeze":
+        return dim_of(name, args, kwargs) not in (0, None)
+    return False
+
+
+def keeps_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an op's output row i is computed from row i of its operands alone, and the op can be run again
+    on one row with the same result: no random draw (``dropout``) and no in-place write."""
+    if name == "dropout" or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
+        return False
+    if name in JOINS and args and isinstance(args[0], (list, tuple)) and args[0]:
+        return off_rows(dim_of(name, args, kwargs), args[0][0].dim() + (name == "stack"))
+    return name in ROW_WISE or along_rows(name, args, kwargs)
+
+
+def repeat_sizes(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """The sizes of ``t.repeat(*sizes)`` or ``t.repeat(sizes)``."""
+    found = kwargs.get("repeats", rest[0] if len(rest) == 1 else rest)
+    if isinstance(found, int):
+        return (found,)
+    return tuple(int(v) for v in found)

@@ -19,9 +19,17 @@ follows:
   "mean"``: the loss is the mean of per-example losses that each hold the term). Any other meeting is
   refused at ``collect``, naming the use, if a gradient reaches it.
 
+* **Repeated rows and position lists**: a ``[1, ...]`` parameter repeated over the rows (a class token) keeps
+  its one row; a list of the batch's row positions (``nonzero``) cut to a prefix chooses rows by their rank,
+  and is refused (``rank_selection_message``).
+
 Each contribution is added to the capture's per-example gradients, so a parameter used by several layers,
 outside them, or both, has the sum of all its uses; the engine's first-step check that they add up to
 autograd's gradient tests that sum.
+
+The module is a little over 500 lines: it is one ``TorchFunctionMode`` whose concerns above read and write
+the same weak maps of the step's tensors in one ``__torch_function__``; what each op does to rows, the pure
+part, is :mod:`.row_labels`.
 """
 
 from __future__ import annotations
@@ -39,19 +47,24 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_dp.per_example.broadcast import METADATA
 from lightning_dp.per_example.row_labels import (
-    ALONG,
     FOLLOWED,
+    JOINS,
     MIXED,
     NONE,
+    POSITION_KEEPING,
+    POSITION_LISTS,
     PUTS,
     REPEATS,
     RESHAPES,
     ROW_WISE,
     SPLITS,
     SWAPS,
+    along_rows,
     dim_of,
     keeps_first,
+    keeps_rows,
     regrouped_rows,
+    repeat_sizes,
     repeated_rows,
     selected_rows,
     split_rows,
@@ -117,6 +130,9 @@ class UseTracer(TorchFunctionMode):
         computed from the parameters (``cls.expand(B, -1, -1)``, ``pos.repeat(B, 1, 1)``, and what row-wise
         ops make of them: ``* 2``, ``unsqueeze(1)``): a meeting with the batch's rows recomputes each row
         with that one row (see ``_meet_rows`` and ``_note_expanded``)."""
+        self.positions = WeakTensorKeyDictionary()
+        """Lists of the batch's row positions (``(choice == e).nonzero()``) → True: cut to a prefix, they choose
+        rows by their rank among the batch's rows (see :meth:`_follow_positions`)."""
         self.refusals: list[str] = []
         self.second_order = False
         """A gradient of the model was differentiated again (``create_graph=True``) since the last reset."""
@@ -124,7 +140,11 @@ class UseTracer(TorchFunctionMode):
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (with the engine) without this step's weak maps of tensors: a copy starts a step afresh."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("derived", "rows", "moved", "expanded")}
+        return {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("derived", "rows", "moved", "expanded", "positions")
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -133,6 +153,7 @@ class UseTracer(TorchFunctionMode):
     def reset(self) -> None:
         self.derived, self.rows = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
         self.moved, self.expanded = WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
+        self.positions = WeakTensorKeyDictionary()
         self.covered, self.refusals, self.second_order = set(), [], False
 
     @contextlib.contextmanager
@@ -164,7 +185,37 @@ class UseTracer(TorchFunctionMode):
             self._use(name, func, args, kwargs, sources, out)
         elif name in FOLLOWED or self._carries_rows(tensors):
             self._follow_rows(name, args, kwargs, tensors, out)
+        if name in POSITION_LISTS or (len(self.positions) and any(t in self.positions for t in tensors)):
+            self._follow_positions(name, args, out)
         return out
+
+    def _follow_positions(self, name: str, args: tuple[Any, ...], out: Any) -> None:
+        """Mark the lists of batch-row positions an op makes or hands on whole; refuse one cut along its entries.
+
+        ``(choice == e).nonzero()`` lists the rows routed to expert ``e``, each row's entry decided by that row
+        alone. Its prefix ``[:k]`` (an expert's capacity, "the first k labelled rows") keeps a row only if fewer
+        than k rows before it passed: which rows are kept depends on the other examples, whatever the removal
+        check happens to remove."""
+        base = args[0] if args and isinstance(args[0], Tensor) else None
+        if base is None:
+            return
+        parts = out if isinstance(out, tuple | list) else (out,)
+        if name in POSITION_LISTS:
+            batch = self.capture.batch_hint
+            if base.dim() > 0 and base.shape[0] > 1 and (base in self.rows or base.shape[0] == batch):
+                for part in parts:
+                    if isinstance(part, Tensor) and part.dim() > 0:
+                        self.positions[part] = True
+            return
+        if base not in self.positions:
+            return
+        whole = name in POSITION_KEEPING or (
+            name == "__getitem__" and keeps_first(args[1])  # nz[:, 0]: every entry, its one column
+        )
+        if whole and isinstance(out, Tensor):
+            self.positions[out] = True
+        elif name in ("__getitem__", "narrow", "split", "chunk", "tensor_split", "topk", "index_select"):
+            self.refusals.append(rank_selection_message())
 
     def _carries_rows(self, tensors: list[Tensor]) -> bool:
         """Whether an operand has rows other than the batch's in order, or its batch on dimension 1."""
@@ -277,7 +328,7 @@ class UseTracer(TorchFunctionMode):
         n = mapped[0].numel()
         if out.shape[0] != n or any(m is not mapped[0] and not torch.equal(m, mapped[0]) for m in mapped):
             return False
-        return name in ROW_WISE or _along_rows(name, args, kwargs)
+        return name in ROW_WISE or along_rows(name, args, kwargs)
 
     def _put(self, base: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
         """``base.index_add(0, index, source)``: row ``index[j]`` gets source row j's example too."""
@@ -376,13 +427,13 @@ class UseTracer(TorchFunctionMode):
         if name in BROADCASTS and one is not None:
             return one.expand(1, *out.shape[1:])
         if name == "repeat" and one is not None:
-            sizes = _sizes(args[1:], kwargs)
+            sizes = repeat_sizes(args[1:], kwargs)
             if repeated and len(sizes) == out.dim():
                 return one.repeat(1, *sizes[1:])
             return one.repeat(1, *sizes[1:]) if len(sizes) == base.dim() and sizes[0] == 1 else None
         if name == "__getitem__" and known is not None and len(args) > 1 and keeps_first(args[1]):
             return known[args[1]]
-        if not len(self.expanded) or not _keeps_rows(name, args, kwargs):
+        if not len(self.expanded) or not keeps_rows(name, args, kwargs):
             return None
         flat, spec = tree_flatten((args, kwargs))
         # the operands with rows: the joined tensors, those of out's rank (broadcast ones are the same for
@@ -510,44 +561,6 @@ class UseTracer(TorchFunctionMode):
         self.covered.update(pulled)
 
 
-JOINS = frozenset({"cat", "concat", "concatenate", "stack"})
-"""Ops that join a list of tensors along a dimension (``stack``: a new one)."""
-
-
-def _off_rows(dim: Any, rank: int) -> bool:
-    """Whether an op's ``dim`` argument (an int or a tuple) names dimensions other than 0 only."""
-    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-    return dim is not None and all(d not in (0, -rank) for d in dims)
-
-
-def _along_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an op that takes a dimension (``softmax``, ``sum``, ``unsqueeze``, ...) keeps each row of its
-    input to itself: that dimension is not 0."""
-    if name in ALONG:
-        return _off_rows(dim_of(name, args, kwargs), args[0].dim())
-    if name == "unsqueeze":
-        return dim_of(name, args, kwargs) not in (0, None)
-    return False
-
-
-def _keeps_rows(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether an op's output row i is computed from row i of its operands alone, and the op can be run again
-    on one row with the same result: no random draw (``dropout``) and no in-place write."""
-    if name == "dropout" or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
-        return False
-    if name in JOINS and args and isinstance(args[0], (list, tuple)) and args[0]:
-        return _off_rows(dim_of(name, args, kwargs), args[0][0].dim() + (name == "stack"))
-    return name in ROW_WISE or _along_rows(name, args, kwargs)
-
-
-def _sizes(rest: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
-    """The sizes of ``t.repeat(*sizes)`` or ``t.repeat(sizes)``."""
-    found = kwargs.get("repeats", rest[0] if len(rest) == 1 else rest)
-    if isinstance(found, int):
-        return (found,)
-    return tuple(int(v) for v in found)
-
-
 def _shallow_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """The tensor operands of a call: its arguments, and the items of list or tuple arguments."""
     found: list[Tensor] = []
@@ -581,4 +594,17 @@ def summed_term_message(label: str) -> str:
         "(loss_reduction='sum'): which share of it each example's loss holds depends on the batch size, which "
         "is private. This step releases nothing. Add it to a loss averaged over the batch (the default "
         "loss_reduction='mean'), or add it to each example's loss before the sum."
+    )
+
+
+def rank_selection_message() -> str:
+    """The refusal for rows chosen by their rank among the batch's rows (one line: it is quoted)."""
+    return (
+        "The step chooses the batch's rows by their rank: it cuts a list of row positions (x.nonzero(), "
+        "torch.argwhere) to a prefix or a part (an expert's capacity idx[:k] in a mixture of experts, the first k "
+        "rows that pass a test), so whether a row is kept depends on the other examples before it, and one "
+        "example can change the gradients of others. This step releases nothing. Keep every listed row (route "
+        "with a mask, or drop tokens past capacity by a rule that reads each row alone, e.g. a threshold on its "
+        "own router score), or pass DPStrategy(checks=Checks(isolate_examples=True)): each example then runs "
+        "through training_step alone."
     )
