@@ -81,6 +81,15 @@ def keeps_first(index: Any) -> bool:
     )
 
 
+def cuts(index: Any) -> bool:
+    """An index that keeps a prefix, a part or one entry of dimension 0 (``idx[:k]``, ``idx[1:]``, ``idx[0]``),
+    not all of it and not entries chosen by a tensor or list of indices."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    if isinstance(first, bool):
+        return False
+    return isinstance(first, int) or (isinstance(first, slice) and first != slice(None))
+
+
 def selected_rows(rows: Tensor, index: Any) -> Tensor | None:
     """The examples of the rows ``t[index]`` keeps, or None where dimension 0 is not simply selected."""
     first = index[0] if isinstance(index, tuple) and index else index

@@ -60,6 +60,7 @@ from lightning_dp.per_example.row_labels import (
     SPLITS,
     SWAPS,
     along_rows,
+    cuts,
     dim_of,
     keeps_first,
     keeps_rows,
@@ -214,8 +215,12 @@ class UseTracer(TorchFunctionMode):
         )
         if whole and isinstance(out, Tensor):
             self.positions[out] = True
-        elif name in ("__getitem__", "narrow", "split", "chunk", "tensor_split", "topk", "index_select"):
+        elif name in ("narrow", "split", "chunk", "tensor_split") or (
+            name == "__getitem__" and cuts(args[1])
+        ):
             self.refusals.append(rank_selection_message())
+        # read by a tensor of indices (``rows[j]``), the list's entries are gathered, not cut by rank: what
+        # the gathered positions then select is the rows' own business (the removal check judges it)
 
     def _carries_rows(self, tensors: list[Tensor]) -> bool:
         """Whether an operand has rows other than the batch's in order, or its batch on dimension 1."""
