@@ -117,11 +117,9 @@ def after_step_writes(
     out: dict[str, Tensor] = {}
     tracker = _step_tracker(module._trainer)
     if tracker is not None and tracker.completed >= 1:  # the previous step's counters, then this step's
-        by_the_step = _written(
-            module, state, values
-        ).keys()  # the forward's buffers: compared as the forward's
+        by_the_step = set(_written(module, state, values))  # the forward's buffers: compared as the forward's
         previous = after_step_hooks(module, batch_idx - 1 if batch_idx >= 1 else batch_idx)
-        run_after_step(module, previous, outputs, batch, state, advanced=False)
+        run_after_step(module, previous, outputs, batch, state, steps_taken=0)
         written = _written(module, state, values)
         out = {PREVIOUS_STEP + name: value for name, value in written.items() if name not in by_the_step}
     run_after_step(module, after_step_hooks(module, batch_idx), outputs, batch, state)
@@ -145,11 +143,11 @@ def run_after_step(
     outputs: Any,
     batch: Any,
     state: ModuleState,
-    advanced: bool = True,
+    steps_taken: int = 1,
 ) -> None:
     """Run ``hooks`` as Lightning does after the step, with nothing logged, stepped or saved; a hook that
-    raises is refused by name (:func:`hook_failure_message`). ``advanced``: the trainer's step count one
-    higher, as after this step; False: as it is, as the previous step's hooks saw it."""
+    raises is refused by name (:func:`hook_failure_message`). ``steps_taken``: how far the trainer's step
+    count is moved, 1 as after this step, 0 as the previous step's hooks saw it."""
     with torch.no_grad():
         for p, saved in state.grads:
             if saved is not None:
@@ -162,7 +160,7 @@ def run_after_step(
         _shadowed(module, **dry_shadows(module)),
         _detached_loggers(module),
         _detached_logging(module),
-        _trainer_as_after_step(trainer, advanced),
+        _trainer_as_after_step(trainer, steps_taken),
         warnings.catch_warnings(),
     ):
         warnings.simplefilter("ignore")
@@ -176,24 +174,34 @@ def run_after_step(
 
 
 @contextlib.contextmanager
-def _trainer_as_after_step(trainer: Any, advanced: bool = True) -> Iterator[None]:
-    """The trainer as an after-step hook sees it: ``global_step`` one higher (the step just taken; as it is
-    when not ``advanced``), and ``save_checkpoint`` and ``should_stop`` that the hooks cannot act on."""
+def _trainer_as_after_step(trainer: Any, steps_taken: int = 1) -> Iterator[None]:
+    """The trainer as an after-step hook sees it: ``global_step`` ``steps_taken`` higher (the step just taken),
+    and ``save_checkpoint`` and ``should_stop`` that the hooks cannot act on."""
     if trainer is None:
         yield
         return
-    tracker = _step_tracker(trainer) if advanced else None
     should_stop = trainer.should_stop
     trainer.__dict__["save_checkpoint"] = _no_op
-    if tracker is not None:
-        tracker.completed += 1
+    try:
+        with steps_shifted(_step_tracker(trainer), steps_taken):
+            yield
+    finally:
+        trainer.__dict__.pop("save_checkpoint", None)
+        trainer.should_stop = should_stop
+
+
+@contextlib.contextmanager
+def steps_shifted(tracker: Any, shift: int) -> Iterator[None]:
+    """``trainer.global_step`` moved by ``shift`` inside the block (the tracker :func:`_step_tracker` finds;
+    None: nothing to move)."""
+    if tracker is None or shift == 0:
+        yield
+        return
+    tracker.completed += shift
     try:
         yield
     finally:
-        if tracker is not None:
-            tracker.completed -= 1
-        trainer.__dict__.pop("save_checkpoint", None)
-        trainer.should_stop = should_stop
+        tracker.completed -= shift
 
 
 def _step_tracker(trainer: Any) -> Any:

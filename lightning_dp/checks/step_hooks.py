@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_dp.checks.after_step import _step_tracker
+from lightning_dp.checks.after_step import _step_tracker, steps_shifted
 from lightning_dp.checks.batch_hooks import hook_failure_message, users_hooks
 from lightning_dp.checks.dry_flag import _dry
 from lightning_dp.checks.snapshot import (
@@ -164,7 +164,7 @@ class StepHookRun:
         ):
             warnings.simplefilter("ignore")
             for shift in shifts:  # the previous step's global_step, then this step's (module docstring)
-                with _steps_shifted(tracker, shift):
+                with steps_shifted(tracker, shift):
                     for hook in hooks:
                         for arguments in calls:
                             try:
@@ -173,19 +173,6 @@ class StepHookRun:
                                 raise
                             except Exception as error:  # the user's hook on a batch the check made: refused
                                 raise DPConfigurationError(hook_failure_message(hook.name, error)) from error
-
-
-@contextlib.contextmanager
-def _steps_shifted(tracker: Any, shift: int) -> Iterator[None]:
-    """``trainer.global_step`` moved by ``shift`` inside the block (the tracker :func:`_step_tracker` finds)."""
-    if tracker is None or shift == 0:
-        yield
-        return
-    tracker.completed += shift
-    try:
-        yield
-    finally:
-        tracker.completed -= shift
 
 
 def _dry_optimizers(module: LightningModule) -> list[Any]:
