@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -112,6 +113,19 @@ BROADCASTS = frozenset({"expand", "expand_as", "broadcast_to"})
 """Ops that repeat a tensor along a new or size-1 dimension 0 without copying (``cls.expand(B, -1, -1)``)."""
 
 
+@dataclass(frozen=True, eq=False)
+class TracedCall:
+    """One torch call the tracer saw with a tracked operand: the op, its arguments, the tracked operands (each
+    with the parameters it is computed from) and the call's result."""
+
+    name: str
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    sources: dict[Tensor, frozenset[nn.Parameter]]
+    out: Any
+
+
 class UseTracer(TorchFunctionMode):
     """The tracer of one :class:`~lightning_dp.per_example.capture.GradientCapture` (see the module doc)."""
 
@@ -183,7 +197,7 @@ class UseTracer(TorchFunctionMode):
         sources = {t: found for t in tensors if (found := self._sources(t))}
         out = func(*args, **kwargs)
         if sources:
-            self._use(name, func, args, kwargs, sources, out)
+            self._use(TracedCall(name, func, args, kwargs, sources, out))
         elif name in FOLLOWED or self._carries_rows(tensors):
             self._follow_rows(name, args, kwargs, tensors, out)
         if name in POSITION_LISTS or (len(self.positions) and any(t in self.positions for t in tensors)):
@@ -356,15 +370,8 @@ class UseTracer(TorchFunctionMode):
         self.set_rows(out, merged)
 
     # -- uses of tracked tensors ------------------------------------------------------------------------------
-    def _use(
-        self,
-        name: str,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        sources: dict[Tensor, frozenset[nn.Parameter]],
-        out: Any,
-    ) -> None:
+    def _use(self, call: TracedCall) -> None:
+        name, args, kwargs, sources, out = call.name, call.args, call.kwargs, call.sources, call.out
         params = frozenset().union(*sources.values())
         others = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t not in sources]
         rowed = [(t, r) for t in others if t.dim() > 0 and (r := self.rows_of(t)) is not None]
@@ -375,30 +382,22 @@ class UseTracer(TorchFunctionMode):
         if not rowed and not level and not unknown:
             if not isinstance(out, nn.Parameter):
                 self.derived[out] = params
-                self._note_expanded(name, func, args, kwargs, sources, out)
+                self._note_expanded(call)
             return
         label = self._label(name, params)
         if rowed and not level and not unknown:
             rows = rowed[0][1]
             same = all(r.numel() == rows.numel() and torch.equal(r.to(rows.device), rows) for _, r in rowed)
             if same and bool((rows >= NONE).all().item()) and out.dim() > 0 and out.shape[0] == rows.numel():
-                self._meet_rows(func, args, kwargs, sources, rows, out, label)
+                self._meet_rows(call, rows, label)
                 self.set_rows(out, rows)
                 return
         elif level and not rowed and not unknown and name in ADDITIVE:
-            self._meet_batch_level(func, args, kwargs, sources, out, label)
+            self._meet_batch_level(call, label)
             return
         self._refuse_if_reached(out, unmatched_message(label))
 
-    def _note_expanded(
-        self,
-        name: str,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        sources: dict[Tensor, frozenset[nn.Parameter]],
-        out: Tensor,
-    ) -> None:
+    def _note_expanded(self, call: TracedCall) -> None:
         """Remember a tracked ``out`` of several rows that are all one value, with that row (:attr:`expanded`):
         a tracked tensor broadcast along a new or size-1 dimension 0 (``expand``, ``broadcast_to``,
         ``repeat(B, ...)``); such a tensor expanded, repeated or indexed along its other dimensions
@@ -406,25 +405,20 @@ class UseTracer(TorchFunctionMode):
         tensors, the row being the op on their rows (``cls2d.expand(B, -1).unsqueeze(1)``, ``* s``, a
         ``cat`` or ``stack`` along another dimension). Without it, a meeting with the batch's rows would see
         the whole repeated tensor next to each row."""
+        out = call.out
         if out.dim() == 0 or out.shape[0] == 1:
             return
         row = None
         with self.paused(), contextlib.suppress(RuntimeError, TypeError, ValueError, IndexError):
             # a row the op cannot make again (a shape only the whole tensor has) is just not remembered
-            row = self._one_row(name, func, args, kwargs, sources, out)
+            row = self._one_row(call)
         if isinstance(row, Tensor) and row.shape == (1, *out.shape[1:]):
             self.expanded[out] = row
 
-    def _one_row(
-        self,
-        name: str,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        sources: dict[Tensor, frozenset[nn.Parameter]],
-        out: Tensor,
-    ) -> Tensor | None:
-        """The one row every row of ``out`` is (see :meth:`_note_expanded`), or None."""
+    def _one_row(self, call: TracedCall) -> Tensor | None:
+        """The one row every row of ``call.out`` is (see :meth:`_note_expanded`), or None."""
+        name, func, args, kwargs, out = call.name, call.func, call.args, call.kwargs, call.out
+        sources = call.sources
         base = args[0] if args and isinstance(args[0], Tensor) else out
         repeated = base in sources and (base.dim() < out.dim() or base.shape[0] == 1)
         known = self.expanded.get(base) if len(self.expanded) else None
@@ -460,18 +454,10 @@ class UseTracer(TorchFunctionMode):
     def _refuse_if_reached(self, out: Tensor, message: str) -> None:
         out.register_hook(lambda grad: self.refusals.append(message) if not self.capture.ignoring else None)
 
-    def _meet_rows(
-        self,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        sources: dict[Tensor, frozenset[nn.Parameter]],
-        rows: Tensor,
-        out: Tensor,
-        label: str,
-    ) -> None:
+    def _meet_rows(self, call: TracedCall, rows: Tensor, label: str) -> None:
         """Per-row gradients of the tracked operands, recomputed per row, summed into the rows' examples."""
-        flat, spec = tree_flatten((args, kwargs))
+        func, sources = call.func, call.sources
+        flat, spec = tree_flatten((call.args, call.kwargs))
         # a tracked row repeated over the rows (``cls.expand(B, -1, -1)``) is recomputed as that one row, and
         # its per-example gradients pulled back through it: the same value, without a [B, B, ...] gradient
         flat = [self.expanded.get(t, t) if isinstance(t, Tensor) and len(self.expanded) else t for t in flat]
@@ -508,19 +494,12 @@ class UseTracer(TorchFunctionMode):
             for i, g in zip(tracked, grads, strict=True):
                 self._add(flat[i], sources[flat[i]], to_examples(g, rows, batch), label)
 
-        out.register_hook(on_grad)
+        call.out.register_hook(on_grad)
 
-    def _meet_batch_level(
-        self,
-        func: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        sources: dict[Tensor, frozenset[nn.Parameter]],
-        out: Tensor,
-        label: str,
-    ) -> None:
+    def _meet_batch_level(self, call: TracedCall, label: str) -> None:
         """A tracked term added to a loss reduced over the batch: each example's loss holds it whole."""
-        flat, spec = tree_flatten((args, kwargs))
+        func, sources = call.func, call.sources
+        flat, spec = tree_flatten((call.args, call.kwargs))
         tracked = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t in sources]
         values = [t.detach() if isinstance(t, Tensor) else t for t in flat]
         batch = self.capture.batch_hint
@@ -543,7 +522,7 @@ class UseTracer(TorchFunctionMode):
                 whole = g.unsqueeze(0).expand(batch, *g.shape) / self.capture.scale(batch)
                 self._add(flat[i], sources[flat[i]], whole, label)
 
-        out.register_hook(on_grad)
+        call.out.register_hook(on_grad)
 
     def _add(self, tracked: Tensor, params: frozenset[nn.Parameter], per_example: Tensor, label: str) -> None:
         """Pull per-example gradients of a tracked tensor back to its parameters and add them (scaled)."""
