@@ -296,6 +296,16 @@ class Routed(Patterned):
         return self.net["out"](h + routed)
 
 
+class FirstPositive(Patterned):
+    """Each example weighted by where its own first positive feature is: a cut of a list of one example's own
+    positions (``(row > 0).nonzero()[:1]``), which reads that example alone."""
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        first = torch.stack([(row > 0).nonzero().squeeze(1)[:1].sum() for row in x])
+        weight = 1 + (first == 0).to(x)
+        return (F.cross_entropy(self(x), y, reduction="none") * weight).mean()
+
+
 class InputGradient(Patterned):
     """Adversarial training (FGSM): a first-order input gradient inside the step, then the loss on x + δ."""
 
@@ -496,6 +506,11 @@ def test_experts_with_a_capacity_are_refused_before_any_release(batch_size):
 def test_a_routing_that_keeps_every_listed_row_trains_exactly(index, neighbour):
     """Every listed row kept, however the list is read (squeezed, its column, as a tuple): exact, ≤ C."""
     assert_exact(Routed(index).double(), data(16, torch.float64), neighbour)
+
+
+def test_a_cut_of_one_examples_own_positions_trains_exactly(neighbour):
+    """Not a choice by rank among the batch's rows: the list is of one example's 10 features (batch 8)."""
+    assert_exact(FirstPositive().double(), data(16, torch.float64), neighbour)
 
 
 def test_a_time_major_layer_is_refused_also_when_the_time_length_equals_the_batch():
